@@ -1,0 +1,52 @@
+import time
+
+import pytest
+
+from tidal.rewards import REWARDS
+from tidal.rewards.pool import RewardConfig, RewardPool
+from tidal.types import Prompt
+
+P = Prompt("u", "1+1=", "2")
+
+
+def slow_or_bad(response: str, prompt: Prompt):
+    if response == "hang":
+        time.sleep(30)
+    if response == "boom":
+        raise ValueError("bad input")
+    return float(response == prompt.answer), {}
+
+
+def test_exact_match():
+    fn = REWARDS.get("exact_match")
+    assert fn(" 2 ", P)[0] == 1.0
+    assert fn("3", P)[0] == 0.0
+    assert fn("22", P)[0] == 0.0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pool_scores_in_order_and_survives_errors(workers):
+    pool = RewardPool(slow_or_bad, RewardConfig(num_workers=workers, timeout_s=5))
+    try:
+        out = pool.score([("2", P), ("boom", P), ("1", P)])
+    finally:
+        pool.close()
+    assert [r for r, _ in out] == [1.0, 0.0, 0.0]
+    assert "ValueError" in out[1][1]["error"]
+    assert pool.num_errors == 1
+
+
+def test_pool_times_out_a_hanging_verifier_and_keeps_going():
+    pool = RewardPool(slow_or_bad, RewardConfig(num_workers=2, timeout_s=1.0))
+    try:
+        start = time.monotonic()
+        out = pool.score([("2", P), ("hang", P), ("2", P), ("x", P)])
+        elapsed = time.monotonic() - start
+        again = pool.score([("2", P)])  # the pool was restarted and still works
+    finally:
+        pool.close()
+    assert [r for r, _ in out] == [1.0, 0.0, 1.0, 0.0]
+    assert out[1][1]["error"] == "timeout"
+    assert pool.num_timeouts == 1
+    assert elapsed < 10, elapsed
+    assert again[0][0] == 1.0

@@ -1,0 +1,101 @@
+import pytest
+
+from tidal.rollout.local import LocalEngine, SamplingConfig
+from tidal.rollout.requests import group_requests
+from tidal.types import Prompt
+
+
+def _requests(tokenizer, n_prompts=6, group=4):
+    prompts = [Prompt(f"p{i}", f"{i}+{3 * i}=", str(4 * i)) for i in range(n_prompts)]
+    return group_requests(tokenizer, prompts, group)
+
+
+def test_generation_is_deterministic_and_independent_of_batch(small_model, tokenizer):
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=10))
+    reqs = _requests(tokenizer)
+    a = engine.generate(reqs)
+    b = engine.generate(reqs[5:11])
+    c = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=10, max_batch_size=3)).generate(reqs)
+    assert [t.token_ids for t in a[5:11]] == [t.token_ids for t in b]
+    assert [t.token_ids for t in a] == [t.token_ids for t in c]
+    assert len({tuple(t.token_ids) for t in a[:4]}) > 1, "samples of one group should differ"
+
+
+def test_interrupted_generation_resumes_with_the_same_tokens(small_model, tokenizer):
+    """A weight update with unchanged weights mid-generation must not change a single token."""
+    reqs = _requests(tokenizer)
+    plain = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12)).generate(reqs)
+
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12))
+    same_weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    apply, calls = engine._apply_pending_update, []
+
+    def interrupt_at_third_step():
+        calls.append(1)
+        if len(calls) in (3, 6):  # two interruptions, mid-sequence
+            engine.request_weight_update(same_weights, version=len(calls))
+        return apply()
+
+    engine._apply_pending_update = interrupt_at_third_step
+    resumed = engine.generate(reqs)
+    assert engine.num_interruptions == 2
+    for x, y in zip(plain, resumed):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+    long = [t for t in resumed if t.num_tokens >= 6]
+    assert long and all(t.versions[:2] == [0, 0] and t.versions[2] == 3 and t.versions[-1] == 6 for t in long)
+
+
+def test_interruption_with_new_weights_tags_new_version(small_model, tokenizer):
+    import torch
+
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12))
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    apply, calls = engine._apply_pending_update, []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == 2:
+            engine.request_weight_update(new, version=7)
+        return apply()
+
+    engine._apply_pending_update = interrupt
+    trajs = engine.generate(_requests(tokenizer))
+    assert engine.version == 7
+    assert all(v in (0, 7) for t in trajs for v in t.versions)
+    assert any(len(set(t.versions)) == 2 for t in trajs)
+    assert all(t.versions == sorted(t.versions) for t in trajs)
+
+
+def test_stop_reasons_and_length_cap(small_model, tokenizer):
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=5))
+    for t in engine.generate(_requests(tokenizer)):
+        assert t.num_tokens <= 5
+        if t.finish_reason == "stop":
+            assert t.token_ids[-1] == tokenizer.eos_token_id
+        else:
+            assert t.finish_reason == "length" and t.num_tokens == 5
+
+
+def test_stop_string_ends_generation(small_model, tokenizer):
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=30, temperature=1.0))
+    free = engine.generate(_requests(tokenizer))
+    # pick a character that appears in some sample and use it as a stop string
+    char = next(c for t in free for c in t.text if c.strip())
+    stopped = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=30, stop=[char])).generate(
+        _requests(tokenizer))
+    hit = [t for t in stopped if char in t.text]
+    assert hit and all(t.finish_reason == "stop" and t.text.endswith(char) for t in hit)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logprobs_match_a_full_forward(small_model, tokenizer, greedy):
+    import torch
+
+    from tidal.models.logprobs import token_logprobs
+
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=8))
+    for t in engine.generate(_requests(tokenizer, 2, 2), greedy=greedy):
+        ids = torch.tensor([t.prompt_ids + t.token_ids])
+        logp, _ = token_logprobs(small_model, ids, torch.ones_like(ids))
+        assert torch.allclose(logp[0, len(t.prompt_ids):], torch.tensor(t.logprobs), atol=1e-4)

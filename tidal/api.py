@@ -1,0 +1,76 @@
+"""Protocols for tidal's extension points. Implementations live in the lower layers' packages
+(engines in ``rollout/``, rewards in ``rewards/``, tasks in ``tasks/``); callers depend on these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from tidal.types import Prompt, Trajectory
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """Generate one sample for ``prompt``; ``sample_index`` keys its sampling noise."""
+
+    prompt: Prompt
+    prompt_ids: tuple[int, ...]
+    sample_index: int
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates trajectories with per-token behaviour log-probs and policy versions.
+
+    ``request_weight_update`` may be called from another thread at any time; the engine applies the
+    new weights at its next interruption point (between two decode steps), re-reads the unfinished
+    sequences under the new weights and continues, tagging later tokens with the new version.
+    """
+
+    version: int
+
+    def generate(self, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]: ...
+
+    def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores one response. Returns (reward, details). Must be picklable (runs in worker processes)."""
+
+    def __call__(self, response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]: ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A source of prompts: an endless, seeded training stream and a fixed held-out eval set."""
+
+    name: str
+
+    @property
+    def num_train(self) -> int:
+        """Distinct training prompts (one epoch of the stream)."""
+        ...
+
+    def train_prompt(self, index: int) -> Prompt: ...
+
+    def eval_prompts(self) -> list[Prompt]: ...
+
+    def sft_example(self, prompt: Prompt) -> str:
+        """The reference response text for supervised warm-starting (without EOS)."""
+        ...
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """A metrics sink (JSONL, TensorBoard, W&B, ...)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,153 @@
+"""Config base: nested dataclasses, ``--set a.b=c`` overrides, YAML round-trip.
+
+Each component owns a small dataclass next to its code (``RolloutConfig`` in ``rollout/``,
+``AlgoConfig`` in ``algo/`` ...); a run config nests them. Overrides are parsed with YAML (so
+``0.2`` is a float, ``[a, b]`` a list, ``null`` None) and then checked against the field's type.
+An unknown key is an error naming the key and its closest matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A bad key or value in a config or an override."""
+
+
+def _all_keys(cfg: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            keys.extend(_all_keys(value, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _coerce(key: str, raw: Any, hint: Any) -> Any:
+    """Check/convert a YAML-parsed value against a (simple) type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if raw is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, raw, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {raw!r}")
+    if origin in (list, tuple):
+        if not isinstance(raw, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {raw!r}")
+        (inner, *_) = typing.get_args(hint) or (Any,)
+        items = [_coerce(key, x, inner) for x in raw]
+        return tuple(items) if origin is tuple else items
+    if origin is typing.Literal:
+        if raw not in typing.get_args(hint):
+            raise ConfigError(f"{key}: {raw!r} is not one of {typing.get_args(hint)}")
+        return raw
+    if hint is Any or hint is object:
+        return raw
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        raise ConfigError(f"{key}: expected true/false, got {raw!r}")
+    if hint is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        try:  # YAML 1.1 reads "5e-4" (no dot) as a string
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {raw!r}") from None
+    if hint is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise ConfigError(f"{key}: expected an integer, got {raw!r}")
+    if hint is str:
+        return str(raw)
+    if origin is dict or hint is dict:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {raw!r}")
+        return raw
+    return raw
+
+
+def set_key(cfg: Any, key: str, raw_value: Any) -> None:
+    """Set ``cfg.a.b = value`` for ``key='a.b'``, checking the key exists and the value's type."""
+    parts = key.split(".")
+    node = cfg
+    for i, part in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if part not in names:
+            close = difflib.get_close_matches(key, _all_keys(cfg), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+        if i == len(parts) - 1:
+            hints = typing.get_type_hints(type(node))
+            value = getattr(node, part)
+            if dataclasses.is_dataclass(value):
+                raise ConfigError(f"{key!r} is a section; set one of its keys, e.g. {key}.{_all_keys(value)[0]}")
+            setattr(node, part, _coerce(key, raw_value, hints[part]))
+        else:
+            node = getattr(node, part)
+
+
+def apply_overrides(cfg: C, overrides: list[str]) -> C:
+    """Apply ``["a.b=1", "c=[x, y]"]`` in order; returns ``cfg`` (mutated) for chaining."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+        key, _, text = item.partition("=")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
+        set_key(cfg, key.strip(), value)
+    return cfg
+
+
+def apply_mapping(cfg: C, mapping: dict[str, Any], prefix: str = "") -> C:
+    """Apply a nested mapping (e.g. a loaded config.yaml) onto a config."""
+    for key, value in mapping.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict) and dataclasses.is_dataclass(getattr(_walk(cfg, full), "__class__", None)):
+            apply_mapping(cfg, value, f"{full}.")
+        else:
+            set_key(cfg, full, value)
+    return cfg
+
+
+def _walk(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+            return None
+        node = getattr(node, part)
+    return node
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_yaml(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def load_yaml_into(cfg: C, path: str | Path) -> C:
+    return apply_mapping(cfg, yaml.safe_load(Path(path).read_text()) or {})

@@ -1,0 +1,1 @@
+"""Models: the tiny local model builder, Hugging Face loading, and log-prob computation."""

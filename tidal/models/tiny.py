@@ -1,0 +1,94 @@
+"""Build a tiny causal LM and its character-level tokenizer locally, as real Hugging Face objects.
+
+The model is a ``Qwen2ForCausalLM`` and the tokenizer a ``PreTrainedTokenizerFast``; both are
+written with ``save_pretrained`` (safetensors), so everything downstream loads them through the
+same ``AutoModelForCausalLM.from_pretrained(local_dir)`` path a real checkpoint takes. No hub.
+
+Sizes (FACTS.md): hidden 128, 4 layers, 4 heads, intermediate 512, tied embeddings -> ~1.06M
+parameters, which learns 2-digit addition from scratch in a couple of CPU minutes.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+# Digits, lowercase letters and the punctuation our synthetic tasks and chat markers use.
+CHARS = string.digits + string.ascii_lowercase + " +-*/=()<>?.,:\n"
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. ``path`` loads a local Hugging Face checkpoint; otherwise a tiny one is built."""
+
+    path: str | None = None
+    """Local directory with a Hugging Face causal LM + tokenizer (no hub downloads)."""
+    hidden_size: int = 128
+    """Tiny-model width (FACTS.md: 128 -> ~1.06M parameters)."""
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 512
+    max_position_embeddings: int = 128
+    init_seed: int = 0
+    """Seed for the tiny model's random initialization."""
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character, specials first (pad=0, bos=1, eos=2)."""
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+    tok.padding_side = "left"
+    return tok
+
+
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.init_seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """Load a causal LM and tokenizer from a local directory (never the hub)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return model, tokenizer
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,13 @@
+"""Named, complete run configurations (``tidal recipes`` lists them; ``tidal train NAME`` runs one).
+
+Each recipe is a function returning a fresh RunConfig; its docstring is the one-line description
+``tidal recipes`` prints.
+"""
+
+from __future__ import annotations
+
+from tidal.registry import Registry
+
+RECIPES: Registry = Registry("recipe")
+
+from tidal.recipes import quickstart as _quickstart  # noqa: E402,F401  (registers recipes)

@@ -1,0 +1,26 @@
+"""Exact-match verifier: reward 1 when the response, stripped, equals the reference answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tidal.rewards import REWARDS
+from tidal.types import Prompt
+
+
+@REWARDS.register("exact_match")
+def exact_match(response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
+    correct = response.strip() == prompt.answer.strip()
+    return float(correct), {"correct": correct}
+
+
+@REWARDS.register("digit_match")
+def digit_match(response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
+    """Partial credit: the fraction of answer characters matched position by position, divided by
+    the longer of the two lengths (so padding or truncating is penalized). 1.0 iff exact match.
+    A shaped reward for tiny models and tests; gives a random model a non-degenerate signal."""
+    got, want = response.strip(), prompt.answer.strip()
+    if not want:
+        return float(not got), {"correct": not got}
+    hits = sum(a == b for a, b in zip(got, want))
+    return hits / max(len(got), len(want)), {"correct": got == want}

@@ -1,0 +1,113 @@
+"""Reward worker pool: verifiers run in their own processes, with a per-item timeout.
+
+Verifiers are CPU-bound and sometimes hang or raise on adversarial model output (math-verify uses
+``signal.alarm`` and must run in a main thread; code runs untrusted programs). So they never run on
+the trainer's thread: the pool scores batches in worker processes (AReaL's AsyncRewardWrapper idea).
+An item that raises gets reward 0 with ``details["error"]``; an item that exceeds the timeout gets
+reward 0 with ``details["error"] = "timeout"``, its worker is killed and the pool restarted, and the
+other items are re-submitted, so one bad sample never stalls or kills a run. Both are counted.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.types import Prompt
+
+
+@dataclass
+class RewardConfig:
+    """Which verifier scores responses and how it runs."""
+
+    name: str = "exact_match"
+    """Registered reward (``tidal.rewards.REWARDS``)."""
+    num_workers: int = 1
+    """Worker processes. 0 scores inline on the caller's thread (tests, trivially cheap rewards)."""
+    timeout_s: float = 10.0
+    """Per-response limit; a response that takes longer scores 0 and is counted as a timeout."""
+
+
+def _warm_up(fn: Callable) -> None:
+    """Runs in each worker once: unpickling ``fn`` imports its module."""
+
+
+def _score_one(fn: Callable, response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
+    try:
+        reward, details = fn(response, prompt)
+        return float(reward), dict(details)
+    except Exception as e:  # a verifier bug or hostile input must not kill the run
+        return 0.0, {"error": f"{type(e).__name__}: {e}"}
+
+
+class RewardPool:
+    """Scores (response, prompt) pairs with ``fn`` in worker processes; see the module docstring."""
+
+    def __init__(self, fn: Callable, cfg: RewardConfig):
+        self.fn = fn
+        self.cfg = cfg
+        self.num_timeouts = 0
+        self.num_errors = 0
+        self._executor: ProcessPoolExecutor | None = None
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            # forkserver: forking a process that runs torch threads is unsafe; spawn is slower to start.
+            self._executor = ProcessPoolExecutor(self.cfg.num_workers, mp_context=mp.get_context("forkserver"))
+            # Start every worker and import the verifier before any deadline starts counting, so
+            # start-up time is never mistaken for a hanging verifier.
+            for fut in [self._executor.submit(_warm_up, self.fn) for _ in range(self.cfg.num_workers)]:
+                fut.result()
+        return self._executor
+
+    def _restart(self) -> None:
+        if self._executor is not None:
+            for proc in list(getattr(self._executor, "_processes", {}).values()):
+                proc.kill()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = None
+
+    def score(self, items: Sequence[tuple[str, Prompt]]) -> list[tuple[float, dict[str, Any]]]:
+        results: list[tuple[float, dict[str, Any]] | None] = [None] * len(items)
+        if self.cfg.num_workers == 0:
+            results = [self._count(_score_one(self.fn, r, p)) for r, p in items]
+            return results
+        todo = list(range(len(items)))
+        while todo:
+            pool = self._pool()
+            futures: dict[int, Future] = {i: pool.submit(_score_one, self.fn, *items[i]) for i in todo}
+            todo = []
+            restarted = False
+            for i, fut in futures.items():
+                if restarted:
+                    todo.append(i)  # its worker pool was killed: score it again in the new pool
+                    continue
+                deadline = time.monotonic() + self.cfg.timeout_s
+                try:
+                    results[i] = self._count(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+                except FutureTimeout:
+                    self.num_timeouts += 1
+                    results[i] = (0.0, {"error": "timeout"})
+                    self._restart()
+                    restarted = True
+                except Exception as e:  # worker died (e.g. killed by the OS): count it, score 0
+                    self.num_errors += 1
+                    results[i] = (0.0, {"error": f"worker failed: {type(e).__name__}: {e}"})
+                    self._restart()
+                    restarted = True
+        return results  # type: ignore[return-value]
+
+    def _count(self, result: tuple[float, dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+        if "error" in result[1]:
+            self.num_errors += 1
+        return result
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None

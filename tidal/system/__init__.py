@@ -1,0 +1,1 @@
+"""The system layer: controller (sync/async), staleness manager, buffer, evaluation, run wiring."""

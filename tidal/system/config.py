@@ -1,0 +1,84 @@
+"""The run config: one nested dataclass composed of each component's own config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tidal.algo.config import AlgoConfig
+from tidal.models.tiny import ModelConfig
+from tidal.optim import OptimConfig
+from tidal.rewards.pool import RewardConfig
+from tidal.rollout.local import SamplingConfig
+from tidal.tasks.arithmetic import TaskConfig
+from tidal.train.sft import SFTConfig
+from tidal.train.trainer import TrainerConfig
+
+
+@dataclass
+class RolloutConfig(SamplingConfig):
+    """Sampling (inherited) plus how rollouts are grouped and how stale they may be."""
+
+    engine: str = "local"
+    """Rollout engine; ``local`` is the embedded one (vLLM/Ray arrive with the scale-out work)."""
+    group_size: int = 8
+    """Samples per prompt (GRPO's G; DAPO uses 16, DeepSeekMath 64)."""
+    prompts_per_step: int = 16
+    """Prompts (groups) per training step."""
+    max_staleness: int = 1
+    """eta: a sample is trained at most eta policy versions after its oldest token (AReaL)."""
+
+
+@dataclass
+class SystemConfig:
+    mode: Literal["sync", "async"] = "async"
+    """``sync``: generate then train. ``async``: generate and train concurrently, bounded by eta."""
+    num_threads: int = 2
+    """torch threads in sync mode, where generation and training take turns on all cores."""
+    gen_threads: int = 1
+    """torch threads for generation in async mode. FACTS.md: concurrent budgets must sum to the
+    cores (oversubscription made a training step 21x slower on this 2-core machine)."""
+    train_threads: int = 1
+    """torch threads for training in async mode."""
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project (needs ``pip install 'tidal[wandb]'``)."""
+    mlflow_experiment: str | None = None
+    """Log to MLflow under this experiment (needs ``pip install 'tidal[mlflow]'``)."""
+    progress: bool = True
+    """Show a progress bar with live reward and accuracy."""
+    report: bool = True
+    """Write report.html at the end of the run."""
+
+
+@dataclass
+class RunConfig:
+    """A complete run: ``tidal train RECIPE --set key=value`` edits one of these."""
+
+    seed: int = 0
+    max_steps: int = 200
+    """Training steps (one policy version each)."""
+    max_time_s: float | None = None
+    """Stop after this much wall time (checked between steps)."""
+    target_accuracy: float | None = None
+    """Stop early once held-out greedy accuracy reaches this."""
+    eval_every: int = 10
+    """Steps between held-out evaluations (step 0 is always evaluated: the base model)."""
+    num_eval: int | None = None
+    """Evaluate on the first N held-out prompts only (None: all of task.num_eval)."""
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    log: LogConfig = field(default_factory=LogConfig)

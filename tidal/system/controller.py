@@ -1,0 +1,269 @@
+"""The controller: runs the RL loop in ``sync`` or ``async`` mode with one set of semantics.
+
+Step k trains on groups [k*P, (k+1)*P) of the prompt stream (P = prompts_per_step) with policy
+version k and publishes version k+1 to the rollout engine.
+
+- ``sync``: generate batch k with version k, score it, train, repeat (generation and training
+  take turns on all cores).
+- ``async`` (AReaL): a generator thread keeps producing groups as long as the staleness manager
+  admits them, a scorer thread runs the reward pool, and the trainer (this thread) consumes batches
+  in order. A new version reaches the engine mid-generation (it interrupts, re-reads and resumes);
+  no sample is trained more than eta versions after its oldest token. With eta = 0 it produces
+  exactly the sync trajectories and parameters (tests pin this).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from tidal.api import RolloutEngine, Task, Tracker
+from tidal.rewards.pool import RewardPool
+from tidal.rollout.requests import group_requests
+from tidal.system.buffer import RolloutBuffer
+from tidal.system.config import RunConfig
+from tidal.system.evaluate import greedy_accuracy
+from tidal.system.staleness import StalenessManager
+from tidal.train.batch import build_train_batch
+from tidal.train.checkpoint import TrainingState, save_checkpoint
+from tidal.train.trainer import Trainer
+from tidal.types import Group, Prompt, Trajectory
+
+
+@dataclass
+class RunResult:
+    steps: int
+    base_accuracy: float | None
+    final_accuracy: float | None
+    best_accuracy: float | None
+    stopped_because: str
+    history: list[dict] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, task: Task, engine: RolloutEngine, eval_engine: RolloutEngine,
+                 reward_pool: RewardPool, trainer: Trainer, tokenizer, tracker: Tracker, out_dir: Path,
+                 state: TrainingState):
+        self.cfg = cfg
+        self.task = task
+        self.engine = engine
+        self.eval_engine = eval_engine
+        self.reward_pool = reward_pool
+        self.trainer = trainer
+        self.tokenizer = tokenizer
+        self.tracker = tracker
+        self.out_dir = out_dir
+        self.state = state
+        self.eval_prompts = task.eval_prompts()[: cfg.num_eval]
+        self.history: list[dict] = []
+        self._trained_samples = 0
+        self._rl_seconds = 0.0
+
+    # ---- pieces shared by both modes -----------------------------------------------------------
+    def _prompts(self, start: int, count: int) -> list[Prompt]:
+        return [self.task.train_prompt(i) for i in range(start, start + count)]
+
+    def _generate(self, prompts: list[Prompt]) -> list[Trajectory]:
+        return self.engine.generate(group_requests(self.tokenizer, prompts, self.cfg.rollout.group_size))
+
+    def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Group]:
+        n = self.cfg.rollout.group_size
+        scores = self.reward_pool.score([(t.text, prompts[i // n]) for i, t in enumerate(trajs)])
+        for t, (reward, details) in zip(trajs, scores):
+            t.reward, t.reward_details = reward, details
+        return [Group(p, trajs[i * n : (i + 1) * n]) for i, p in enumerate(prompts)]
+
+    def _evaluate(self) -> dict[str, float]:
+        self.eval_engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
+        return greedy_accuracy(self.eval_engine, self.tokenizer, self.eval_prompts, self.reward_pool)
+
+    def _train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
+        """Train on one batch, publish the new weights, return the step's metrics."""
+        trajs = [t for g in groups for t in g.trajectories]
+        staleness = [step - t.oldest_version for t in trajs]
+        eta = self.cfg.rollout.max_staleness if self.cfg.system.mode == "async" else 0
+        assert max(staleness) <= eta, f"staleness bound violated at step {step}: {max(staleness)} > {eta}"
+        rewards = [t.reward for t in trajs]
+        metrics: dict[str, float] = {
+            "reward/mean": sum(rewards) / len(rewards),
+            "reward/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "rollout/response_len_mean": sum(t.num_tokens for t in trajs) / len(trajs),
+            "rollout/response_len_max": float(max(t.num_tokens for t in trajs)),
+            "rollout/truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+            "rollout/interrupted_frac": sum(len(set(t.versions)) > 1 for t in trajs) / len(trajs),
+            "async/staleness_mean": sum(staleness) / len(staleness),
+            "async/staleness_max": float(max(staleness)),
+        }
+        batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
+        metrics.update(algo_metrics)
+        if batch is not None:
+            metrics.update(self.trainer.step(batch))
+        else:
+            self.trainer.version += 1  # nothing to learn from: the weights carry over unchanged
+        t0 = time.perf_counter()
+        self.engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
+        metrics["perf/weight_sync_s"] = time.perf_counter() - t0
+        metrics["reward/errors"] = float(self.reward_pool.num_errors)
+        metrics["reward/timeouts"] = float(self.reward_pool.num_timeouts)
+        self._trained_samples += len(trajs)
+        return metrics
+
+    def _finish_step(self, step: int, metrics: dict[str, float], step_start: float, bar) -> str | None:
+        """Eval, log, checkpoint; return a stop reason or None."""
+        cfg = self.cfg
+        done = step + 1
+        self.state.step, self.state.version = done, self.trainer.version
+        self.state.next_group = done * cfg.rollout.prompts_per_step
+        step_s = time.perf_counter() - step_start
+        self._rl_seconds += step_s
+        metrics["perf/step_s"] = step_s
+        metrics["perf/trained_samples_per_s"] = self._trained_samples / max(self._rl_seconds, 1e-9)
+        metrics.update(self.engine.stats())
+        metrics["time/elapsed_s"] = self.state.extra.get("elapsed_s", 0.0) + self._rl_seconds
+        stop = None
+        if done % cfg.eval_every == 0 or done >= cfg.max_steps:
+            metrics.update(self._evaluate())
+            acc = metrics["eval/accuracy"]
+            if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
+                stop = f"reached target accuracy {acc:.3f} >= {cfg.target_accuracy}"
+        if done >= cfg.max_steps:
+            stop = stop or f"reached max_steps={cfg.max_steps}"
+        if cfg.max_time_s is not None and metrics["time/elapsed_s"] >= cfg.max_time_s:
+            stop = stop or f"reached max_time_s={cfg.max_time_s}"
+        self.tracker.log(done, metrics)
+        self.history.append({"step": done, **metrics})
+        if done % cfg.checkpoint_every == 0 or stop:
+            self.checkpoint(metrics["time/elapsed_s"])
+        if bar is not None:
+            bar.update(1)
+            post = {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{metrics['async/staleness_mean']:.2f}"}
+            last_acc = next((h["eval/accuracy"] for h in reversed(self.history) if "eval/accuracy" in h), None)
+            if last_acc is not None:
+                post["acc"] = f"{last_acc:.3f}"
+            bar.set_postfix(post)
+        return stop
+
+    def checkpoint(self, elapsed_s: float) -> Path:
+        self.state.extra["elapsed_s"] = elapsed_s
+        return save_checkpoint(self.out_dir / "checkpoints", self.trainer.model, self.tokenizer,
+                               self.trainer.optimizer, self.trainer.scheduler, self.state,
+                               keep=self.cfg.keep_checkpoints)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        if self.state.step == 0:
+            base = self._evaluate()
+            self.tracker.log(0, base)
+            self.history.append({"step": 0, **base})
+        bar = tqdm(total=cfg.max_steps, initial=self.state.step, desc=f"RL ({cfg.system.mode})",
+                   disable=not cfg.log.progress, dynamic_ncols=True)
+        try:
+            if self.state.step >= cfg.max_steps:
+                stop = f"already at max_steps={cfg.max_steps}"
+            elif cfg.system.mode == "sync":
+                stop = self._run_sync(bar)
+            else:
+                stop = self._run_async(bar)
+        except KeyboardInterrupt:
+            self.checkpoint(self.state.extra.get("elapsed_s", 0.0) + self._rl_seconds)
+            raise
+        finally:
+            bar.close()
+        accs = [(h["step"], h["eval/accuracy"]) for h in self.history if "eval/accuracy" in h]
+        return RunResult(
+            steps=self.state.step,
+            base_accuracy=accs[0][1] if accs and accs[0][0] == 0 else None,
+            final_accuracy=accs[-1][1] if accs else None,
+            best_accuracy=max(a for _, a in accs) if accs else None,
+            stopped_because=stop,
+            history=self.history,
+        )
+
+    def _run_sync(self, bar) -> str:
+        torch.set_num_threads(self.cfg.system.num_threads)
+        p = self.cfg.rollout.prompts_per_step
+        step = self.state.step
+        while True:
+            start = time.perf_counter()
+            prompts = self._prompts(step * p, p)
+            groups = self._score(prompts, self._generate(prompts))
+            metrics = self._train_step(step, groups)
+            stop = self._finish_step(step, metrics, start, bar)
+            if stop:
+                return stop
+            step += 1
+
+    def _run_async(self, bar) -> str:
+        cfg = self.cfg
+        p = cfg.rollout.prompts_per_step
+        torch.set_num_threads(cfg.system.train_threads)
+        staleness = StalenessManager(p, cfg.rollout.max_staleness, version=self.trainer.version,
+                                     num_admitted=self.state.next_group)
+        buffer = RolloutBuffer()
+        to_score: queue.Queue = queue.Queue(maxsize=cfg.rollout.max_staleness + 2)
+
+        def generate_forever() -> None:
+            torch.set_num_threads(cfg.system.gen_threads)
+            next_group = self.state.next_group
+            try:
+                while True:
+                    n = staleness.admit(want=p)
+                    if n == 0:
+                        break
+                    prompts = self._prompts(next_group, n)
+                    to_score.put((next_group, prompts, self._generate(prompts)))
+                    next_group += n
+            except BaseException as e:  # surface it in the trainer thread
+                buffer.fail(e)
+            finally:
+                to_score.put(None)
+
+        def score_forever() -> None:
+            try:
+                while (item := to_score.get()) is not None:
+                    first, prompts, trajs = item
+                    for i, group in enumerate(self._score(prompts, trajs)):
+                        buffer.put(first + i, group)
+            except BaseException as e:
+                buffer.fail(e)
+
+        generator = threading.Thread(target=generate_forever, name="tidal-generate", daemon=True)
+        scorer = threading.Thread(target=score_forever, name="tidal-score", daemon=True)
+        generator.start()
+        scorer.start()
+        step = self.state.step
+        try:
+            while True:
+                start = time.perf_counter()
+                groups = buffer.take(step * p, p)
+                metrics = self._train_step(step, groups)
+                staleness.set_version(self.trainer.version)
+                metrics["async/buffered_groups"] = float(len(buffer))
+                stop = self._finish_step(step, metrics, start, bar)
+                if stop:
+                    return stop
+                step += 1
+        finally:
+            staleness.close()
+            buffer.close()
+            while generator.is_alive():  # it may be blocked putting into a full scoring queue
+                _drain(to_score)
+                generator.join(timeout=0.05)
+            _drain(to_score)
+            to_score.put(None)
+            scorer.join()
+
+
+def _drain(q: queue.Queue) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return

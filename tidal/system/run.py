@@ -1,0 +1,83 @@
+"""Wire a RunConfig into a ready Controller: base model, engines, rewards, trainer, trackers.
+
+``prepare`` is what ``tidal train`` calls; it writes ``config.yaml`` next to the metrics, warm-starts
+(or loads) the base model, and, with ``resume=True``, restores the latest checkpoint so the run
+continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from tidal import config as config_lib
+from tidal.models import tiny
+from tidal.rewards import REWARDS
+from tidal.rewards.pool import RewardPool
+from tidal.rollout import ENGINES
+from tidal.system.config import RunConfig
+from tidal.system.controller import Controller, RunResult
+from tidal.tasks import TASKS
+from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint
+from tidal.train.sft import warm_start
+from tidal.train.trainer import Trainer
+from tidal.utils.metrics import JsonlTracker, MlflowTracker, MultiTracker, TensorBoardTracker, WandbTracker
+from tidal.utils.seeding import seed_everything
+
+
+def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
+    """``model.path`` if given, else the cached warm-started tiny model (trained on first use)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    return warm_start(cfg.model, task, cfg.task, cfg.sft, progress=progress)
+
+
+def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Controller:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.trainer.temperature != cfg.rollout.temperature:
+        raise config_lib.ConfigError(
+            f"trainer.temperature={cfg.trainer.temperature} must equal rollout.temperature="
+            f"{cfg.rollout.temperature}: the importance ratio compares the same distribution")
+    config_lib.save_yaml(cfg, out_dir / "config.yaml")
+    seed_everything(cfg.seed)
+    task = TASKS.get(cfg.task.name)(cfg.task)
+    model, tokenizer = tiny.load(base_model_path(cfg, task, progress=cfg.log.progress))
+    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer)
+
+    state = TrainingState(step=0, version=0, next_group=0, extra={})
+    if resume:
+        ckpt = latest_checkpoint(out_dir / "checkpoints")
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
+        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer, trainer.scheduler)
+        trainer.version = state.version
+
+    make_engine = ENGINES.get(cfg.rollout.engine)
+    engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
+    eval_engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
+    reward_pool = RewardPool(REWARDS.get(cfg.reward.name), cfg.reward)
+
+    trackers: list = [JsonlTracker(out_dir / "metrics.jsonl", resume_after_step=state.step if resume else None)]
+    if cfg.log.tensorboard:
+        trackers.append(TensorBoardTracker(out_dir / "tensorboard"))
+    if cfg.log.wandb_project:
+        trackers.append(WandbTracker(cfg.log.wandb_project, dataclasses.asdict(cfg), out_dir))
+    if cfg.log.mlflow_experiment:
+        trackers.append(MlflowTracker(cfg.log.mlflow_experiment, dataclasses.asdict(cfg)))
+    return Controller(cfg, task, engine, eval_engine, reward_pool, trainer, tokenizer, MultiTracker(trackers),
+                      out_dir, state)
+
+
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult:
+    """Run RL to completion; always closes trackers and the reward pool, then writes the report."""
+    controller = prepare(cfg, out_dir, resume)
+    try:
+        return controller.run()
+    finally:
+        controller.tracker.close()
+        controller.reward_pool.close()
+        if cfg.log.report:
+            from tidal.report import write_report
+
+            write_report(out_dir)

@@ -1,0 +1,119 @@
+"""Synthetic verifiable tasks generated in-project (no downloads).
+
+``addition``: "a+b=" -> "c" for operands in [0, max_operand]. The pair space is split once, by a
+seeded hash, into train and held-out eval pairs, so eval problems are never trained on (neither in
+the supervised warm start nor in RL).
+
+``repeat``: "n*c=" -> c repeated n times, with n drawn from a long-tailed (Zipf-like) distribution.
+Its response lengths are long-tailed by construction, which is where synchronous RL wastes time
+waiting for the longest sample (the async benchmark uses it).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from tidal.tasks import TASKS
+from tidal.types import Prompt
+from tidal.utils.seeding import stable_hash
+
+
+@dataclass
+class TaskConfig:
+    """Which task to train on and how its data is drawn."""
+
+    name: str = "addition"
+    """Registered task name (``tidal.tasks.TASKS``)."""
+    max_operand: int = 99
+    """addition: operands are drawn from [0, max_operand] (99 -> 2-digit addition)."""
+    max_repeat: int = 48
+    """repeat: the longest response (the tail of the length distribution)."""
+    num_eval: int = 500
+    """Held-out problems for greedy-accuracy evaluation."""
+    seed: int = 0
+    """Seed of the train/eval split and of the training stream."""
+
+
+class _SplitTask(ABC):
+    """Shared logic: a finite problem space split by hash into train and eval parts."""
+
+    name = "base"
+
+    def __init__(self, cfg: TaskConfig):
+        self.cfg = cfg
+        space = self._space()
+        rng = random.Random(cfg.seed)
+        order = sorted(space, key=lambda item: stable_hash(cfg.seed, self.name, item))
+        if cfg.num_eval >= len(order):
+            raise ValueError(f"task {self.name}: num_eval={cfg.num_eval} leaves no training problems "
+                             f"(only {len(order)} exist)")
+        self._eval = order[: cfg.num_eval]
+        self._train = order[cfg.num_eval :]
+        rng.shuffle(self._train)
+        self._cached_epoch: tuple[int, list] = (-1, [])
+
+    @abstractmethod
+    def _space(self) -> list:
+        """Every problem of the task, as hashable items."""
+
+    @abstractmethod
+    def _prompt(self, item, uid: str) -> Prompt:
+        """The prompt (and reference answer) for one item."""
+
+    @property
+    def num_train(self) -> int:
+        return len(self._train)
+
+    def train_prompt(self, index: int) -> Prompt:
+        """The index-th training prompt: a deterministic, endless stream (epochs reshuffled)."""
+        epoch, pos = divmod(index, len(self._train))
+        return self._prompt(self._epoch_order(epoch)[pos], f"train-{index}")
+
+    def _epoch_order(self, epoch: int) -> list:
+        """Epoch 0 is the seeded shuffle; later epochs are reshuffled by hash (cached, one at a time)."""
+        if epoch == 0:
+            return self._train
+        if self._cached_epoch[0] != epoch:
+            order = sorted(self._train, key=lambda it: stable_hash(self.cfg.seed, epoch, it))
+            self._cached_epoch = (epoch, order)
+        return self._cached_epoch[1]
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self._prompt(item, f"eval-{i}") for i, item in enumerate(self._eval)]
+
+    def sft_example(self, prompt: Prompt) -> str:
+        return prompt.answer
+
+
+@TASKS.register("addition")
+class Addition(_SplitTask):
+    name = "addition"
+
+    def _space(self) -> list:
+        n = self.cfg.max_operand + 1
+        return [(a, b) for a in range(n) for b in range(n)]
+
+    def _prompt(self, item, uid: str) -> Prompt:
+        a, b = item
+        return Prompt(uid=uid, text=f"{a}+{b}=", answer=str(a + b))
+
+
+@TASKS.register("repeat")
+class Repeat(_SplitTask):
+    name = "repeat"
+    _letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def _space(self) -> list:
+        # Zipf-like weights over lengths: each length appears in proportion to 1/n, so most
+        # responses are short and a few are long (a long tail, as in reasoning RL).
+        space = []
+        for n in range(1, self.cfg.max_repeat + 1):
+            copies = max(1, round(self.cfg.max_repeat / n))
+            space += [(n, c, k) for c in self._letters for k in range(copies)]
+        return space
+
+    def _prompt(self, item, uid: str) -> Prompt:
+        n, c, _ = item
+        return Prompt(uid=uid, text=f"{n}*{c}=", answer=c * n)

@@ -1,0 +1,1 @@
+"""Training: batch building, the RL step, the supervised warm start, checkpointing."""

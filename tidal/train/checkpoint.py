@@ -1,0 +1,88 @@
+"""Checkpoints: everything needed to continue a run exactly where it stopped.
+
+``checkpoints/step_<k>/`` holds the policy (``save_pretrained``, safetensors, loadable by any HF
+tool), the tokenizer, and ``trainer_state.pt``: optimizer and scheduler state, RNG states, the
+policy version, the step and the data position. A checkpoint is written to a temporary directory
+and renamed into place, and ``latest`` is updated last, so a crash mid-save leaves the previous
+checkpoint intact. Older checkpoints beyond ``keep`` are removed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.utils.seeding import rng_state, set_rng_state
+
+
+@dataclass
+class TrainingState:
+    """Counters that locate a run in its data and in policy-version space."""
+
+    step: int  # training steps completed
+    version: int  # policy version of the saved weights
+    next_group: int  # index of the first group (prompt) not yet trained on
+    extra: dict[str, Any]
+
+
+def save_checkpoint(root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state.step}"
+    tmp = root / f".tmp_step_{state.step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_state(),
+            "state": state.__dict__,
+        },
+        tmp / "trainer_state.pt",
+    )
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    (root / "latest.tmp").write_text(final.name)
+    (root / "latest.tmp").replace(root / "latest")
+    for old in sorted(_steps(root))[:-keep] if keep > 0 else []:
+        shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+    return final
+
+
+def _steps(root: Path) -> list[int]:
+    return [int(p.name.split("_", 1)[1]) for p in root.glob("step_*") if p.name.split("_", 1)[1].isdigit()]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.exists():
+        path = root / pointer.read_text().strip()
+        if (path / "trainer_state.pt").exists():
+            return path
+    steps = sorted(_steps(root))
+    return root / f"step_{steps[-1]}" if steps else None
+
+
+def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:
+    """Load weights, optimizer, scheduler and RNG state in place; return the counters."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    weights = load_file(path / "model.safetensors")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # Tied embeddings are saved once; anything else missing means a different architecture.
+    missing = [k for k in missing if k not in ("lm_head.weight",)]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    blob = torch.load(path / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    set_rng_state(blob["rng"])
+    return TrainingState(**blob["state"])

@@ -1,0 +1,104 @@
+"""Plain data that flows through tidal: prompts, trajectories, groups and train batches.
+
+Every generated token carries two facts from the moment it was sampled: the behaviour
+log-probability the engine sampled it with, and the policy version whose weights produced it.
+All off-policy corrections (staleness, interrupted generations, engine/trainer mismatch) are
+computed from those two facts in ``tidal.algo``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # reward workers unpickle Prompts; they should not pay for importing torch
+    import torch
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance: the text shown to the model and what a verifier needs to score it."""
+
+    uid: str
+    text: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """One sampled response to a prompt, token by token.
+
+    ``logprobs[i]`` is the engine's log-probability of ``token_ids[i]`` under the sampling
+    distribution, and ``versions[i]`` the policy version that sampled it. A generation interrupted
+    by a weight update has mixed versions.
+    """
+
+    prompt_uid: str
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) or "length" (hit max_new_tokens)
+    text: str = ""
+    reward: float = 0.0
+    reward_details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        assert len(self.logprobs) == n and len(self.versions) == n, (
+            f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but "
+            f"{len(self.logprobs)} logprobs and {len(self.versions)} versions"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        """Version of the first sampled token: staleness is measured from it (AReaL)."""
+        return min(self.versions) if self.versions else -1
+
+
+@dataclass
+class Group:
+    """All samples for one prompt: GRPO-family advantages are computed within a group."""
+
+    prompt: Prompt
+    trajectories: list[Trajectory]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(t.oldest_version for t in self.trajectories)
+
+
+@dataclass
+class TrainBatch:
+    """A right-padded batch of B sequences of length T (prompt + response) ready for the trainer.
+
+    Tensors are named with their shape: ``_bt`` is [B, T]. Position t of the ``_bt`` tensors that
+    describe tokens (``loss_mask_bt``, ``behav_logp_bt``, ``adv_bt``, ``versions_bt``) refers to the
+    token at ``input_ids_bt[:, t]``, predicted from positions < t.
+    """
+
+    input_ids_bt: torch.Tensor  # long
+    attention_mask_bt: torch.Tensor  # long, 1 for real tokens
+    loss_mask_bt: torch.Tensor  # float, 1 for response tokens
+    behav_logp_bt: torch.Tensor  # float, engine log-prob of each response token
+    adv_bt: torch.Tensor  # float, advantage broadcast over the response tokens
+    versions_bt: torch.Tensor  # long, policy version of each response token (-1 elsewhere)
+    group_index_b: torch.Tensor  # long, which group each row came from
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids_bt.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask_bt.sum().item())

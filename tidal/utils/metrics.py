@@ -1,0 +1,111 @@
+"""Metric sinks: ``metrics.jsonl`` (the contract), TensorBoard, and W&B/MLflow when installed.
+
+Each row is one JSON object: ``step`` first, then namespaced keys (``reward/mean``,
+``eval/accuracy``, ``perf/gen_tokens_per_s``, ``async/staleness_mean`` ...). Rows are flushed as they
+are written, so a crash loses at most the row being written; on resume, rows past the resumed step
+are dropped first so the file never holds the same step twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+
+class JsonlTracker:
+    def __init__(self, path: str | Path, resume_after_step: int | None = None):
+        self.path = Path(path)
+        if resume_after_step is not None and self.path.exists():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_after_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a row torn by the crash we are resuming from
+            self.path.write_text("".join(x + "\n" for x in kept))
+        elif resume_after_step is None and self.path.exists():
+            self.path.unlink()
+        self._f = self.path.open("a")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": step}
+        for k, v in metrics.items():
+            row[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardTracker:
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self._w.add_scalar(k, v, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class WandbTracker:
+    def __init__(self, project: str, config: dict, run_dir: Path):
+        import wandb  # optional extra: pip install 'tidal[wandb]'
+
+        self._run = wandb.init(project=project, config=config, dir=str(run_dir))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowTracker:
+    def __init__(self, experiment: str, config: dict):
+        import mlflow  # optional extra: pip install 'tidal[mlflow]'
+
+        self._mlflow = mlflow
+        mlflow.set_experiment(experiment)
+        mlflow.start_run()
+        mlflow.log_params({k: str(v)[:250] for k, v in _flatten(config).items()})
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def _flatten(d: Mapping, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class MultiTracker:
+    """Fans each row out to several trackers."""
+
+    def __init__(self, trackers: list):
+        self.trackers = trackers
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for t in self.trackers:
+            t.log(step, metrics)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()

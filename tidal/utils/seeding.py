@@ -1,0 +1,36 @@
+"""Deterministic seeding and per-sample random streams.
+
+Sampling noise for a response is keyed by (run seed, prompt uid, sample index), never by batch
+position, so the same response comes out whatever batch it lands in, whether or not it was
+interrupted, and in sync or async mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def stable_hash(*parts: object) -> int:
+    """A process-independent 63-bit hash (Python's ``hash`` is salted per process)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
