@@ -100,7 +100,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from tidal.report import write_report
+    from tidal.utils.report import write_report
 
     print(write_report(args.run_dir))
     return 0

@@ -64,6 +64,7 @@ class Controller:
         self.history: list[dict] = []
         self._trained_samples = 0
         self._rl_seconds = 0.0
+        self._elapsed_before = state.extra.get("elapsed_s", 0.0)  # RL time of the run before a resume
 
     # ---- pieces shared by both modes -----------------------------------------------------------
     def _prompts(self, start: int, count: int) -> list[Prompt]:
@@ -125,7 +126,7 @@ class Controller:
         metrics["perf/step_s"] = step_s
         metrics["perf/trained_samples_per_s"] = self._trained_samples / max(self._rl_seconds, 1e-9)
         metrics.update(self.engine.stats())
-        metrics["time/elapsed_s"] = self.state.extra.get("elapsed_s", 0.0) + self._rl_seconds
+        metrics["time/elapsed_s"] = self._elapsed_before + self._rl_seconds
         stop = None
         if done % cfg.eval_every == 0 or done >= cfg.max_steps:
             metrics.update(self._evaluate())
@@ -172,7 +173,7 @@ class Controller:
             else:
                 stop = self._run_async(bar)
         except KeyboardInterrupt:
-            self.checkpoint(self.state.extra.get("elapsed_s", 0.0) + self._rl_seconds)
+            self.checkpoint(self._elapsed_before + self._rl_seconds)
             raise
         finally:
             bar.close()

@@ -78,6 +78,6 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
         controller.tracker.close()
         controller.reward_pool.close()
         if cfg.log.report:
-            from tidal.report import write_report
+            from tidal.utils.report import write_report
 
             write_report(out_dir)

@@ -28,11 +28,14 @@ from tidal.utils.seeding import stable_hash
 class SFTConfig:
     """The warm-start stage (skipped when ``model.path`` points at an existing model)."""
 
-    steps: int = 260
-    """Optimizer steps; tuned so 2-digit addition lands at a partial (~20-50%) base accuracy."""
-    batch_size: int = 256
-    lr: float = 3e-3
-    """FACTS.md: lr 3e-3, batch 256 learns 2-digit addition from scratch in a few minutes."""
+    steps: int = 700
+    """Optimizer steps. Measured on 2-digit addition (batch 64, lr 1e-3, 1M model): greedy accuracy
+    0.15 at 600 steps, 0.42 at 750; 700 lands in the partial (~20-50%) range RL should start from."""
+    batch_size: int = 64
+    """Small batches learned more per example than 128 or 256 in our sweeps (same accuracy per
+    example seen, 2-4x more steps per second)."""
+    lr: float = 1e-3
+    """Beat 3e-3 and 1e-2 on early loss in a sweep on this task."""
     seed: int = 0
     cache_dir: str = ".tidal_cache"
     """Where warm-started bases are kept, one sub-directory per config hash."""

@@ -1,10 +1,10 @@
-"""Tests for tidal.report: metrics parsing and the self-contained HTML report."""
+"""Tests for tidal.utils.report: metrics parsing and the self-contained HTML report."""
 
 from __future__ import annotations
 
 import json
 
-from tidal.report import read_metrics, series, write_report
+from tidal.utils.report import read_metrics, series, write_report
 
 
 def _write_run(tmp_path, *, garbage: bool = True):
