@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/tidal train quickstart --out runs/quickstart
+	$(BIN)/tidal train quickstart --out runs/quickstart-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/pytest -q

@@ -43,7 +43,8 @@ def test_interrupted_generation_resumes_with_the_same_tokens(small_model, tokeni
         assert x.token_ids == y.token_ids
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
     long = [t for t in resumed if t.num_tokens >= 6]
-    assert long and all(t.versions[:2] == [0, 0] and t.versions[2] == 3 and t.versions[-1] == 6 for t in long)
+    assert long and all(t.versions[0] == 0 and 3 in t.versions and t.versions[-1] == 6 for t in long)
+    assert all(t.versions == sorted(t.versions) for t in resumed)
 
 
 def test_interruption_with_new_weights_tags_new_version(small_model, tokenizer):
@@ -55,7 +56,7 @@ def test_interruption_with_new_weights_tags_new_version(small_model, tokenizer):
 
     def interrupt():
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 4:  # a few tokens in
             engine.request_weight_update(new, version=7)
         return apply()
 
@@ -99,3 +100,26 @@ def test_logprobs_match_a_full_forward(small_model, tokenizer, greedy):
         ids = torch.tensor([t.prompt_ids + t.token_ids])
         logp, _ = token_logprobs(small_model, ids, torch.ones_like(ids))
         assert torch.allclose(logp[0, len(t.prompt_ids):], torch.tensor(t.logprobs), atol=1e-4)
+
+
+def test_stream_joins_new_requests_mid_flight_with_identical_tokens(small_model, tokenizer):
+    """Continuous batching: requests that join a running batch get exactly their standalone tokens,
+    and trajectories come out as they finish."""
+    reqs = _requests(tokenizer, n_prompts=6, group=4)
+    alone = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12)).generate(reqs)
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12, max_batch_size=10))
+    queue, got, asks = list(reqs), {}, []
+
+    def source(n, block):
+        asks.append(n)
+        if not queue:
+            return None
+        k = min(n, 4)  # one group at a time, whenever there is room
+        taken, queue[:] = queue[:k], queue[k:]
+        return taken
+
+    engine.stream(source, lambda r, t: got.__setitem__((r.prompt.uid, r.sample_index), t))
+    assert len(got) == len(reqs)
+    for r, t in zip(reqs, alone):
+        assert got[(r.prompt.uid, r.sample_index)].token_ids == t.token_ids
+    assert len(asks) > len(reqs) // 4, "new groups should have joined while others were still running"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +57,49 @@ class _Row:
     finish_reason: str | None = None
 
 
+RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
+
+
+@dataclass
+class _Batch:
+    """The running batch's tensors: KV cache [B, H, L, D], attention mask [B, L], the position of
+    each row's last token [B], and the logits for each row's next token [B, V]."""
+
+    cache: DynamicCache
+    mask: torch.Tensor
+    last_pos: torch.Tensor
+    logits: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> _Batch:
+        self.cache.batch_select_indices(index)
+        return _Batch(self.cache, self.mask[index], self.last_pos[index], self.logits[index])
+
+    def trimmed(self) -> _Batch:
+        """Drop leading cache columns that no row attends to (left padding of finished rows)."""
+        used = self.mask.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        if first == 0:
+            return self
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        return _Batch(self.cache, self.mask[:, first:], self.last_pos, self.logits)
+
+
+def _merge(a: _Batch | None, b: _Batch) -> _Batch:
+    """Stack two batches into one, left-padding the shorter cache (masked out, never attended)."""
+    if a is None:
+        return b
+    la, lb = a.mask.shape[1], b.mask.shape[1]
+    width = max(la, lb)
+    pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  [B,H,L,D] on L
+    for layer_a, layer_b in zip(a.cache.layers, b.cache.layers):
+        layer_a.keys = torch.cat([pad(layer_a.keys, width - la), pad(layer_b.keys, width - lb)])
+        layer_a.values = torch.cat([pad(layer_a.values, width - la), pad(layer_b.values, width - lb)])
+    pad_mask = torch.nn.functional.pad
+    mask = torch.cat([pad_mask(a.mask, (width - la, 0)), pad_mask(b.mask, (width - lb, 0))])
+    return _Batch(a.cache, mask, torch.cat([a.last_pos, b.last_pos]), torch.cat([a.logits, b.logits]))
+
+
 class LocalEngine:
     """In-process engine on a private copy of a Hugging Face causal LM (see module docstring)."""
 
@@ -70,7 +113,8 @@ class LocalEngine:
         self.pad_id = tokenizer.pad_token_id
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._lock = threading.Lock()
-        self._stop_max_tokens = max((len(tokenizer(s, add_special_tokens=False).input_ids) for s in cfg.stop), default=0)
+        stop_lengths = (len(tokenizer(s, add_special_tokens=False).input_ids) for s in cfg.stop)
+        self._stop_max_tokens = max(stop_lengths, default=0)
         self.num_generated_tokens = 0
         self.generate_seconds = 0.0
         self.num_interruptions = 0
@@ -104,23 +148,104 @@ class LocalEngine:
     @torch.no_grad()
     def generate(self, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]:
         """Generate one trajectory per request, in request order."""
-        start = time.perf_counter()
-        out: list[Trajectory] = []
-        step = self.cfg.max_batch_size
-        for i in range(0, len(requests), step):
-            out.extend(self._generate_chunk(requests[i : i + step], greedy))
-        self.generate_seconds += time.perf_counter() - start
-        return out
+        pending = list(requests)
+        done: dict[int, Trajectory] = {}
+        order = {id(r): i for i, r in enumerate(requests)}
 
-    def _prefill(self, rows: list[_Row], active: list[int], share_prompts: bool):
-        """Forward prompts (+ tokens so far) of the active rows; returns (cache, mask, positions, logits)."""
+        def source(n: int, block: bool) -> list[GenRequest] | None:
+            if not pending:
+                return None
+            taken, pending[:] = pending[:n], pending[n:]
+            return taken
+
+        self.stream(source, lambda r, t: done.__setitem__(order[id(r)], t), greedy=greedy)
+        return [done[i] for i in range(len(requests))]
+
+    @torch.no_grad()
+    def stream(self, source: RequestSource, on_done: Callable[[GenRequest, Trajectory], None],
+               greedy: bool = False) -> None:
+        """Continuous batching: decode until ``source`` is exhausted and every row has finished.
+
+        Whenever the running batch has free slots (``max_batch_size`` rows), ``source(n, block)`` is
+        asked for up to n more requests (``block`` is True only when nothing is running); it returns
+        a list (possibly empty) or None once it will never give more. New rows are prefilled and
+        joined to the running batch, so the long tail of one batch overlaps the start of the next.
+        Finished trajectories go to ``on_done`` as soon as they finish.
+        """
+        start = time.perf_counter()
+        temperature = 0.0 if greedy else self.cfg.temperature
+        rows: list[_Row] = []  # the running batch, aligned with the tensors in ``state``
+        state: _Batch | None = None
+        exhausted = False
+        try:
+            while True:
+                if self._apply_pending_update() and rows:  # interruption point: re-read under new weights
+                    self.num_interruptions += 1
+                    state = self._prefill(rows, share_prompts=False)
+                free = self.cfg.max_batch_size - len(rows)
+                if free > 0 and not exhausted:
+                    self.generate_seconds += time.perf_counter() - start
+                    new = source(free, not rows)
+                    start = time.perf_counter()
+                    if new is None:
+                        exhausted = True
+                    elif new:
+                        if self._apply_pending_update() and rows:  # arrived while we waited
+                            self.num_interruptions += 1
+                            state = self._prefill(rows, share_prompts=False)
+                        new_rows = [_Row(r, stable_hash(self.seed, r.prompt.uid, r.sample_index)) for r in new]
+                        state = _merge(state, self._prefill(new_rows, share_prompts=True))
+                        rows += new_rows
+                if not rows:
+                    if exhausted:
+                        return
+                    continue
+                rows, state = self._sample_step(rows, state, temperature, on_done)
+        finally:
+            self.generate_seconds += time.perf_counter() - start
+
+    def _sample_step(self, rows: list[_Row], state: _Batch, temperature: float, on_done) -> tuple[list[_Row], _Batch]:
+        """Sample one token for every running row, hand finished rows out, decode the rest one step."""
+        keys = torch.tensor([r.key for r in rows], dtype=torch.int64)
+        gen_pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)
+        tokens, logps = sample_tokens(state.logits, keys, gen_pos, temperature, self.cfg.top_p)
+        keep: list[int] = []
+        for slot, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist())):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            row.versions.append(self.version)
+            if tok == self.eos_id or self._hit_stop(row):
+                row.finish_reason = "stop"
+            elif len(row.tokens) >= self.cfg.max_new_tokens:
+                row.finish_reason = "length"
+            else:
+                keep.append(slot)
+        self.num_generated_tokens += len(rows)
+        for slot in sorted(set(range(len(rows))) - set(keep)):
+            on_done(rows[slot].request, self._to_trajectory(rows[slot]))
+        if not keep:
+            return [], None
+        if len(keep) < len(rows):
+            state = state.select(torch.tensor(keep))
+            tokens = tokens[keep]
+        rows = [rows[i] for i in keep]
+        mask = torch.cat([state.mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        last_pos = state.last_pos + 1
+        logits = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                            past_key_values=state.cache, use_cache=True).logits[:, -1]
+        return rows, _Batch(state.cache, mask, last_pos, logits).trimmed()
+
+    def _prefill(self, rows: list[_Row], share_prompts: bool) -> _Batch:
+        """Forward prompts (+ tokens so far) of ``rows`` into a fresh left-padded KV cache."""
         if share_prompts:
             # Rows of one group are adjacent and share a prompt: run each distinct prompt once.
-            starts = [i for i in active if i == active[0] or rows[i].request.prompt_ids != rows[i - 1].request.prompt_ids]
-            counts = [b - a for a, b in zip(starts, [*starts[1:], active[-1] + 1])]
+            starts = [i for i in range(len(rows))
+                      if i == 0 or rows[i].request.prompt_ids != rows[i - 1].request.prompt_ids]
+            counts = [b - a for a, b in zip(starts, [*starts[1:], len(rows)])]
             seqs = [list(rows[i].request.prompt_ids) for i in starts]
         else:
-            seqs = [list(rows[i].request.prompt_ids) + rows[i].tokens for i in active]
+            counts = [1] * len(rows)
+            seqs = [list(r.request.prompt_ids) + r.tokens for r in rows]
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -131,59 +256,10 @@ class LocalEngine:
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True).logits[:, -1]
-        last_pos = positions[:, -1]
-        if share_prompts and any(c != 1 for c in counts):
-            if len(set(counts)) == 1:
-                cache.batch_repeat_interleave(counts[0])
-            else:
-                cache.batch_select_indices(torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts)))
-            rep = torch.tensor(counts)
-            mask, logits, last_pos = (t.repeat_interleave(rep, dim=0) for t in (mask, logits, last_pos))
-        return cache, mask, last_pos, logits
-
-    def _generate_chunk(self, requests: Sequence[GenRequest], greedy: bool) -> list[Trajectory]:
-        cfg = self.cfg
-        self._apply_pending_update()
-        rows = [_Row(r, stable_hash(self.seed, r.prompt.uid, r.sample_index)) for r in requests]
-        active = list(range(len(rows)))
-        cache, mask, last_pos, logits = self._prefill(rows, active, share_prompts=True)
-        temperature = 0.0 if greedy else cfg.temperature
-        while active:
-            keys = torch.tensor([rows[i].key for i in active], dtype=torch.int64)
-            gen_pos = torch.tensor([len(rows[i].tokens) for i in active], dtype=torch.int64)
-            tokens, logps = sample_tokens(logits, keys, gen_pos, temperature, cfg.top_p)
-            still: list[int] = []
-            keep_slots: list[int] = []
-            for slot, (i, tok, lp) in enumerate(zip(active, tokens.tolist(), logps.tolist())):
-                row = rows[i]
-                row.tokens.append(tok)
-                row.logprobs.append(lp)
-                row.versions.append(self.version)
-                if tok == self.eos_id or self._hit_stop(row):
-                    row.finish_reason = "stop"
-                elif len(row.tokens) >= cfg.max_new_tokens:
-                    row.finish_reason = "length"
-                else:
-                    still.append(i)
-                    keep_slots.append(slot)
-            self.num_generated_tokens += len(active)
-            if not still:
-                break
-            if self._apply_pending_update():  # interruption point: re-read under the new weights
-                self.num_interruptions += 1
-                active = still
-                cache, mask, last_pos, logits = self._prefill(rows, active, share_prompts=False)
-                continue
-            if len(still) < len(active):
-                sel = torch.tensor(keep_slots)
-                cache.batch_select_indices(sel)
-                mask, last_pos, tokens = mask[sel], last_pos[sel], tokens[sel]
-            active = still
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
-            last_pos = last_pos + 1
-            logits = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                                past_key_values=cache, use_cache=True).logits[:, -1]
-        return [self._to_trajectory(r) for r in rows]
+        batch = _Batch(cache, mask, positions[:, -1], logits)
+        if any(c != 1 for c in counts):
+            batch = batch.select(torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts)))
+        return batch
 
     def _hit_stop(self, row: _Row) -> bool:
         if not self._stop_max_tokens:

@@ -208,19 +208,39 @@ class Controller:
         staleness = StalenessManager(p, cfg.rollout.max_staleness, version=self.trainer.version,
                                      num_admitted=self.state.next_group)
         buffer = RolloutBuffer()
-        to_score: queue.Queue = queue.Queue(maxsize=cfg.rollout.max_staleness + 2)
+        to_score: queue.Queue = queue.Queue()  # bounded in effect: admission caps groups in flight
+        group_size = cfg.rollout.group_size
 
         def generate_forever() -> None:
+            """Continuous batching: admit whole groups whenever the engine has room (and the
+            staleness bound allows), hand each group to the scorer the moment its last sample ends."""
             torch.set_num_threads(cfg.system.gen_threads)
             next_group = self.state.next_group
+            in_flight: dict[str, tuple[int, Prompt, dict[int, Trajectory]]] = {}
+
+            def source(free_rows: int, block: bool):
+                nonlocal next_group
+                want = free_rows // group_size
+                if want == 0:
+                    return []
+                n = staleness.admit(want, timeout=None if block else 0)
+                if n == 0:
+                    return None if staleness.closed else []
+                prompts = self._prompts(next_group, n)
+                for i, prompt in enumerate(prompts):
+                    in_flight[prompt.uid] = (next_group + i, prompt, {})
+                next_group += n
+                return group_requests(self.tokenizer, prompts, group_size)
+
+            def on_done(request, traj: Trajectory) -> None:
+                index, prompt, done = in_flight[request.prompt.uid]
+                done[request.sample_index] = traj
+                if len(done) == group_size:
+                    del in_flight[request.prompt.uid]
+                    to_score.put((index, [prompt], [done[j] for j in range(group_size)]))
+
             try:
-                while True:
-                    n = staleness.admit(want=p)
-                    if n == 0:
-                        break
-                    prompts = self._prompts(next_group, n)
-                    to_score.put((next_group, prompts, self._generate(prompts)))
-                    next_group += n
+                self.engine.stream(source, on_done)
             except BaseException as e:  # surface it in the trainer thread
                 buffer.fail(e)
             finally:
@@ -254,17 +274,5 @@ class Controller:
         finally:
             staleness.close()
             buffer.close()
-            while generator.is_alive():  # it may be blocked putting into a full scoring queue
-                _drain(to_score)
-                generator.join(timeout=0.05)
-            _drain(to_score)
-            to_score.put(None)
+            generator.join()  # finishes the rows it was decoding, then ends its stream
             scorer.join()
-
-
-def _drain(q: queue.Queue) -> None:
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return

@@ -8,7 +8,9 @@ from tidal.rollout.requests import group_requests
 from tidal.types import Prompt
 
 
-def greedy_accuracy(engine: RolloutEngine, tokenizer, prompts: list[Prompt], reward_pool: RewardPool) -> dict[str, float]:
+def greedy_accuracy(
+    engine: RolloutEngine, tokenizer, prompts: list[Prompt], reward_pool: RewardPool
+) -> dict[str, float]:
     """Fraction of eval prompts whose greedy response gets full reward, and its mean length."""
     trajs = engine.generate(group_requests(tokenizer, prompts, 1), greedy=True)
     scores = reward_pool.score([(t.text, p) for t, p in zip(trajs, prompts)])

@@ -48,6 +48,10 @@ class StalenessManager:
             self.num_admitted += n
             return n
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def set_version(self, version: int) -> None:
         with self._cond:
             self.version = version

@@ -1,7 +1,8 @@
 """Synthetic verifiable tasks generated in-project (no downloads).
 
-``addition``: "a+b=" -> "c" (zero-padded to fixed widths by default: "07+45=" -> "052") for operands in [0, max_operand]. The pair space is split once, by a
-seeded hash, into train and held-out eval pairs, so eval problems are never trained on (neither in
+``addition``: "a+b=" -> "c" for operands in [0, max_operand], zero-padded to fixed widths by
+default ("07+45=" -> "052"). The pair space is split once, by a seeded hash, into train and
+held-out eval pairs, so eval problems are never trained on (neither in
 the supervised warm start nor in RL).
 
 ``repeat``: "n*c=" -> c repeated n times, with n drawn from a long-tailed (Zipf-like) distribution.

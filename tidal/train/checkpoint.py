@@ -29,7 +29,9 @@ class TrainingState:
     extra: dict[str, Any]
 
 
-def save_checkpoint(root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2) -> Path:
+def save_checkpoint(
+    root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2
+) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"

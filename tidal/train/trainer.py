@@ -59,9 +59,14 @@ class Trainer:
                 metrics["train/loss"] = loss.item()
                 metrics["train/grad_norm"] = grad_norm.item()
                 metrics["train/entropy"] = masked_mean(entropy, mask).item()
-                if mb_index == 0:  # before any update on this batch: the pure engine/trainer gap
+                if mb_index == 0:  # before any update on this batch
+                    # Engine/trainer numeric gap: only tokens sampled by the weights the trainer has
+                    # now (stale tokens differ because the policy moved, not because of numerics).
                     gap = (logp.detach() - batch.behav_logp_bt[idx]).abs()
-                    metrics["train/logp_mismatch_mean"] = masked_mean(gap, mask).item()
+                    fresh = mask * (batch.versions_bt[idx] == self.version).float()
+                    if fresh.any():
+                        metrics["train/logp_mismatch_mean"] = masked_mean(gap, fresh).item()
+                        metrics["train/logp_mismatch_max"] = gap[fresh.bool()].max().item()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         totals["train/lr"] = self.scheduler.get_last_lr()[0]
