@@ -2,8 +2,8 @@
 
 Both modes train the same warm-started tiny model on the ``repeat`` task (response lengths follow
 a 1/n law up to ``task.max_repeat``), from the same seed, for the same number of steps, on the same
-2 cores: sync alternates generation and training on 2 threads; async runs them concurrently on 1
-thread each (FACTS.md: concurrent thread budgets must sum to the cores). Reported: trained samples
+2 cores: sync alternates generation and training on 2 threads; async runs them concurrently with
+1 intra-op thread each (FACTS.md: concurrent thread budgets must sum to the cores). Reported: trained samples
 per second over the RL phase, the ratio, and held-out greedy accuracy at the end of each run.
 
     tidal bench async [--set max_steps=40 ...]
@@ -28,7 +28,7 @@ BASE = [
 ]
 MODES = {
     "sync": ["system.mode=sync", "rollout.max_staleness=0", "system.num_threads=2"],
-    "async": ["system.mode=async", "rollout.max_staleness=2", "system.gen_threads=1", "system.train_threads=1"],
+    "async": ["system.mode=async", "rollout.max_staleness=2", "system.async_threads=1"],
 }
 
 

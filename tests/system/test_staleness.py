@@ -82,3 +82,4 @@ def test_buffer_returns_contiguous_batches_in_order_and_surfaces_failures():
     with pytest.raises(BufferClosed) as err:
         buf.take(4, 1)
     assert isinstance(err.value.__cause__, ValueError)
+

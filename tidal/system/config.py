@@ -35,11 +35,12 @@ class SystemConfig:
     """``sync``: generate then train. ``async``: generate and train concurrently, bounded by eta."""
     num_threads: int = 2
     """torch threads in sync mode, where generation and training take turns on all cores."""
-    gen_threads: int = 1
-    """torch threads for generation in async mode. FACTS.md: concurrent budgets must sum to the
-    cores (oversubscription made a training step 21x slower on this 2-core machine)."""
-    train_threads: int = 1
-    """torch threads for training in async mode."""
+    async_threads: int = 1
+    """torch intra-op threads in async mode. torch's thread pool is process-wide, so the generator
+    and trainer threads each run their kernels with this many threads, at the same time: keep
+    2 x async_threads <= cores (FACTS.md: oversubscription made a training step 21x slower). While
+    the generator is blocked on the staleness bound with nothing to decode, it lends the pool to
+    the trainer (``num_threads``) and takes it back the moment it is admitted again."""
 
 
 @dataclass

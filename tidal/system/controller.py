@@ -204,7 +204,7 @@ class Controller:
     def _run_async(self, bar) -> str:
         cfg = self.cfg
         p = cfg.rollout.prompts_per_step
-        torch.set_num_threads(cfg.system.train_threads)
+        torch.set_num_threads(cfg.system.async_threads)  # process-wide: shared by both threads
         staleness = StalenessManager(p, cfg.rollout.max_staleness, version=self.trainer.version,
                                      num_admitted=self.state.next_group)
         buffer = RolloutBuffer()
@@ -214,7 +214,6 @@ class Controller:
         def generate_forever() -> None:
             """Continuous batching: admit whole groups whenever the engine has room (and the
             staleness bound allows), hand each group to the scorer the moment its last sample ends."""
-            torch.set_num_threads(cfg.system.gen_threads)
             next_group = self.state.next_group
             in_flight: dict[str, tuple[int, Prompt, dict[int, Trajectory]]] = {}
 
@@ -223,7 +222,11 @@ class Controller:
                 want = free_rows // group_size
                 if want == 0:
                     return []
+                if block:  # idle until the trainer publishes a version: lend it every core meanwhile
+                    torch.set_num_threads(cfg.system.num_threads)
                 n = staleness.admit(want, timeout=None if block else 0)
+                if block:  # torch's pool is process-wide: take the cores back before our first kernel
+                    torch.set_num_threads(cfg.system.async_threads)
                 if n == 0:
                     return None if staleness.closed else []
                 prompts = self._prompts(next_group, n)
