@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,6 +34,16 @@ class RolloutEngine(Protocol):
     version: int
 
     def generate(self, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]: ...
+
+    def stream(
+        self,
+        source: Callable[[int, bool], list[GenRequest] | None],
+        on_done: Callable[[GenRequest, Trajectory], None],
+        greedy: bool = False,
+    ) -> None:
+        """Continuous batching: pull up to n requests from ``source(n, block)`` whenever n slots are
+        free (None: no more, ever), hand each trajectory to ``on_done`` as soon as it finishes."""
+        ...
 
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
 

@@ -132,7 +132,7 @@ class LocalEngine:
         if pending is None:
             return False
         state_dict, version = pending
-        self.model.load_state_dict(state_dict, strict=False)
+        self.model.load_state_dict(state_dict)  # strict: a mismatched checkpoint must fail loudly
         self.version = version
         self.num_weight_updates += 1
         return True
@@ -142,6 +142,7 @@ class LocalEngine:
         return {
             "perf/gen_tokens_per_s": self.num_generated_tokens / s,
             "rollout/interruptions": float(self.num_interruptions),
+            "rollout/weight_updates": float(self.num_weight_updates),
         }
 
     # ---- generation --------------------------------------------------------------------------
@@ -151,6 +152,7 @@ class LocalEngine:
         pending = list(requests)
         done: dict[int, Trajectory] = {}
         order = {id(r): i for i, r in enumerate(requests)}
+        assert len(order) == len(requests), "pass distinct request objects (one per sample)"
 
         def source(n: int, block: bool) -> list[GenRequest] | None:
             if not pending:
