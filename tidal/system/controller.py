@@ -106,7 +106,7 @@ class Controller:
         if batch is not None:
             metrics.update(self.trainer.step(batch))
         else:
-            self.trainer.version += 1  # nothing to learn from: the weights carry over unchanged
+            self.trainer.skip_step()
         t0 = time.perf_counter()
         self.engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
         metrics["perf/weight_sync_s"] = time.perf_counter() - t0

@@ -74,6 +74,11 @@ class Trainer:
         self.version += 1
         return totals
 
+    def skip_step(self) -> None:
+        """A batch with no learning signal (every group's rewards equal): the weights carry over
+        unchanged as the next version, so version numbers keep counting training steps."""
+        self.version += 1
+
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
         """A detached copy of the weights to ship to the rollout engine."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
