@@ -125,7 +125,7 @@ def apply_mapping(cfg: C, mapping: dict[str, Any], prefix: str = "") -> C:
     """Apply a nested mapping (e.g. a loaded config.yaml) onto a config."""
     for key, value in mapping.items():
         full = f"{prefix}{key}"
-        if isinstance(value, dict) and dataclasses.is_dataclass(getattr(_walk(cfg, full), "__class__", None)):
+        if isinstance(value, dict) and dataclasses.is_dataclass(_walk(cfg, full)):
             apply_mapping(cfg, value, f"{full}.")
         else:
             set_key(cfg, full, value)

@@ -88,7 +88,3 @@ def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model, tokenizer
-
-
-def num_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
