@@ -32,3 +32,17 @@ def test_yaml_round_trip(tmp_path):
     cfg = apply_overrides(RECIPES.get("quickstart")(), ["optim.lr=5e-4", "rollout.stop=[z]"])
     save_yaml(cfg, tmp_path / "c.yaml")
     assert load_yaml_into(RunConfig(), tmp_path / "c.yaml") == cfg
+
+
+def test_mapping_fields_take_free_sub_keys(tmp_path):
+    cfg = apply_overrides(RunConfig(), ["reward.params.mode=all_pass", "reward.params.inner.k=2"])
+    assert cfg.reward.params == {"mode": "all_pass", "inner": {"k": 2}}
+    save_yaml(cfg, tmp_path / "c.yaml")
+    assert load_yaml_into(RunConfig(), tmp_path / "c.yaml").reward.params == cfg.reward.params
+
+
+def test_reward_params_reach_the_reward_and_bad_ones_are_named():
+    from tidal.rewards import build_reward
+
+    with pytest.raises(ConfigError, match="exact_match.*takes no parameters"):
+        build_reward("exact_match", {"mode": "x"})

@@ -66,7 +66,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     """Greedy held-out accuracy of a run's latest checkpoint or of a model directory."""
     from tidal.models import tiny
-    from tidal.rewards import REWARDS
+    from tidal.rewards import build_reward
     from tidal.rewards.pool import RewardPool
     from tidal.rollout import ENGINES
     from tidal.system.evaluate import greedy_accuracy
@@ -84,7 +84,7 @@ def cmd_eval(args) -> int:
     model, tokenizer = tiny.load(model_dir)
     task = TASKS.get(cfg.task.name)(cfg.task)
     engine = ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg.rollout, cfg.seed, 0)
-    pool = RewardPool(REWARDS.get(cfg.reward.name), cfg.reward)
+    pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
     try:
         result = greedy_accuracy(engine, tokenizer, task.eval_prompts()[: cfg.num_eval], pool)
     finally:

@@ -92,6 +92,14 @@ def set_key(cfg: Any, key: str, raw_value: Any) -> None:
     parts = key.split(".")
     node = cfg
     for i, part in enumerate(parts):
+        if isinstance(node, dict):  # a free-form mapping field (e.g. ``reward.params``): any sub-key
+            *inner, last = parts[i:]
+            for name in inner:
+                node = node.setdefault(name, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{key!r}: {name!r} is not a mapping")
+            node[last] = raw_value
+            return
         names = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
         if part not in names:
             close = difflib.get_close_matches(key, _all_keys(cfg), n=3, cutoff=0.5)

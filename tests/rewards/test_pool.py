@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from tidal.rewards import REWARDS
+from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardConfig, RewardPool
 from tidal.types import Prompt
 
@@ -18,7 +18,7 @@ def slow_or_bad(response: str, prompt: Prompt):
 
 
 def test_exact_match():
-    fn = REWARDS.get("exact_match")
+    fn = build_reward("exact_match")
     assert fn(" 2 ", P)[0] == 1.0
     assert fn("3", P)[0] == 0.0
     assert fn("22", P)[0] == 0.0

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from tidal.rewards import REWARDS
+from tidal.rewards import register_fn
 from tidal.system.run import prepare
 
 from .test_controller import tiny_cfg
 
 
-@REWARDS.register("test_flaky")
+@register_fn("test_flaky")
 def flaky_reward(response: str, prompt):
     if response.startswith("1"):
         raise ValueError("verifier bug")

@@ -1,7 +1,53 @@
-"""Rewards: verifiers and the worker pool that runs them off the trainer's path (no torch here)."""
+"""Rewards: verifiers, their composition, and the worker pool that runs them (no torch here).
 
+Every entry of ``REWARDS`` is a *factory*: ``REWARDS.get(name)(**params)`` returns a reward
+function ``fn(response: str, prompt: Prompt) -> (reward: float, details: dict)`` (the
+``tidal.api.RewardFn`` protocol). Parameters come from ``reward.params`` in a run config or
+``--set`` in ``tidal score``. The function must be picklable (a module-level function or a
+dataclass instance), because the pool ships it to worker processes.
+
+Conventions for ``details``:
+- ``error``: why a reward is 0 because scoring failed (raised, timed out, killed); counted.
+- ``components``: ``{name: score}`` for composed rewards; each is logged as ``reward/<name>/mean``.
+- ``prompt.meta`` carries the row's extra fields (``tests`` for code, ...) and, during training,
+  ``num_tokens`` / ``truncated`` of the response, for length-aware rewards.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from tidal.config import ConfigError
 from tidal.registry import Registry
 
 REWARDS: Registry = Registry("reward")
+
+
+def _fixed(name: str, fn: Callable, **params: Any) -> Callable:
+    if params:
+        raise ConfigError(f"reward {name!r} takes no parameters, got {sorted(params)}")
+    return fn
+
+
+def register_fn(name: str) -> Callable[[Callable], Callable]:
+    """Register a parameterless verifier function ``fn(response, prompt)`` under ``name``."""
+
+    def decorator(fn: Callable) -> Callable:
+        REWARDS.register(name)(functools.partial(_fixed, name, fn))
+        return fn
+
+    return decorator
+
+
+def build_reward(name: str, params: dict[str, Any] | None = None) -> Callable:
+    """The reward function ``name`` configured with ``params``; a bad parameter is a ConfigError."""
+    factory = REWARDS.get(name)
+    try:
+        return factory(**(params or {}))
+    except TypeError as e:
+        raise ConfigError(f"reward {name!r}: {e}") from None
+
 
 from tidal.rewards import exact_match as _exact_match  # noqa: E402,F401  (registers rewards)

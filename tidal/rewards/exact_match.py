@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.rewards import REWARDS
+from tidal.rewards import register_fn
 from tidal.types import Prompt
 
 
-@REWARDS.register("exact_match")
+@register_fn("exact_match")
 def exact_match(response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
     correct = response.strip() == prompt.answer.strip()
     return float(correct), {"correct": correct}
 
 
-@REWARDS.register("digit_match")
+@register_fn("digit_match")
 def digit_match(response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
     """Partial credit: the fraction of answer characters matched position by position, divided by
     the longer of the two lengths (so padding or truncating is penalized). 1.0 iff exact match.

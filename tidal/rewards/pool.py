@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.types import Prompt
@@ -27,6 +27,8 @@ class RewardConfig:
 
     name: str = "exact_match"
     """Registered reward (``tidal.rewards.REWARDS``)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The reward's parameters (e.g. ``{mode: all_pass}`` for ``code``); ``--set reward.params.mode=...``."""
     num_workers: int = 1
     """Worker processes. 0 scores inline on the caller's thread (tests, trivially cheap rewards)."""
     timeout_s: float = 10.0

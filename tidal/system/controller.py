@@ -14,6 +14,7 @@ version k and publishes version k+1 to the rollout engine.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tidal.api import RolloutEngine, Task, Tracker
+from tidal.rewards.monitor import reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.requests import group_requests
 from tidal.system.buffer import RolloutBuffer
@@ -75,7 +77,7 @@ class Controller:
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Group]:
         n = self.cfg.rollout.group_size
-        scores = self.reward_pool.score([(t.text, prompts[i // n]) for i, t in enumerate(trajs)])
+        scores = self.reward_pool.score([(t.text, _with_length(prompts[i // n], t)) for i, t in enumerate(trajs)])
         for t, (reward, details) in zip(trajs, scores):
             t.reward, t.reward_details = reward, details
         return [Group(p, trajs[i * n : (i + 1) * n]) for i, p in enumerate(prompts)]
@@ -101,6 +103,7 @@ class Controller:
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/staleness_max": float(max(staleness)),
         }
+        metrics.update(reward_metrics(rewards, [t.reward_details for t in trajs], [t.num_tokens for t in trajs]))
         batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
         metrics.update(algo_metrics)
         if batch is not None:
@@ -279,3 +282,9 @@ class Controller:
             buffer.close()
             generator.join()  # finishes the rows it was decoding, then ends its stream
             scorer.join()
+
+
+def _with_length(prompt: Prompt, traj: Trajectory) -> Prompt:
+    """The prompt as the reward sees it: its meta plus the response's token count and truncation."""
+    meta = {**prompt.meta, "num_tokens": traj.num_tokens, "truncated": traj.finish_reason == "length"}
+    return dataclasses.replace(prompt, meta=meta)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tidal import config as config_lib
 from tidal.models import tiny
-from tidal.rewards import REWARDS
+from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
 from tidal.system.config import RunConfig
@@ -56,7 +56,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     make_engine = ENGINES.get(cfg.rollout.engine)
     engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
     eval_engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
-    reward_pool = RewardPool(REWARDS.get(cfg.reward.name), cfg.reward)
+    reward_pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
 
     trackers: list = [JsonlTracker(out_dir / "metrics.jsonl", resume_after_step=state.step if resume else None)]
     if cfg.log.tensorboard:
