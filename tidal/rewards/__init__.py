@@ -50,4 +50,10 @@ def build_reward(name: str, params: dict[str, Any] | None = None) -> Callable:
         raise ConfigError(f"reward {name!r}: {e}") from None
 
 
+from tidal.rewards import compose as _compose  # noqa: E402,F401
 from tidal.rewards import exact_match as _exact_match  # noqa: E402,F401  (registers rewards)
+from tidal.rewards import format as _format  # noqa: E402,F401
+from tidal.rewards import judge as _judge  # noqa: E402,F401
+from tidal.rewards import language as _language  # noqa: E402,F401
+from tidal.rewards import length as _length  # noqa: E402,F401
+from tidal.rewards import math as _math  # noqa: E402,F401

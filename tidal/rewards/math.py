@@ -1,0 +1,235 @@
+"""Math correctness: extract the response's final answer and check it against ``prompt.answer``.
+
+Two steps, as in Magistral (arXiv 2506.10910, sec. 2.2.1, "correctness": the last ``\\boxed{}``
+answer, compared with the reference by a rule-based, sympy-backed verifier):
+
+1. *Extraction* (ours, plain regexes): the final answer is searched in the answer region (the text
+   after ``</think>`` when the response thinks) in the configured ``formats``, in order, and the
+   first format that occurs wins: ``boxed`` (``\\boxed{..}``/``\\fbox{..}``, braces matched; the
+   last one), ``answer_tag`` (``<answer>..</answer>``, the last one), ``answer_is`` ("the answer
+   is X" / "final answer: X", up to the end of the sentence; the last one).
+2. *Equivalence* (math-verify's ``parse``/``verify``, no LaTeX parsing of our own): the extracted
+   string and the gold answer (LaTeX or plain text) are parsed to sympy and compared symbolically
+   and numerically, so ``\\frac12``, ``0.5`` and ``1/2`` are the same answer.
+
+Modes. ``strict`` (default): only the configured formats count; no final answer scores 0.
+``lenient``: when none of the formats occurs, fall back to math-verify's own extraction from the
+answer region (its LaTeX/expression extraction, which takes the *last* expression it can parse).
+
+Reward hacking this resists (each scores 0, with ``details["reason"]``):
+- *hedging*: several different answers in the winning format (``\\boxed{3} ... \\boxed{4}``);
+  repeats of one answer (``\\boxed{1/2}`` then ``\\boxed{0.5}``) are fine;
+- *an answer hidden in the reasoning*: only the final-answer formats count, so a correct number in
+  the text next to a wrong or missing final answer scores 0 (strict; lenient takes the last
+  expression only); with ``after_think`` text inside ``<think>`` never counts, and an unclosed
+  ``<think>`` has no answer at all;
+- *repeating the question*: verbatim copies of the question are removed before extraction, and an
+  answer that is an expression copied from the question (``\\boxed{2+3}`` for "What is 2+3?",
+  which is symbolically equal to 5) is rejected unless it is literally the gold answer (plain
+  numbers are exempt, e.g. multiple choice).
+
+math-verify bounds its own work with ``signal.alarm``, which only works in a process's main thread
+(the reward pool's workers). Elsewhere (``tidal score --workers 0`` from a thread, tests) its
+timeouts are switched off and the pool's per-item timeout is the only bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from math_verify import parse, verify
+
+from tidal.config import ConfigError
+from tidal.rewards import REWARDS
+from tidal.types import Prompt
+
+FORMATS = ("boxed", "answer_tag", "answer_is")
+MODES = ("strict", "lenient")
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
+# "the answer is X", "final answer: X", "The final answer is $X$." up to a line end or a sentence end.
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)(?:\s+is)?\s*[:=]?\s*(.+?)(?=\n|\.\s|\.?$)", re.I)
+# A prose word ends the expression after "the answer is": "5 because ..." -> "5". LaTeX commands
+# (\\pi), words in braces (\\text{..}) and function calls (sqrt(2)) are not prose.
+_PROSE = re.compile(r"(?<![\\\w{])[A-Za-z]{2,}(?![\w({^_])")
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")
+_WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "**"))
+
+
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every ``\\boxed{..}``/``\\fbox{..}`` in order, nested braces matched; an unclosed
+    box (a truncated response) is left out."""
+    out = []
+    for m in _BOXED.finditer(text):
+        depth, start = 1, m.end()
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                out.append(text[start:i])
+                break
+    return out
+
+
+def _leading_expression(text: str) -> str:
+    """The expression at the start of "the answer is ..." text: a delimited math span, or the text
+    up to the first prose word (empty when it starts with prose: "the answer might be 42")."""
+    s = text.strip()
+    for left, right in _WRAPPERS[:4]:
+        end = s.find(right, len(left)) if s.startswith(left) else -1
+        if end > 0:
+            return s[: end + len(right)]
+    m = _PROSE.search(s)
+    return s[: m.start()] if m else s
+
+
+def _clean(answer: str) -> str:
+    """Strip math delimiters, bold and final punctuation around an extracted answer."""
+    s = answer.strip().rstrip(".,;:").strip()
+    changed = True
+    while changed:
+        changed = False
+        for left, right in _WRAPPERS:
+            if len(s) > len(left) + len(right) and s.startswith(left) and s.endswith(right):
+                s, changed = s[len(left) : -len(right)].strip(), True
+    boxes = boxed_contents(s)
+    return boxes[-1].strip() if boxes else s
+
+
+def extract_answers(text: str, formats: tuple[str, ...] | list[str] = FORMATS) -> tuple[str | None, list[str]]:
+    """``(format, answers)``: every non-empty answer of the first format in ``formats`` that occurs
+    in ``text``, in order (the final answer is the last); ``(None, [])`` when none occurs."""
+    for fmt in formats:
+        if fmt == "boxed":
+            found = boxed_contents(text)
+        elif fmt == "answer_tag":
+            found = _ANSWER_TAG.findall(text)
+        else:
+            found = [_leading_expression(x) for x in _ANSWER_IS.findall(text)]
+        answers = [a for a in (_clean(x) for x in found) if a]
+        if answers:
+            return fmt, answers
+    return None, []
+
+
+def _squash(s: str) -> str:
+    """A comparison key for literal (not symbolic) matching: no whitespace, ``$`` or ``\\!``."""
+    return re.sub(r"\s+|\$|\\!|\\,", "", s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _question_pattern(question: str) -> re.Pattern[str] | None:
+    """The question as a regex that tolerates whitespace changes (a model re-wraps lines)."""
+    words = question.split()
+    return re.compile(r"\s+".join(map(re.escape, words))) if words else None
+
+
+def strip_question(response: str, question: str) -> str:
+    """``response`` with every verbatim copy of ``question`` removed (whitespace-insensitive)."""
+    pattern = _question_pattern(question)
+    return pattern.sub(" ", response) if pattern else response
+
+
+def copied_from_question(answer: str, question: str, gold: str) -> bool:
+    """True when ``answer`` is an expression that appears literally in ``question`` and is not
+    literally ``gold``. Plain numbers are exempt (multiple choice, "is 7 prime?")."""
+    a = _squash(answer)
+    if not a or _PLAIN_NUMBER.fullmatch(a) or a == _squash(_clean(gold)):
+        return False
+    return a in _squash(question)
+
+
+def _timeout(seconds: int | None) -> int | None:
+    """math-verify's ``signal.alarm`` timeout works only in the main thread; None disables it."""
+    return seconds if threading.current_thread() is threading.main_thread() else None
+
+
+def parse_answer(answer: str, timeout_s: int | None = None) -> list:
+    """math-verify's parse of one extracted answer string (wrapped in ``\\boxed{}`` so its LaTeX
+    extraction takes the whole string); ``[]`` when it cannot be parsed."""
+    return parse("\\boxed{" + answer + "}", parsing_timeout=timeout_s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> tuple:
+    boxes = boxed_contents(gold)
+    parsed = parse_answer(boxes[-1] if boxes else _clean(gold)) or parse(gold, parsing_timeout=None)
+    return tuple(parsed)
+
+
+@dataclass
+class MathReward:
+    """``math``: 1.0 when the response's final answer is equivalent to ``prompt.answer``, else 0.0.
+
+    See the module docstring for extraction, modes and the anti-hacking rules."""
+
+    mode: str = "strict"
+    """``strict``: only ``formats`` count; ``lenient``: fall back to math-verify's extraction of the
+    last expression when none of them occurs."""
+    formats: list[str] = field(default_factory=lambda: list(FORMATS))
+    """Final-answer formats to look for, in priority order: ``boxed``, ``answer_tag``, ``answer_is``.
+    Magistral (sec. 2.2.1) uses ``[boxed]`` only."""
+    after_think: bool = True
+    """When the response contains ``<think>``/``</think>``, search only after the last ``</think>``
+    (an unclosed think block has no answer): thoughts may try candidates, the answer may not."""
+    reject_copied: bool = True
+    """Score 0 an answer that is an expression copied from the question (see the module docstring)."""
+    timeout_s: int | None = 5
+    """math-verify's own per-parse/per-comparison limit (its default), main thread only."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"math: mode must be one of {MODES}, got {self.mode!r}")
+        unknown = [f for f in self.formats if f not in FORMATS]
+        if unknown or not self.formats:
+            raise ConfigError(f"math: formats must be a non-empty subset of {FORMATS}, got {self.formats!r}")
+
+    def __call__(self, response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
+        gold = prompt.answer.strip()
+        if not gold:
+            return 0.0, {"error": "empty gold answer", "reason": "empty gold answer"}
+        gold_parsed = list(_parse_gold(gold))
+        details: dict[str, Any] = {"extracted": None, "gold_parsed": [str(g) for g in gold_parsed]}
+        if not gold_parsed:
+            return 0.0, {**details, "error": f"gold answer unparseable: {gold!r}", "reason": "gold unparseable"}
+
+        def result(reason: str, correct: bool = False) -> tuple[float, dict[str, Any]]:
+            return float(correct), {**details, "correct": correct, "reason": reason}
+
+        region = response
+        if self.after_think and ("<think>" in response or "</think>" in response):
+            if "</think>" not in response:
+                return result("unfinished thinking: no </think>, so no final answer")
+            region = response.rsplit("</think>", 1)[1]
+        region = strip_question(region, prompt.text)
+        timeout = _timeout(self.timeout_s)
+
+        fmt, answers = extract_answers(region, self.formats)
+        details["format"] = fmt
+        if answers:
+            extracted = answers[-1]
+            parsed = parse_answer(extracted, timeout)
+            for other in dict.fromkeys(a for a in answers if _squash(a) != _squash(extracted)):
+                if not parsed or not verify(parsed, parse_answer(other, timeout), timeout_seconds=timeout):
+                    details["extracted"] = answers
+                    return result(f"multiple different answers ({fmt})")
+        elif self.mode == "lenient":
+            parsed = parse(region, parsing_timeout=timeout)
+            extracted, details["format"] = (str(parsed[-1]) if parsed else None), "fallback"
+        else:
+            return result(f"no final answer in {self.formats}")
+        details["extracted"] = extracted
+        details["parsed"] = [str(p) for p in parsed]
+        if not parsed:
+            return result("no final answer" if extracted is None else "answer unparseable")
+        if self.reject_copied and copied_from_question(extracted, prompt.text, gold):
+            return result("answer copied from the question")
+        correct = verify(gold_parsed, parsed, timeout_seconds=timeout)
+        return result("correct" if correct else "wrong answer", correct)
+
+
+REWARDS.register("math")(MathReward)
