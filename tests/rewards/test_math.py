@@ -113,6 +113,8 @@ def test_bad_gold_is_an_error_and_bad_params_are_config_errors():
         build_reward("math", {"mode": "loose"})
     with pytest.raises(ConfigError, match="formats"):
         build_reward("math", {"formats": ["boxed", "last_line"]})
+    with pytest.raises(ConfigError, match="timeout_s"):
+        build_reward("math", {"timeout_s": 0.5})
     with pytest.raises(ConfigError, match="unexpected keyword"):
         build_reward("math", {"strictness": 1})
 

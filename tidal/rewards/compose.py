@@ -3,7 +3,7 @@
     total = sum_i weight_i * score_i        if every gate passes
           = floor                           if any gate fails (default 0)
 
-Magistral (arXiv 2506.10910, sec. 2.2.1) is the model: a response with the wrong format gets 0
+Magistral (arXiv 2506.10910, sec. 2.2) is the model: a response with the wrong format gets 0
 and is not graded further; otherwise format (+0.1), correctness (+0.9), the DAPO length penalty and
 language consistency (+0.1) add up. As params:
 

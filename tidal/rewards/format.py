@@ -1,7 +1,7 @@
 """Format reward: does the response have the structure the task asks for? 1.0 if every configured
 check passes, else 0.0, with the first failing check's reason in ``details["reason"]``.
 
-Magistral (arXiv 2506.10910, sec. 2.2.1, "formatting") requires, before a response is graded at
+Magistral (arXiv 2506.10910, sec. 2.2, "formatting") requires, before a response is graded at
 all: (i) the response starts with ``<think>`` and has exactly one ``<think>``/``</think>`` pair;
 (ii) for math, a ``\\boxed{}`` final answer in the answer section after ``</think>``; (iii) for code,
 at least one markdown code block fenced with triple backticks followed by the language name. A
@@ -78,7 +78,7 @@ class FormatReward:
     checks: list[str] = field(default_factory=lambda: ["think", "boxed"])
     """Which checks to run: ``think``, ``boxed`` (math), ``code`` (code). Default: Magistral's math format."""
     code_lang: bool = True
-    """``code`` requires a language name after the opening backticks (Magistral sec. 2.2.1)."""
+    """``code`` requires a language name after the opening backticks (Magistral sec. 2.2)."""
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.checks if c not in CHECKS]

@@ -1,6 +1,6 @@
 """Language consistency: are the problem, the thoughts and the answer in one language?
 
-Magistral (arXiv 2506.10910, sec. 2.2.1, "language consistency") keeps a multilingual model from
+Magistral (arXiv 2506.10910, sec. 2.2, "language consistency") keeps a multilingual model from
 switching languages mid-response: it removes LaTeX and code from the problem, the thoughts and the
 answer, classifies each with a fastText language classifier, and adds 0.1 to the reward when all
 three are the same language. Here the score is 1.0 (same) or 0.0 (different); give the term weight

@@ -12,7 +12,7 @@ be truncated gets -1: the policy learns to finish in time rather than being cut 
 are L_max = 20480 and L_cache = 4096 (16,384 expected tokens plus a 4,096-token soft cache); they
 are the defaults here. A tiny model generating a few dozen tokens needs small values (e.g.
 ``max_len=48, cache_len=16``): with the defaults it is never penalized. Magistral (arXiv 2506.10910,
-sec. 2.2.1) uses the same penalty.
+sec. 2.2) uses the same penalty.
 
 The length is ``prompt.meta["num_tokens"]`` (set for every response during training). Without it
 (``tidal score`` on JSONL without a ``num_tokens`` field) the ``fallback`` unit is counted:

@@ -1,6 +1,6 @@
 """Math correctness: extract the response's final answer and check it against ``prompt.answer``.
 
-Two steps, as in Magistral (arXiv 2506.10910, sec. 2.2.1, "correctness": the last ``\\boxed{}``
+Two steps, as in Magistral (arXiv 2506.10910, sec. 2.2, "correctness": the last ``\\boxed{}``
 answer, compared with the reference by a rule-based, sympy-backed verifier):
 
 1. *Extraction* (ours, plain regexes): the final answer is searched in the answer region (the text
@@ -51,6 +51,7 @@ FORMATS = ("boxed", "answer_tag", "answer_is")
 MODES = ("strict", "lenient")
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 # "the answer is X", "final answer: X", "The final answer is $X$." up to a line end or a sentence end.
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)(?:\s+is)?\s*[:=]?\s*(.+?)(?=\n|\.\s|\.?$)", re.I)
@@ -63,16 +64,21 @@ _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "*
 
 def boxed_contents(text: str) -> list[str]:
     """Contents of every ``\\boxed{..}``/``\\fbox{..}`` in order, nested braces matched; an unclosed
-    box (a truncated response) is left out."""
-    out = []
-    for m in _BOXED.finditer(text):
-        depth, start = 1, m.end()
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                out.append(text[start:i])
-                break
-    return out
+    box (a truncated response) is left out. One pass over the braces: linear even for a hostile
+    response full of unclosed boxes."""
+    starts = {m.end() - 1 for m in _BOXED.finditer(text)}  # positions of the boxes' opening braces
+    if not starts:
+        return []
+    stack: list[int] = []
+    found: list[tuple[int, str]] = []
+    for m in _BRACE.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            open_at = stack.pop()
+            if open_at in starts:
+                found.append((open_at, text[open_at + 1 : m.start()]))
+    return [content for _, content in sorted(found)]
 
 
 def _leading_expression(text: str) -> str:
@@ -155,10 +161,13 @@ def parse_answer(answer: str, timeout_s: int | None = None) -> list:
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str) -> tuple:
+def _parse_gold(gold: str, timeout_s: int | None) -> tuple:
+    """The gold answer parsed (cached: every sample of a group shares it): its last box if it has
+    one, else the whole string as one expression, else math-verify's extraction from it."""
     boxes = boxed_contents(gold)
-    parsed = parse_answer(boxes[-1] if boxes else _clean(gold)) or parse(gold, parsing_timeout=None)
-    return tuple(parsed)
+    return tuple(
+        parse_answer(boxes[-1] if boxes else _clean(gold), timeout_s) or parse(gold, parsing_timeout=timeout_s)
+    )
 
 
 @dataclass
@@ -172,14 +181,15 @@ class MathReward:
     last expression when none of them occurs."""
     formats: list[str] = field(default_factory=lambda: list(FORMATS))
     """Final-answer formats to look for, in priority order: ``boxed``, ``answer_tag``, ``answer_is``.
-    Magistral (sec. 2.2.1) uses ``[boxed]`` only."""
+    Magistral (sec. 2.2) uses ``[boxed]`` only."""
     after_think: bool = True
     """When the response contains ``<think>``/``</think>``, search only after the last ``</think>``
     (an unclosed think block has no answer): thoughts may try candidates, the answer may not."""
     reject_copied: bool = True
     """Score 0 an answer that is an expression copied from the question (see the module docstring)."""
     timeout_s: int | None = 5
-    """math-verify's own per-parse/per-comparison limit (its default), main thread only."""
+    """math-verify's own per-parse/per-comparison limit in whole seconds (its default 5); it uses
+    ``signal.alarm``, so it applies in a main thread only; null disables it."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -187,12 +197,17 @@ class MathReward:
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown or not self.formats:
             raise ConfigError(f"math: formats must be a non-empty subset of {FORMATS}, got {self.formats!r}")
+        if self.timeout_s is not None and (not isinstance(self.timeout_s, int) or self.timeout_s < 1):
+            raise ConfigError(
+                f"math: timeout_s must be whole seconds >= 1 (signal.alarm) or null, got {self.timeout_s!r}"
+            )
 
     def __call__(self, response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
         gold = prompt.answer.strip()
         if not gold:
             return 0.0, {"error": "empty gold answer", "reason": "empty gold answer"}
-        gold_parsed = list(_parse_gold(gold))
+        timeout = _timeout(self.timeout_s)
+        gold_parsed = list(_parse_gold(gold, timeout))
         details: dict[str, Any] = {"extracted": None, "gold_parsed": [str(g) for g in gold_parsed]}
         if not gold_parsed:
             return 0.0, {**details, "error": f"gold answer unparseable: {gold!r}", "reason": "gold unparseable"}
@@ -206,7 +221,6 @@ class MathReward:
                 return result("unfinished thinking: no </think>, so no final answer")
             region = response.rsplit("</think>", 1)[1]
         region = strip_question(region, prompt.text)
-        timeout = _timeout(self.timeout_s)
 
         fmt, answers = extract_answers(region, self.formats)
         details["format"] = fmt
@@ -215,7 +229,7 @@ class MathReward:
             parsed = parse_answer(extracted, timeout)
             for other in dict.fromkeys(a for a in answers if _squash(a) != _squash(extracted)):
                 if not parsed or not verify(parsed, parse_answer(other, timeout), timeout_seconds=timeout):
-                    details["extracted"] = answers
+                    details["extracted"], details["answers"] = extracted, answers
                     return result(f"multiple different answers ({fmt})")
         elif self.mode == "lenient":
             parsed = parse(region, parsing_timeout=timeout)
