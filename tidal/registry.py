@@ -46,6 +46,10 @@ class Registry(Generic[T]):
                 f"unknown {self.kind} {name!r}{hint} (registered: {', '.join(sorted(self._items))})"
             ) from None
 
+    def __getitem__(self, name: str) -> T:
+        """``REGISTRY[name]``: the same as ``get`` (an unknown name lists close matches)."""
+        return self.get(name)
+
     def names(self) -> list[str]:
         return sorted(self._items)
 
