@@ -1,46 +1,217 @@
+"""Each policy loss against hand-computed numbers, and the on-policy reductions between them."""
+
 import math
 
+import pytest
 import torch
 
-from tidal.algo import LOSS_AGGREGATIONS, POLICY_LOSSES
-from tidal.algo.config import AlgoConfig
+from tidal.algo import CORRECTIONS, POLICY_LOSSES, bind
 
-ppo = POLICY_LOSSES.get("ppo_clip")
+t = torch.tensor
+E = math.exp
 
 
-def _loss(logp, behav, adv, cfg=None):
-    t = lambda x: torch.tensor([x])
-    return ppo(t(logp), t(behav), t(adv), torch.ones(1, len(logp)), cfg or AlgoConfig())
+def per_token(name, logp, old, adv, **kw):
+    """Each token's loss and its gradient d loss_t / d logp_t, read through one-hot aggregation weights."""
+    logp = t([logp], requires_grad=True) if not isinstance(logp, torch.Tensor) else logp
+    old, adv = t([old]), t([adv])
+    mask = torch.ones_like(old)
+    values, grads = [], []
+    for j in range(old.shape[1]):
+        onehot = torch.zeros_like(old)
+        onehot[0, j] = 1.0
+        loss, _ = POLICY_LOSSES[name](logp, old, adv, mask, agg_weights_bt=onehot, **kw)
+        (g,) = torch.autograd.grad(loss, logp)
+        values.append(loss.item())
+        grads.append(g[0, j].item())
+    return values, grads
+
+
+def approx(xs, tol=1e-6):
+    return pytest.approx(xs, abs=tol, rel=1e-6)
 
 
 def test_ppo_clip_decoupled_range_hand_computed():
-    # ratios e^{0.5}=1.6487 (A=+1: clipped at 1+0.28), e^{-0.5}=0.6065 (A=+1: unclipped, min picks r*A),
-    # e^{0.1}=1.1052 (A=-2: inside range), e^{-0.5} (A=-1: clipped at 1-0.2 -> loss = 0.8).
-    loss, m = _loss([0.5, -0.5, 0.1, -0.5], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, -2.0, -1.0])
-    expected = [-1.28, -math.exp(-0.5), 2 * math.exp(0.1), 0.8]
-    assert torch.allclose(loss, torch.tensor([expected]), atol=1e-6)
-    assert abs(m["algo/clip_frac"] - 0.5) < 1e-9
+    # ratio e^0.5 = 1.6487, A=+1: clipped at 1.28, no gradient; e^-0.5, A=+1: unclipped, -r;
+    # e^0.1, A=-2: inside the range, loss 2r; e^-0.5, A=-1: clipped at 1 - 0.2 -> loss 0.8, no gradient.
+    values, grads = per_token("ppo_clip", [0.5, -0.5, 0.1, -0.5], [0.0] * 4, [1.0, 1.0, -2.0, -1.0])
+    assert values == approx([-1.28, -E(-0.5), 2 * E(0.1), 0.8])
+    assert grads == approx([0.0, -E(-0.5), 2 * E(0.1), 0.0])
+    _, m = POLICY_LOSSES["ppo_clip"](
+        t([[0.5, -0.5, 0.1, -0.5]]), torch.zeros(1, 4), t([[1.0, 1, -2, -1]]), torch.ones(1, 4)
+    )
+    assert m["algo/clip_frac"] == 0.5 and m["algo/clip_frac_high"] == 0.25 and m["algo/clip_frac_low"] == 0.25
 
 
-def test_ppo_clip_gradient_is_zero_when_clipped_and_ratio_weighted_otherwise():
-    logp = torch.tensor([[0.5, 0.05]], requires_grad=True)
-    loss, _ = ppo(logp, torch.zeros(1, 2), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), AlgoConfig())
-    loss.sum().backward()
-    # token 0 clipped above 1.28 with A>0: no gradient; token 1: d(-r*A)/dlogp = -r = -e^{0.05}
-    assert torch.allclose(logp.grad, torch.tensor([[0.0, -math.exp(0.05)]]))
+def test_ppo_clip_token_mean_gradient():
+    logp = t([[0.5, 0.05]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["ppo_clip"](logp, torch.zeros(1, 2), t([1.0]), torch.ones(1, 2))
+    loss.backward()
+    # token 0 clipped (ratio 1.65 > 1.28 with A > 0): no gradient; token 1: -r / 2 tokens
+    assert logp.grad[0].tolist() == approx([0.0, -E(0.05) / 2])
 
 
 def test_dual_clip_caps_negative_advantage_loss():
-    # ratio e^{2}=7.39 with A=-1: PPO loss 7.39, dual clip c=3 caps at 3.
-    loss, _ = _loss([2.0], [0.0], [-1.0])
-    assert torch.allclose(loss, torch.tensor([[3.0]]))
-    loss, _ = _loss([2.0], [0.0], [-1.0], AlgoConfig(dual_clip=None))
-    assert torch.allclose(loss, torch.tensor([[math.exp(2.0)]]))
+    # ratio e^2 = 7.39 with A = -1: PPO loss 7.39, dual clip c = 3 caps it at 3 (and stops the gradient).
+    assert per_token("ppo_clip", [2.0], [0.0], [-1.0]) == (approx([3.0]), approx([0.0]))
+    assert per_token("ppo_clip", [2.0], [0.0], [-1.0], dual_clip=None) == (approx([E(2)]), approx([E(2)]))
 
 
-def test_token_mean_vs_seq_mean_token_mean():
-    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    # token_mean: (1+2+3+4)/4 = 2.5; seq_mean_token_mean: (mean(1,2,3)=2 + 4)/2 = 3
-    assert LOSS_AGGREGATIONS.get("token_mean")(loss, mask).item() == 2.5
-    assert LOSS_AGGREGATIONS.get("seq_mean_token_mean")(loss, mask).item() == 3.0
+def test_ppo_clip_extreme_ratios_stay_finite():
+    # log-ratio +-20: A=+1 -> clipped 1.28 / unclipped -e^-20; A=-1 -> dual clip 3 / clipped 0.8
+    values, grads = per_token("ppo_clip", [20.0, -20.0, 20.0, -20.0], [0.0] * 4, [1.0, 1.0, -1.0, -1.0])
+    assert values == approx([-1.28, -E(-20), 3.0, 0.8])
+    assert grads == approx([0.0, -E(-20), 0.0, 0.0])
+
+
+def test_cispo_clips_the_weight_and_keeps_every_gradient():
+    # ratios e^0.5 (inside), e^2 = 7.39 (clipped to 1 + 4 = 5), e^-20 (no lower bound); loss = -w A logp
+    logp = [-0.5, -1.0, -21.0]
+    old = [-1.0, -3.0, -1.0]
+    adv = [2.0, 1.0, -1.0]
+    values, grads = per_token("cispo", logp, old, adv)
+    w = [E(0.5), 5.0, E(-20)]
+    assert values == approx([-w[i] * adv[i] * logp[i] for i in range(3)])
+    assert grads == approx([-w[i] * adv[i] for i in range(3)])
+    # PPO would drop the clipped token entirely; CISPO keeps its gradient
+    assert per_token("ppo_clip", [-1.0], [-3.0], [1.0])[1] == approx([0.0])
+
+
+def test_cispo_custom_bounds():
+    values, grads = per_token("cispo", [0.0, 0.0], [1.0, -1.0], [1.0, 1.0], eps_low_is=0.2, eps_high_is=0.28)
+    # ratios e^-1 = 0.37 -> 0.8, e^1 = 2.72 -> 1.28
+    assert grads == approx([-0.8, -1.28]) and values == approx([0.0, 0.0])
+
+
+def gspo_sequence_form(logp, old, adv, mask, eps_low=3e-4, eps_high=4e-4):
+    """GSPO as the paper writes it (eq. 5-7), one ratio per sequence, mean over sequences."""
+    losses = []
+    for i in range(logp.shape[0]):
+        n = mask[i].sum()
+        s = torch.exp(((logp[i] - old[i]) * mask[i]).sum() / n)
+        losses.append(-torch.minimum(s * adv[i], s.clamp(1 - eps_low, 1 + eps_high) * adv[i]))
+    return torch.stack(losses).mean()
+
+
+# delta 0.2: s > 1 + eps clips the A > 0 rows (3 + 4 of 9 tokens); -0.2: s < 1 - eps clips the A < 0 row (2).
+@pytest.mark.parametrize(("delta", "clip_frac"), [(1e-4, 0.0), (0.2, 7 / 9), (-0.2, 2 / 9)])
+def test_gspo_equals_the_sequence_level_objective_value_and_gradient(delta, clip_frac):
+    torch.manual_seed(0)
+    old = -torch.rand(3, 4) * 3
+    logp = (old + delta + 1e-5 * torch.randn(3, 4)).requires_grad_(True)
+    mask = t([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = t([1.0, -0.5, 2.0])
+    loss, m = POLICY_LOSSES["gspo"](logp, old, adv, mask)
+    (g,) = torch.autograd.grad(loss, logp)
+    ref = gspo_sequence_form(logp, old, adv, mask)
+    (g_ref,) = torch.autograd.grad(ref, logp)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+    assert torch.allclose(g, g_ref, atol=1e-6)
+    assert m["algo/clip_frac"] == pytest.approx(clip_frac)
+
+
+def test_gspo_hand_computed():
+    # mean log-ratio 0.2 -> s = e^0.2 = 1.2214 > 1 + 4e-4, A = 1: clipped, loss -1.0004, no gradient.
+    logp = t([[0.1, 0.3]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["gspo"](logp, torch.zeros(1, 2), t([1.0]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-1.0004)
+    assert torch.autograd.grad(loss, logp)[0].tolist() == [[0.0, 0.0]]
+    # mean log-ratio 0 -> s = 1, A = -2: loss 2, each token's gradient s * (-A) / |y| = 1
+    logp = t([[0.1, -0.1]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["gspo"](logp, torch.zeros(1, 2), t([-2.0]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(2.0)
+    assert torch.autograd.grad(loss, logp)[0][0].tolist() == approx([1.0, 1.0])
+
+
+def test_decoupled_ppo_weights_by_behaviour_ratio_and_clips_against_proximal():
+    # behaviour weight pi_prox / pi_behav = e^{ln 2} = 2; ratio to prox e^0.1 inside [0.8, 1.2] (AReaL 0.2)
+    logp, prox, behav = t([[0.1, 0.5]], requires_grad=True), t([[0.0, 0.0]]), t([[-math.log(2), 0.0]])
+    onehot = [t([[1.0, 0.0]]), t([[0.0, 1.0]])]
+    fn = POLICY_LOSSES["decoupled_ppo"]
+    l0, _ = fn(logp, behav, t([1.0]), torch.ones(1, 2), prox_logp_bt=prox, agg_weights_bt=onehot[0])
+    assert l0.item() == pytest.approx(-2 * E(0.1))
+    assert torch.autograd.grad(l0, logp)[0][0].tolist() == approx([-2 * E(0.1), 0.0])
+    # token 1: weight 1, ratio e^0.5 clipped at 1.2 (symmetric AReaL range)
+    l1, _ = fn(logp, behav, t([1.0]), torch.ones(1, 2), prox_logp_bt=prox, agg_weights_bt=onehot[1])
+    assert l1.item() == pytest.approx(-1.2)
+
+
+def test_decoupled_ppo_behaviour_weight_cap_masks_or_truncates():
+    logp, prox, behav = t([[0.0]], requires_grad=True), t([[0.0]]), t([[-2.0]])  # weight e^2 = 7.39 > 5
+    kw = dict(prox_logp_bt=prox)
+    loss, m = POLICY_LOSSES["decoupled_ppo"](logp, behav, t([1.0]), torch.ones(1, 1), **kw)
+    assert loss.item() == 0.0 and m["algo/behav_cap_frac"] == 1.0
+    loss, _ = POLICY_LOSSES["decoupled_ppo"](logp, behav, t([1.0]), torch.ones(1, 1), behav_cap_mode="truncate", **kw)
+    assert loss.item() == pytest.approx(-5.0)
+    loss, _ = POLICY_LOSSES["decoupled_ppo"](logp, behav, t([1.0]), torch.ones(1, 1), behav_weight_cap=None, **kw)
+    assert loss.item() == pytest.approx(-E(2))
+
+
+def test_reinforce_is_advantage_weighted_log_likelihood():
+    logp = t([[-1.0, -2.0, -3.0]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["reinforce"](logp, torch.zeros(1, 3), t([[2.0, -1.0, 0.5]]), torch.ones(1, 3))
+    assert loss.item() == pytest.approx(-(2 * -1 + -1 * -2 + 0.5 * -3) / 3)
+    assert torch.autograd.grad(loss, logp)[0][0].tolist() == approx([-2 / 3, 1 / 3, -0.5 / 3])
+
+
+# --- off-policy machinery with everything on-policy reduces exactly to the on-policy loss ---
+
+
+def _batch(seed=0):
+    torch.manual_seed(seed)
+    logp = (-torch.rand(4, 6) * 2).requires_grad_(True)
+    mask = (torch.rand(4, 6) > 0.25).float()
+    return logp, mask, torch.randn(4)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_ppo_clip_on_fresh_samples_has_the_reinforce_gradient(agg):
+    logp, mask, adv = _batch()
+    ppo, _ = POLICY_LOSSES["ppo_clip"](logp, logp.detach(), adv, mask, agg=agg)
+    rf, _ = POLICY_LOSSES["reinforce"](logp, logp.detach(), adv, mask, agg=agg)
+    g_ppo, g_rf = torch.autograd.grad(ppo, logp)[0], torch.autograd.grad(rf, logp)[0]
+    assert torch.allclose(g_ppo, g_rf, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["cispo", "decoupled_ppo"])
+def test_importance_corrected_losses_on_fresh_samples_have_the_reinforce_gradient(name):
+    logp, mask, adv = _batch(1)
+    loss, _ = bind(POLICY_LOSSES[name], prox_logp_bt=logp.detach())(logp, logp.detach(), adv, mask)
+    rf, _ = POLICY_LOSSES["reinforce"](logp, logp.detach(), adv, mask)
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(rf, logp)[0], atol=1e-7)
+
+
+def test_decoupled_ppo_with_proximal_equal_to_behaviour_is_ppo_clip():
+    logp, mask, adv = _batch(2)
+    behav = logp.detach() + 0.3 * torch.randn(4, 6)
+    kw = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    dec, m_dec = POLICY_LOSSES["decoupled_ppo"](logp, behav, adv, mask, prox_logp_bt=behav, **kw)
+    ppo, m_ppo = POLICY_LOSSES["ppo_clip"](logp, behav, adv, mask, **kw)
+    assert dec.item() == ppo.item()
+    assert torch.equal(torch.autograd.grad(dec, logp)[0], torch.autograd.grad(ppo, logp)[0])
+    assert m_dec["algo/clip_frac"] == m_ppo["algo/clip_frac"] > 0
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+def test_corrections_with_equal_logps_are_a_no_op(name, correction):
+    logp, mask, adv = _batch(3)
+    old = logp.detach() + 0.1 * torch.randn(4, 6)
+    weight, _ = CORRECTIONS[correction](old, old.clone(), mask)
+    plain, _ = POLICY_LOSSES[name](logp, old, adv, mask)
+    corrected, _ = POLICY_LOSSES[name](logp, old, adv, mask, is_weight_bt=weight)
+    assert corrected.item() == plain.item()
+    assert torch.equal(torch.autograd.grad(corrected, logp)[0], torch.autograd.grad(plain, logp)[0])
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_is_weight_multiplies_each_tokens_term(name):
+    logp, mask, adv = _batch(4)
+    old = logp.detach() + 0.05 * torch.randn(4, 6)
+    weight = torch.rand(4, 6) + 0.5
+    onehot = torch.zeros(4, 6)
+    onehot[1, 2] = 1.0
+    mask[1, 2] = 1.0
+    plain, _ = POLICY_LOSSES[name](logp, old, adv, mask, agg_weights_bt=onehot)
+    weighted, _ = POLICY_LOSSES[name](logp, old, adv, mask, agg_weights_bt=onehot, is_weight_bt=weight)
+    assert weighted.item() == pytest.approx(weight[1, 2].item() * plain.item(), rel=1e-6)

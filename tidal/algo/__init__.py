@@ -1,6 +1,15 @@
-"""Pure tensor math of RL post-training: advantages, policy losses, loss aggregation.
+"""Pure tensor math of RL post-training: advantages, policy losses, aggregation, KL, off-policy corrections.
 
-One registry per kind; every entry is a pure function (tensors in, ``(value, metrics)`` out).
+One registry per kind; every entry is a pure function with explicit keyword-only knobs whose defaults
+are its paper's (docs/algorithms.md lists them all):
+
+    adv_b = ADVANTAGES["grpo"](rewards_b, group_ids_b, adv_eps=1e-6)                    # float[B]
+    loss, metrics = POLICY_LOSSES["cispo"](logp_bt, old_logp_bt, adv_b, mask_bt, agg="token_mean")
+    w_bt, metrics = CORRECTIONS["tis"](old_logp_bt, behav_logp_bt, mask_bt, tis_cap=2.0)
+    loss = aggregate(loss_bt, mask_bt, agg="group_length", group_ids_b=group_ids_b)
+
+``bind(fn, cfg, **data)`` fills in what an ``AlgoConfig`` (and per-batch data) has for ``fn``, so a
+trainer calls whatever is configured without branching on names.
 """
 
 from tidal.registry import Registry
@@ -8,6 +17,45 @@ from tidal.registry import Registry
 ADVANTAGES: Registry = Registry("advantage estimator")
 POLICY_LOSSES: Registry = Registry("policy loss")
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
+KL_ESTIMATORS: Registry = Registry("KL estimator")
+CORRECTIONS: Registry = Registry("off-policy correction")
 
-from tidal.algo import advantages as _advantages  # noqa: E402,F401  (registers)
-from tidal.algo import losses as _losses  # noqa: E402,F401  (registers)
+# The modules register their entries on import (they import the registries above).
+from tidal.algo import losses as _losses  # noqa: E402,F401
+from tidal.algo.advantages import advantage_metrics  # noqa: E402
+from tidal.algo.aggregation import aggregate, aggregation_weights, masked_mean  # noqa: E402
+from tidal.algo.config import AlgoConfig, bind  # noqa: E402
+from tidal.algo.correction import (  # noqa: E402
+    effective_sample_size,
+    effective_sample_size_log,
+    ess_lr_scale,
+    masked_is,
+    sequence_log_ratio,
+    truncated_is,
+)
+from tidal.algo.kl import kl_k1, kl_k2, kl_k3, kl_loss, kl_reward_penalty  # noqa: E402
+
+__all__ = [
+    "ADVANTAGES",
+    "POLICY_LOSSES",
+    "LOSS_AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "CORRECTIONS",
+    "AlgoConfig",
+    "bind",
+    "aggregate",
+    "aggregation_weights",
+    "masked_mean",
+    "advantage_metrics",
+    "effective_sample_size",
+    "effective_sample_size_log",
+    "ess_lr_scale",
+    "sequence_log_ratio",
+    "truncated_is",
+    "masked_is",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_loss",
+    "kl_reward_penalty",
+]

@@ -1,28 +1,139 @@
-"""The algorithm's knobs, with each default's source."""
+"""The algorithm's knobs, each with its default's source, and ``bind``: call a component with them.
+
+Every function in ``tidal.algo`` takes explicit keyword-only parameters with its paper's defaults.
+``AlgoConfig`` holds one field per knob; ``bind(fn, cfg, **data)`` passes ``fn`` exactly the fields
+(and data tensors) its signature accepts, so a caller never branches on which estimator, loss or
+correction is configured::
+
+    adv_b = bind(ADVANTAGES[cfg.advantage], cfg)(rewards_b, group_ids_b)
+    loss, metrics = bind(POLICY_LOSSES[cfg.policy_loss], cfg, group_ids_b=g_b)(logp, old, adv, mask)
+
+Two field conventions, declared in the field's metadata:
+- ``param``: the name the functions use when it differs from the field's (``loss_agg`` -> ``agg``).
+- ``none_means_default``: ``None`` is not passed, so each function keeps its own paper default
+  (``eps_low``/``eps_high`` are 0.2/0.28 for ``ppo_clip`` but 3e-4/4e-4 for ``gspo``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+
+def _own_default(param: str | None = None) -> dict[str, Any]:
+    return {"none_means_default": True, **({"param": param} if param else {})}
 
 
 @dataclass
 class AlgoConfig:
-    """Advantage estimator, policy loss and aggregation, by registered name, plus their constants."""
+    """Advantage estimator, policy loss, aggregation and corrections by registered name, plus constants."""
 
+    # --- which components (registry names) ---
     advantage: str = "grpo"
-    """``grpo``: (r - mean_group) / (std_group + eps) (DeepSeekMath, arXiv 2402.03300 sec. 4.1.2)."""
+    """``ADVANTAGES`` entry. ``grpo``: (r - mean_group) / (std_group + eps) (DeepSeekMath, arXiv 2402.03300
+    sec. 4.1.2). Others: ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``magistral``, ``vcpo``."""
     policy_loss: str = "ppo_clip"
-    """``ppo_clip``: clipped surrogate (Schulman et al. 2017) with decoupled clip range."""
-    loss_agg: str = "token_mean"
-    """``token_mean``: every response token in the batch weighs the same (DAPO, arXiv 2503.14476 sec. 3.3)."""
-    eps_low: float = 0.2
-    """Lower clip: ratio >= 1 - eps_low (DAPO clip-higher keeps PPO's 0.2)."""
-    eps_high: float = 0.28
-    """Upper clip: ratio <= 1 + eps_high (DAPO clip-higher raises it to 0.28 against entropy collapse)."""
+    """``POLICY_LOSSES`` entry. ``ppo_clip``: clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) with
+    DAPO's decoupled clip range. Others: ``cispo``, ``gspo``, ``decoupled_ppo``, ``reinforce``."""
+    loss_agg: str | None = field(default=None, metadata=_own_default("agg"))
+    """``LOSS_AGGREGATIONS`` entry, passed as ``agg``. None: the loss's paper default (``token_mean``, DAPO
+    arXiv 2503.14476 sec. 3.3, for all but ``gspo``, whose objective is ``seq_mean_token_mean``, GSPO eq. 5)."""
+    correction: str = "none"
+    """``CORRECTIONS`` entry for the engine/trainer mismatch: ``none``, ``tis`` (truncated IS, Yao et al. 2025)
+    or ``mis`` (masked IS, Liu, Yao et al. 2025). Its weight multiplies every loss's per-token term."""
+
+    # --- advantages ---
+    adv_eps: float = 1e-6
+    """Added to the std before dividing (``grpo``, ``reinforce_pp``, ``magistral``): TRL/verl's 1e-6 epsilon
+    (the papers divide by the bare std); a group or batch with zero std gets advantage 0, never NaN."""
+    skip_zero_adv_groups: bool = True
+    """Drop groups whose rewards are all equal (zero advantage, no gradient): DAPO's dynamic-sampling filter
+    (arXiv 2503.14476 sec. 3.2) without re-sampling; the count is logged (``algo/zero_adv_groups``)."""
+
+    # --- policy losses ---
+    eps_low: float | None = field(default=None, metadata=_own_default())
+    """Lower clip, ratio >= 1 - eps_low. None: the loss's default: 0.2 for ``ppo_clip`` and ``decoupled_ppo``
+    (PPO, kept by DAPO sec. 3.1), 3e-4 for ``gspo`` (GSPO, arXiv 2507.18071 sec. 5.1)."""
+    eps_high: float | None = field(default=None, metadata=_own_default())
+    """Upper clip, ratio <= 1 + eps_high. None: the loss's default: 0.28 for ``ppo_clip`` (DAPO clip-higher,
+    sec. 3.1), 0.2 for ``decoupled_ppo`` (AReaL's symmetric 0.2), 4e-4 for ``gspo`` (GSPO sec. 5.1)."""
     dual_clip: float | None = 3.0
     """Dual-clip c for negative advantages (Ye et al. 2020, arXiv 1912.09729: c = 3); None disables."""
-    adv_eps: float = 1e-6
-    """Added to the group std in ``grpo`` so all-equal groups give zero advantage, not NaN."""
-    skip_zero_adv_groups: bool = True
-    """Drop groups whose rewards are all equal (zero advantage, no gradient): DAPO's dynamic-sampling
-    filter without re-sampling; the dropped count is logged (``algo/zero_adv_groups``)."""
+    eps_low_is: float = 1.0
+    """CISPO: IS weight >= 1 - eps_low_is. MiniMax-M1 (arXiv 2506.13585 sec. 3.1) sets no lower bound in
+    practice ("a large value"); 1.0 makes the bound 0, which a ratio never crosses."""
+    eps_high_is: float = 4.0
+    """CISPO: IS weight <= 1 + eps_high_is. MiniMax-M1 tunes it without publishing the value; 4.0 (bound 5)
+    is ScaleRL's CISPO setting (arXiv 2510.13786)."""
+    behav_weight_cap: float | None = 5.0
+    """``decoupled_ppo``: cap on the behaviour weight pi_prox / pi_behav (AReaL, arXiv 2505.24298; 5 in its
+    example configs); None: uncapped."""
+    behav_cap_mode: Literal["mask", "truncate"] = "mask"
+    """``mask``: drop tokens whose behaviour weight exceeds the cap (AReaL's implementation); ``truncate``:
+    use min(weight, cap) instead (TIS-style)."""
+    max_gen_len: int | None = None
+    """``seq_mean_token_sum_norm`` (Dr. GRPO, arXiv 2503.20783 sec. 3.2): the constant that replaces |o_i|,
+    the generation budget. None: the batch's padded width T (verl's fallback); set it for a constant."""
+
+    # --- KL to a reference policy (Schulman, "Approximating KL divergence", 2020) ---
+    kl_coef: float = 0.0
+    """Weight of KL(pi || pi_ref). 0: no KL, as DAPO (sec. 2.3), Dr. GRPO and Magistral (sec. 2.1) drop it;
+    DeepSeekMath's GRPO used 0.04 (sec. 4.2)."""
+    kl_estimator: str = "k3"
+    """``KL_ESTIMATORS`` entry: ``k3`` is GRPO's unbiased, low-variance, non-negative estimator (DeepSeekMath
+    eq. 4); ``k1`` is the plain log-ratio used as a reward penalty in RLHF PPO."""
+    kl_in_reward: bool = False
+    """True: subtract kl_coef * sum_t k from each sequence's reward (InstructGPT-style penalty); False: add
+    kl_coef * aggregated k to the loss (GRPO)."""
+
+    # --- engine/trainer mismatch corrections ---
+    tis_level: Literal["token", "sequence"] = "token"
+    """``tis``: weight per token, min(ratio_t, C) (Yao et al. 2025), or per sequence, min(prod_t ratio_t, C)."""
+    tis_cap: float = 2.0
+    """``tis``: the truncation C; Yao et al.'s blog and verl's example use C = 2 for token-level TIS."""
+    mis_level: Literal["token", "sequence"] = "sequence"
+    """``mis``: mask per token (IcePop) or per sequence (Seq-MIS, Liu, Yao et al. 2025, which they recommend)."""
+    mis_low: float = 0.5
+    """``mis``: lower edge of the kept ratio band (SkyRL's sequence product-mask default 0.5)."""
+    mis_high: float = 2.0
+    """``mis``: upper edge of the kept ratio band (SkyRL's sequence product-mask default 2.0)."""
+
+    # --- VCPO ESS-scaled learning rate (Huang et al. 2026, arXiv 2602.17616) ---
+    ess_lr_scaling: bool = False
+    """Scale each optimizer step's lr by ``ess_lr_scale(ESS of the minibatch's sequence IS weights)``."""
+    ess_base_ratio: float = 1.0
+    """ESS ratio at which the lr is unscaled: scale = rule(min(1, ess / base)) (VCPO's default 1.0)."""
+    ess_lr_rule: Literal["sqrt", "linear"] = "sqrt"
+    """VCPO: sqrt scaling for AdamW-style optimizers (eta_eff proportional to sqrt(ESS/B))."""
+
+    def kwargs_for(self, fn: Callable[..., Any]) -> dict[str, Any]:
+        """The fields ``fn`` accepts as keyword arguments, under the names ``fn`` uses."""
+        accepted = _keyword_params(fn)
+        out = {}
+        for f in fields(self):
+            name = f.metadata.get("param", f.name)
+            value = getattr(self, f.name)
+            if name in accepted and not (value is None and f.metadata.get("none_means_default")):
+                out[name] = value
+        return out
+
+
+def _keyword_params(fn: Callable[..., Any]) -> set[str]:
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds}
+
+
+def bind(fn: Callable[..., Any], cfg: AlgoConfig | None = None, /, **data: Any) -> functools.partial:
+    """``fn`` with every config field and ``data`` keyword it accepts filled in (others are ignored).
+
+    ``data`` carries per-batch tensors (``group_ids_b=``, ``prox_logp_bt=``, ``is_weight_bt=``,
+    ``lengths_b=`` ...) and wins over config fields of the same name. The result keeps its other
+    arguments open: ``bind(POLICY_LOSSES["cispo"], cfg)(logp_bt, old_logp_bt, adv_b, mask_bt)``.
+    """
+    kwargs = cfg.kwargs_for(fn) if cfg is not None else {}
+    accepted = _keyword_params(fn)
+    kwargs.update({k: v for k, v in data.items() if k in accepted})
+    return functools.partial(fn, **kwargs)

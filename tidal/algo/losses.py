@@ -1,64 +1,275 @@
-"""Per-token policy losses and how they are aggregated into one scalar.
+"""Policy losses: per-token policy-gradient terms, weighted and aggregated into one scalar.
 
-Shapes: [B, T] for everything, with ``mask_bt`` 1 on response tokens. ``logp_bt`` comes from the
-trainer (with grad); ``behav_logp_bt`` from the engine that sampled the tokens (no grad).
+Every loss is ``fn(logp_bt, old_logp_bt, adv, mask_bt, *, knobs) -> (loss, metrics)``:
+- ``logp_bt`` [B, T]: the trainer's log-probs of the sampled tokens, with grad;
+- ``old_logp_bt`` [B, T]: the log-probs the ratio is taken against (the behaviour policy's from the
+  engine, or the trainer's own before the update); never differentiated;
+- ``adv``: [B] (one per sequence, broadcast over tokens) or [B, T];
+- ``mask_bt``: 1 on response tokens. Masked positions get exactly zero loss and zero gradient;
+- ``is_weight_bt=``: optional per-token weight (e.g. a ``CORRECTIONS`` weight) multiplying each
+  token's loss, detached, so every loss composes with every correction;
+- ``agg=`` and its inputs (``group_ids_b``, ``max_gen_len``, ``agg_weights_bt``): see
+  ``tidal.algo.aggregation``.
+Metrics are plain floats: clip fractions, ratio statistics, ``algo/approx_kl`` (mean of
+log(old / new)) and ``algo/ess`` (normalized ESS of the importance weights the loss applies).
+
+Ratios are exp of log-ratios clamped to +-20: finite even for wildly stale tokens; beyond that the
+ratio is constant (no gradient through it), which only matters where clipping already stops it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tidal.algo import LOSS_AGGREGATIONS, POLICY_LOSSES
-from tidal.algo.config import AlgoConfig
+from tidal.algo import POLICY_LOSSES
+from tidal.algo.aggregation import aggregate, masked_mean
+from tidal.algo.correction import effective_sample_size
+
+__all__ = ["masked_mean", "ppo_clip", "cispo", "gspo", "decoupled_ppo", "reinforce"]
+
+_MAX_LOG = 20.0
 
 
-def masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
-    return (x_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1)
+def _broadcast_adv(adv: torch.Tensor, logp_bt: torch.Tensor) -> torch.Tensor:
+    adv = torch.as_tensor(adv).to(logp_bt).detach()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand_as(logp_bt)
+    assert adv.shape == logp_bt.shape, f"adv must be [B] or [B, T]={tuple(logp_bt.shape)}, got {tuple(adv.shape)}"
+    return adv
 
 
-@LOSS_AGGREGATIONS.register("token_mean")
-def token_mean(loss_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
-    """DAPO token-level loss (arXiv 2503.14476, sec. 3.3): sum over all tokens / number of tokens,
-    so long responses are not down-weighted per token."""
-    return masked_mean(loss_bt, mask_bt)
+def _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt) -> torch.Tensor:
+    if is_weight_bt is not None:
+        loss_bt = loss_bt * is_weight_bt.detach()
+    return aggregate(
+        loss_bt, mask_bt, agg=agg, group_ids_b=group_ids_b, max_gen_len=max_gen_len, weights_bt=agg_weights_bt
+    )
 
 
-@LOSS_AGGREGATIONS.register("seq_mean_token_mean")
-def seq_mean_token_mean(loss_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
-    """GRPO's original aggregation: mean over each sequence's tokens, then mean over sequences."""
-    per_seq = (loss_bt * mask_bt).sum(-1) / mask_bt.sum(-1).clamp(min=1)
-    has_tokens = (mask_bt.sum(-1) > 0).float()
-    return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+def _frac(flag_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
+    return masked_mean(flag_bt.float(), mask_bt).item()
+
+
+def _ratio_metrics(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, weight_bt: torch.Tensor) -> dict[str, float]:
+    """Ratio statistics over response tokens, approx KL and the ESS of the applied weights."""
+    ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
+    keep = mask_bt.bool()
+    return {
+        "algo/ratio_mean": masked_mean(ratio_bt, mask_bt).item(),
+        "algo/ratio_max": ratio_bt[keep].max().item() if keep.any() else 1.0,
+        "algo/ratio_min": ratio_bt[keep].min().item() if keep.any() else 1.0,
+        "algo/approx_kl": masked_mean(-log_ratio_bt, mask_bt).item(),
+        "algo/ess": effective_sample_size(weight_bt, mask_bt),
+    }
+
+
+def _clipped_surrogate(log_ratio_bt, adv_bt, mask_bt, eps_low, eps_high, dual_clip):
+    """PPO's per-token loss -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), capped at -c A for A < 0
+    when ``dual_clip`` = c is set, and its clip metrics."""
+    ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
+    unclipped_bt = -adv_bt * ratio_bt
+    clipped_bt = -adv_bt * ratio_bt.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss_bt = torch.maximum(unclipped_bt, clipped_bt)
+    with torch.no_grad():
+        was_clipped = clipped_bt > unclipped_bt
+        metrics = {
+            "algo/clip_frac": _frac(was_clipped, mask_bt),
+            "algo/clip_frac_low": _frac(was_clipped & (adv_bt < 0), mask_bt),
+            "algo/clip_frac_high": _frac(was_clipped & (adv_bt > 0), mask_bt),
+        }
+    if dual_clip is not None:
+        assert dual_clip > 1.0, f"dual_clip must be > 1 (Ye et al. 2020), got {dual_clip}"
+        cap_bt = -adv_bt * dual_clip
+        with torch.no_grad():
+            metrics["algo/dual_clip_frac"] = _frac((adv_bt < 0) & (loss_bt > cap_bt), mask_bt)
+        loss_bt = torch.where(adv_bt < 0, torch.minimum(loss_bt, cap_bt), loss_bt)
+    return loss_bt, metrics
 
 
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip_loss(
+def ppo_clip(
     logp_bt: torch.Tensor,
-    behav_logp_bt: torch.Tensor,
-    adv_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv: torch.Tensor,
     mask_bt: torch.Tensor,
-    cfg: AlgoConfig,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    is_weight_bt: torch.Tensor | None = None,
+    agg: str = "token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate with a decoupled clip range and optional dual clip, per token.
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) per token, r = pi / pi_old:
 
-    r = exp(logp - behav_logp);  loss = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-    (Schulman et al. 2017; DAPO clip-higher eps_low=0.2, eps_high=0.28). With dual clip c and A < 0
-    the loss is additionally capped at -c * A (Ye et al. 2020), so a token whose ratio exploded
-    cannot dominate the update. Returns the per-token loss [B, T] and metrics.
-    """
-    log_ratio = (logp_bt - behav_logp_bt).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    unclipped = -adv_bt * ratio
-    clipped = -adv_bt * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    if cfg.dual_clip is not None:
-        loss = torch.where(adv_bt < 0, torch.minimum(loss, -adv_bt * cfg.dual_clip), loss)
+        loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+
+    with DAPO's decoupled "clip-higher" range eps_low = 0.2, eps_high = 0.28 (arXiv 2503.14476
+    sec. 3.1) and, for A < 0, dual clip: loss_t <= -c A_t with c = 3 (Ye et al. 2020, arXiv
+    1912.09729), so a token whose ratio exploded cannot dominate. Default aggregation: DAPO's
+    ``token_mean``."""
+    adv_bt = _broadcast_adv(adv, logp_bt)
+    log_ratio_bt = logp_bt - old_logp_bt.detach()
+    loss_bt, metrics = _clipped_surrogate(log_ratio_bt, adv_bt, mask_bt, eps_low, eps_high, dual_clip)
+    loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
     with torch.no_grad():
-        was_clipped = (clipped > unclipped).float()
+        weight_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp() * (1 if is_weight_bt is None else is_weight_bt)
+        metrics.update(_ratio_metrics(log_ratio_bt.detach(), mask_bt, weight_bt))
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(
+    logp_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    eps_low_is: float = 1.0,
+    eps_high_is: float = 4.0,
+    is_weight_bt: torch.Tensor | None = None,
+    agg: str = "token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, sec. 3.1, eq. 4-5): clip the importance weight, not the
+    update, and stop its gradient:
+
+        loss_t = -sg(clip(r_t, 1 - eps_low_is, 1 + eps_high_is)) A_t log pi(y_t)
+
+    Every token keeps a gradient (PPO zeroes clipped tokens, often the rare "However"/"Wait" forks).
+    MiniMax sets no lower bound in practice and tunes only the upper one without publishing it:
+    eps_low_is = 1 (bound 0), eps_high_is = 4 (bound 5, ScaleRL arXiv 2510.13786). The loss value is
+    not a surrogate objective; its gradient is the CISPO gradient. Aggregation: ``token_mean``
+    (MiniMax normalizes by the total token count, eq. 4)."""
+    adv_bt = _broadcast_adv(adv, logp_bt)
+    log_ratio_bt = (logp_bt - old_logp_bt).detach()
+    ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
+    weight_bt = ratio_bt.clamp(1.0 - eps_low_is, 1.0 + eps_high_is)
+    loss_bt = -weight_bt * adv_bt * logp_bt
+    loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    with torch.no_grad():
         metrics = {
-            "algo/clip_frac": masked_mean(was_clipped, mask_bt).item(),
-            "algo/ratio_mean": masked_mean(ratio, mask_bt).item(),
-            "algo/ratio_max": ratio[mask_bt.bool()].max().item() if mask_bt.any() else 1.0,
-            "algo/approx_kl": masked_mean(-log_ratio, mask_bt).item(),
+            "algo/clip_frac": _frac(weight_bt != ratio_bt, mask_bt),
+            "algo/clip_frac_low": _frac(ratio_bt < 1.0 - eps_low_is, mask_bt),
+            "algo/clip_frac_high": _frac(ratio_bt > 1.0 + eps_high_is, mask_bt),
         }
+        metrics.update(_ratio_metrics(log_ratio_bt, mask_bt, ratio_bt * (1 if is_weight_bt is None else is_weight_bt)))
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(
+    logp_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    is_weight_bt: torch.Tensor | None = None,
+    agg: str = "seq_mean_token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Qwen, arXiv 2507.18071): one length-normalized (geometric-mean) ratio per sequence,
+
+        s_i = exp(mean_t (logp - old_logp)),   loss_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+
+    clipped with its own small range, 3e-4 / 4e-4 (sec. 5.1), averaged over sequences (eq. 5: the
+    default ``seq_mean_token_mean``). Implemented in the GSPO-token form (sec. 4.3),
+    s_it = sg(s_i) pi(y_t) / sg(pi(y_t)): with a per-sequence advantage [B] its value and gradient
+    equal GSPO's exactly; a token-level advantage [B, T] gives GSPO-token. Clip fraction is per token
+    (per sequence for [B] advantages, as every token of a sequence shares s_i)."""
+    adv_bt = _broadcast_adv(adv, logp_bt)
+    seq_log_ratio_b = ((logp_bt - old_logp_bt) * mask_bt).sum(-1) / mask_bt.sum(-1).clamp(min=1)
+    log_s_bt = logp_bt - logp_bt.detach() + seq_log_ratio_b.detach().unsqueeze(-1)
+    loss_bt, metrics = _clipped_surrogate(log_s_bt, adv_bt, mask_bt, eps_low, eps_high, None)
+    loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    with torch.no_grad():
+        rows = (mask_bt.sum(-1) > 0).float()
+        seq_ratio_b = seq_log_ratio_b.detach().clamp(-_MAX_LOG, _MAX_LOG).exp()
+        metrics.update(_ratio_metrics((logp_bt - old_logp_bt).detach(), mask_bt, torch.ones_like(mask_bt)))
+        metrics["algo/seq_ratio_mean"] = ((seq_ratio_b * rows).sum() / rows.sum().clamp(min=1)).item()
+        metrics["algo/ess"] = effective_sample_size(seq_ratio_b, rows)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("decoupled_ppo")
+def decoupled_ppo(
+    logp_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    prox_logp_bt: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = 5.0,
+    behav_cap_mode: str = "mask",
+    is_weight_bt: torch.Tensor | None = None,
+    agg: str = "token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL, arXiv 2505.24298, its decoupled objective): for stale samples, trust-region clip against
+    the proximal policy pi_prox (the trainer's weights before this update) and correct the sampling
+    with the behaviour weight pi_prox / pi_behav, here ``old_logp_bt`` = behaviour log-probs:
+
+        loss_t = -(pi_prox / pi_behav) min(u_t A_t, clip(u_t, 1 - eps_low, 1 + eps_high) A_t),  u_t = pi / pi_prox
+
+    The behaviour weight is capped at ``behav_weight_cap`` (AReaL's ``behav_imp_weight_cap``, 5 in its
+    configs): ``mask`` drops tokens above it (AReaL's implementation), ``truncate`` uses min(w, cap).
+    AReaL clips symmetrically at 0.2 and has dual clip off by default. With ``prox_logp_bt`` None
+    (or equal to the behaviour log-probs) the weight is 1 and this is exactly ``ppo_clip``."""
+    assert behav_cap_mode in ("mask", "truncate"), f"behav_cap_mode must be mask/truncate, got {behav_cap_mode!r}"
+    adv_bt = _broadcast_adv(adv, logp_bt)
+    prox_bt = (old_logp_bt if prox_logp_bt is None else prox_logp_bt).detach()
+    log_behav_w_bt = (prox_bt - old_logp_bt).detach()
+    behav_w_bt = log_behav_w_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
+    over_cap_bt = torch.zeros_like(mask_bt, dtype=torch.bool)
+    if behav_weight_cap is not None:
+        over_cap_bt = behav_w_bt > behav_weight_cap
+        capped_bt = torch.zeros_like(behav_w_bt) if behav_cap_mode == "mask" else behav_w_bt.clamp(max=behav_weight_cap)
+        behav_w_bt = torch.where(over_cap_bt, capped_bt, behav_w_bt)
+    log_ratio_bt = logp_bt - prox_bt
+    loss_bt, metrics = _clipped_surrogate(log_ratio_bt, adv_bt, mask_bt, eps_low, eps_high, dual_clip)
+    loss = _finish(loss_bt * behav_w_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    with torch.no_grad():
+        weight_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp() * behav_w_bt
+        weight_bt = weight_bt * (1 if is_weight_bt is None else is_weight_bt)
+        metrics.update(_ratio_metrics(log_ratio_bt.detach(), mask_bt, weight_bt))
+        metrics["algo/behav_weight_mean"] = masked_mean(behav_w_bt, mask_bt).item()
+        metrics["algo/behav_cap_frac"] = _frac(over_cap_bt, mask_bt)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("reinforce")
+def reinforce(
+    logp_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    is_weight_bt: torch.Tensor | None = None,
+    agg: str = "token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE with a baseline (Williams 1992), loss_t = -A_t log pi(y_t): no ratio, on-policy.
+    ``old_logp_bt`` only feeds the ratio metrics (how off-policy the batch was); correct staleness
+    with ``is_weight_bt``. Aggregation: ``token_mean``."""
+    adv_bt = _broadcast_adv(adv, logp_bt)
+    loss = _finish(-adv_bt * logp_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    with torch.no_grad():
+        weight_bt = torch.ones_like(logp_bt) if is_weight_bt is None else is_weight_bt
+        metrics = {"algo/clip_frac": 0.0}
+        metrics.update(_ratio_metrics((logp_bt - old_logp_bt).detach(), mask_bt, weight_bt))
     return loss, metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algo import ADVANTAGES
+from tidal.algo import ADVANTAGES, advantage_metrics, bind
 from tidal.algo.config import AlgoConfig
 from tidal.types import Group, TrainBatch
 
@@ -19,7 +19,9 @@ def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tupl
     sizes = {len(g.trajectories) for g in groups}
     assert len(sizes) == 1, f"all groups need the same number of samples, got sizes {sorted(sizes)}"
     rewards_gn = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    adv_gn, metrics = ADVANTAGES.get(cfg.advantage)(rewards_gn, cfg)
+    group_ids_b = torch.arange(len(groups)).repeat_interleave(rewards_gn.shape[1])
+    adv_b = bind(ADVANTAGES[cfg.advantage], cfg)(rewards_gn.flatten(), group_ids_b)
+    adv_gn, metrics = adv_b.view_as(rewards_gn), advantage_metrics(adv_b)
     informative = rewards_gn.std(dim=1) > 0 if rewards_gn.shape[1] > 1 else torch.ones(len(groups), dtype=torch.bool)
     keep = informative.nonzero().flatten().tolist() if cfg.skip_zero_adv_groups else list(range(len(groups)))
     metrics["algo/zero_adv_groups"] = float(len(groups) - int(informative.sum()))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.algo import LOSS_AGGREGATIONS, POLICY_LOSSES
+from tidal.algo import POLICY_LOSSES, bind
 from tidal.algo.config import AlgoConfig
 from tidal.algo.losses import masked_mean
 from tidal.models.logprobs import token_logprobs
@@ -35,8 +35,7 @@ class Trainer:
         self.cfg = cfg
         self.optim_cfg = optim
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim)
-        self.policy_loss = POLICY_LOSSES.get(algo.policy_loss)
-        self.aggregate = LOSS_AGGREGATIONS.get(algo.loss_agg)
+        self.policy_loss = POLICY_LOSSES[algo.policy_loss]
         self.version = 0
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
@@ -48,8 +47,8 @@ class Trainer:
             mask = batch.loss_mask_bt[idx]
             logp, entropy = token_logprobs(self.model, batch.input_ids_bt[idx], batch.attention_mask_bt[idx],
                                            self.cfg.temperature, with_entropy=True)
-            loss_bt, metrics = self.policy_loss(logp, batch.behav_logp_bt[idx], batch.adv_bt[idx], mask, self.algo)
-            loss = self.aggregate(loss_bt, mask)
+            policy_loss = bind(self.policy_loss, self.algo, group_ids_b=batch.group_index_b[idx])
+            loss, metrics = policy_loss(logp, batch.behav_logp_bt[idx], batch.adv_bt[idx], mask)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)

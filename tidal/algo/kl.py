@@ -1,0 +1,81 @@
+"""Per-token estimators of KL(pi || pi_ref) from samples of pi, as a loss term or a reward penalty.
+
+From Schulman, "Approximating KL divergence" (2020, joschu.net/blog/kl-approx.html), with
+x ~ pi and r = pi_ref(x) / pi(x):
+
+- ``k1`` = -log r = logp - ref_logp: unbiased, high variance, negative on some samples;
+- ``k2`` = (log r)^2 / 2: biased (low bias near pi = pi_ref), low variance, always >= 0;
+- ``k3`` = (r - 1) - log r: unbiased, low variance, always >= 0 (GRPO's, DeepSeekMath eq. 4).
+
+Two ways to use one (the trainer wires them; ``AlgoConfig.kl_in_reward`` chooses):
+- loss term: ``kl_loss`` = kl_coef * aggregate(k_bt) (GRPO, kl_coef = 0.04 in DeepSeekMath sec. 4.2);
+- reward penalty: ``kl_reward_penalty`` = kl_coef * sum_t k_t per sequence, subtracted from that
+  sequence's reward before advantages (InstructGPT-style, usually with k1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.algo import KL_ESTIMATORS
+from tidal.algo.aggregation import aggregate
+
+_MAX_LOG = 20.0  # k3 exponentiates the log-ratio: clamp it so r stays finite (e^20 ~ 5e8)
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor) -> torch.Tensor:
+    """k1 = log(pi / pi_ref) per token."""
+    return logp_bt - ref_logp_bt
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor) -> torch.Tensor:
+    """k2 = (log(pi / pi_ref))^2 / 2 per token."""
+    return 0.5 * (logp_bt - ref_logp_bt) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor) -> torch.Tensor:
+    """k3 = r - 1 - log r with r = pi_ref / pi per token (log r clamped to +-20 before exp)."""
+    log_r = (ref_logp_bt - logp_bt).clamp(-_MAX_LOG, _MAX_LOG)
+    return log_r.exp() - 1 - log_r
+
+
+def kl_loss(
+    logp_bt: torch.Tensor,
+    ref_logp_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    kl_coef: float = 0.04,
+    kl_estimator: str = "k3",
+    agg: str = "token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """kl_coef * aggregate(k(logp, ref_logp)) as a loss term; defaults are GRPO's (k3, 0.04).
+    Returns the scalar and ``algo/kl`` (the token mean of k, whatever the aggregation)."""
+    k_bt = KL_ESTIMATORS[kl_estimator](logp_bt, ref_logp_bt.detach())
+    loss = kl_coef * aggregate(
+        k_bt, mask_bt, agg=agg, group_ids_b=group_ids_b, max_gen_len=max_gen_len, weights_bt=agg_weights_bt
+    )
+    with torch.no_grad():
+        kl = (torch.where(mask_bt > 0, k_bt, 0.0) * mask_bt).sum() / mask_bt.sum().clamp(min=1)
+    return loss, {"algo/kl": kl.item()}
+
+
+def kl_reward_penalty(
+    logp_bt: torch.Tensor,
+    ref_logp_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    kl_coef: float = 0.02,
+    kl_estimator: str = "k1",
+) -> torch.Tensor:
+    """Per-sequence penalty kl_coef * sum_t k_t [B] (detached), to subtract from each reward.
+    Defaults: k1 and 0.02, the KL reward of InstructGPT's PPO (arXiv 2203.02155: objective in sec. 3.5,
+    beta = 0.02 in appendix C)."""
+    with torch.no_grad():
+        k_bt = KL_ESTIMATORS[kl_estimator](logp_bt, ref_logp_bt)
+        return kl_coef * torch.where(mask_bt > 0, k_bt * mask_bt, 0.0).sum(-1)
