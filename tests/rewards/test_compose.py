@@ -108,6 +108,8 @@ def test_config_errors():
         build_reward("compose", {"terms": [{"reward": "math"}, {"reward": "math"}]})
     with pytest.raises(ConfigError, match="unknown keys"):
         build_reward("compose", {"terms": [{"reward": "math", "wieght": 1}]})
+    with pytest.raises(ConfigError, match="weight must be a number"):
+        build_reward("compose", {"terms": [{"reward": "math", "weight": "high"}]})
     with pytest.raises(ConfigError, match="min"):
         build_reward("compose", {"terms": [{"reward": "math"}], "gates": [{"reward": "format"}]})
     with pytest.raises(ConfigError, match="differs"):

@@ -1,4 +1,6 @@
 import pickle
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -126,3 +128,10 @@ def test_runs_outside_the_main_thread_and_pickles():
     t.start()
     t.join()
     assert out[0][0] == 1.0, out  # math-verify's signal.alarm would raise here without the guard
+
+
+def test_importing_the_rewards_does_not_import_math_verify():
+    # math-verify pulls in sympy (~0.7 s): only processes that score math should pay for it.
+    code = "import sys, tidal.rewards; print('math_verify' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

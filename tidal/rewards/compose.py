@@ -68,6 +68,12 @@ def _check_keys(kind: str, i: int, spec: Any, allowed: set[str]) -> None:
         raise ConfigError(f"compose: {kind}[{i}] has unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
 
 
+def _number(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"compose: {what} must be a number, got {value!r}")
+    return float(value)
+
+
 @dataclass
 class Composite:
     """``compose``: gated weighted sum of registered rewards (see the module docstring)."""
@@ -90,7 +96,8 @@ class Composite:
             if name in specs:
                 raise ConfigError(f"compose: two terms named {name!r}; give them distinct 'name' keys")
             specs[name] = (spec["reward"], params)
-            self._terms.append((name, float(spec.get("weight", 1.0)), build_reward(spec["reward"], params)))
+            weight = _number(f"term {name!r} weight", spec.get("weight", 1.0))
+            self._terms.append((name, weight, build_reward(spec["reward"], params)))
         term_fns = {name: fn for name, _, fn in self._terms}
         self._gates: list[tuple[str, float, float, Callable]] = []
         for i, spec in enumerate(self.gates):
@@ -98,7 +105,8 @@ class Composite:
             name = spec.get("name", spec["reward"])
             if spec.get("min") is None and spec.get("max") is None:
                 raise ConfigError(f"compose: gate {name!r} needs 'min' and/or 'max'")
-            lo, hi = float(spec.get("min", -math.inf)), float(spec.get("max", math.inf))
+            lo = _number(f"gate {name!r} min", spec.get("min", -math.inf))
+            hi = _number(f"gate {name!r} max", spec.get("max", math.inf))
             if name in specs:
                 params = spec.get("params", specs[name][1])
                 if (spec["reward"], params) != specs[name]:

@@ -30,7 +30,8 @@ Reward hacking this resists (each scores 0, with ``details["reason"]``):
 
 math-verify bounds its own work with ``signal.alarm``, which only works in a process's main thread
 (the reward pool's workers). Elsewhere (``tidal score --workers 0`` from a thread, tests) its
-timeouts are switched off and the pool's per-item timeout is the only bound.
+timeouts are switched off and the pool's per-item timeout is the only bound. math-verify (and
+sympy under it, ~0.7 s) is imported on first use, not by ``import tidal.rewards``.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
-
-from math_verify import parse, verify
 
 from tidal.config import ConfigError
 from tidal.rewards import REWARDS
@@ -157,6 +156,8 @@ def _timeout(seconds: int | None) -> int | None:
 def parse_answer(answer: str, timeout_s: int | None = None) -> list:
     """math-verify's parse of one extracted answer string (wrapped in ``\\boxed{}`` so its LaTeX
     extraction takes the whole string); ``[]`` when it cannot be parsed."""
+    from math_verify import parse
+
     return parse("\\boxed{" + answer + "}", parsing_timeout=timeout_s)
 
 
@@ -164,6 +165,8 @@ def parse_answer(answer: str, timeout_s: int | None = None) -> list:
 def _parse_gold(gold: str, timeout_s: int | None) -> tuple:
     """The gold answer parsed (cached: every sample of a group shares it): its last box if it has
     one, else the whole string as one expression, else math-verify's extraction from it."""
+    from math_verify import parse
+
     boxes = boxed_contents(gold)
     return tuple(
         parse_answer(boxes[-1] if boxes else _clean(gold), timeout_s) or parse(gold, parsing_timeout=timeout_s)
@@ -202,7 +205,15 @@ class MathReward:
                 f"math: timeout_s must be whole seconds >= 1 (signal.alarm) or null, got {self.timeout_s!r}"
             )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickling happens in the pool's warm-up: import math-verify there, before any deadline runs.
+        import math_verify  # noqa: F401
+
+        self.__dict__.update(state)
+
     def __call__(self, response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
+        from math_verify import parse, verify
+
         gold = prompt.answer.strip()
         if not gold:
             return 0.0, {"error": "empty gold answer", "reason": "empty gold answer"}
