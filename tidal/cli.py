@@ -5,14 +5,17 @@
     tidal eval DIR_OR_MODEL [--recipe NAME] [--set ...]
     tidal bench async [--set ...]
     tidal report DIR
+    tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from tidal.config import ConfigError, apply_overrides, load_yaml_into
@@ -106,6 +109,88 @@ def cmd_report(args) -> int:
     return 0
 
 
+SCORE_CHUNK = 256  # rows scored per pool call: output appears progressively and memory stays bounded
+
+
+def _score_item(n: int, line: str):
+    """Parse JSONL line ``n``: (row to write back, (response, Prompt) to score or None, error or None).
+    ``prompt``/``question`` become the prompt text, ``answer`` the answer, every other field the meta."""
+    from tidal.types import Prompt
+
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        return {"raw": line.rstrip("\r\n")}, None, f"line {n}: invalid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(row, dict):
+        return {"raw": line.rstrip("\r\n")}, None, f"line {n}: a row must be a JSON object, got {type(row).__name__}"
+    if "response" not in row:
+        return row, None, f"line {n}: missing field 'response'"
+    text_key = "prompt" if "prompt" in row else "question"
+    values = {"response": row["response"], text_key: row.get(text_key, ""), "answer": row.get("answer", "")}
+    for key, value in values.items():
+        if value is None and key == "answer":
+            values[key] = ""
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key == "answer":
+            values[key] = str(value)
+        elif not isinstance(value, str):
+            return row, None, f"line {n}: field {key!r} must be a string, got {type(value).__name__}"
+    skip = {"response", text_key, "answer", "reward", "details"}
+    meta = {k: v for k, v in row.items() if k not in skip}
+    prompt = Prompt(uid=f"line-{n}", text=values[text_key], answer=values["answer"], meta=meta)
+    return row, (values["response"], prompt), None
+
+
+def _score_chunk(pool, chunk: list, out) -> tuple[float, int]:
+    """Score one chunk, write its rows in input order; returns (sum of rewards, malformed rows)."""
+    scored = iter(pool.score([item for _, item, _ in chunk if item is not None]))
+    total, malformed = 0.0, 0
+    for row, item, error in chunk:
+        if item is None:
+            reward, details = 0.0, {"error": error}
+            malformed += 1
+        else:
+            reward, details = next(scored)
+        total += reward
+        out.write(json.dumps({**row, "reward": reward, "details": details}, default=str) + "\n")
+    out.flush()
+    return total, malformed
+
+
+def cmd_score(args) -> int:
+    """Score JSONL rows from stdin with a reward; see docs/score.md."""
+    from tidal.config import apply_overrides
+    from tidal.rewards import build_reward
+    from tidal.rewards.pool import RewardConfig, RewardPool
+
+    params = apply_overrides({}, args.set)
+    cfg = RewardConfig(name=args.reward, params=params, num_workers=args.workers, timeout_s=args.timeout)
+    if cfg.num_workers < 0 or cfg.timeout_s <= 0:
+        raise ConfigError(f"--workers must be >= 0 and --timeout > 0 (got {cfg.num_workers}, {cfg.timeout_s})")
+    pool = RewardPool(build_reward(cfg.name, cfg.params), cfg)
+    # Undecodable bytes become U+FFFD instead of ending the stream; output is ASCII JSON (any locale).
+    source = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace") if hasattr(
+        sys.stdin, "buffer") else sys.stdin
+    out = sys.stdout
+    start, rows, total, malformed, chunk = time.perf_counter(), 0, 0.0, 0, []
+    try:
+        for n, line in enumerate(source, start=1):
+            if line.strip():
+                chunk.append(_score_item(n, line))
+            if len(chunk) == SCORE_CHUNK:
+                t, m = _score_chunk(pool, chunk, out)
+                rows, total, malformed, chunk = rows + len(chunk), total + t, malformed + m, []
+        if chunk:
+            t, m = _score_chunk(pool, chunk, out)
+            rows, total, malformed = rows + len(chunk), total + t, malformed + m
+    finally:
+        pool.close()
+        elapsed = time.perf_counter() - start
+        print(f"score: {rows} rows, mean reward {total / max(rows, 1):.4f}, {malformed} malformed, "
+              f"{pool.num_errors} reward errors, {pool.num_timeouts} timeouts, {rows / elapsed:.1f} rows/s",
+              file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Asynchronous RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -135,15 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="(re)write report.html for a run directory")
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_report)
+
+    sp = sub.add_parser("score", help="score JSONL rows from stdin with a reward; write them back with reward/details")
+    sp.add_argument("--reward", required=True, help="registered reward name (e.g. exact_match, math, reasoning_gym)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a reward parameter (YAML value)")
+    sp.add_argument("--workers", type=int, default=1, help="reward worker processes (0: score inline)")
+    sp.add_argument("--timeout", type=float, default=10.0, help="per-row limit in seconds (reward 0, counted)")
+    sp.set_defaults(fn=cmd_score)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-shard save/load bars drown the run's own progress bar
     args = build_parser().parse_args(argv)
+    if args.command != "score":  # score never loads a model: skip transformers' ~1 s import
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-shard save/load bars drown the run's own progress bar
     try:
         return args.fn(args)
     except (ConfigError, UnknownNameError, FileNotFoundError) as e:
