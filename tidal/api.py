@@ -15,11 +15,13 @@ from tidal.types import Prompt, Trajectory
 
 @dataclass(frozen=True)
 class GenRequest:
-    """Generate one sample for ``prompt``; ``sample_index`` keys its sampling noise."""
+    """Generate one sample for ``prompt``; ``sample_index`` keys its sampling noise.
+    ``max_new_tokens`` overrides the engine's length cap for this request (staged length budgets)."""
 
     prompt: Prompt
     prompt_ids: tuple[int, ...]
     sample_index: int
+    max_new_tokens: int | None = None
 
 
 @runtime_checkable

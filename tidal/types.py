@@ -40,7 +40,7 @@ class Trajectory:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # "stop" (EOS or stop string) or "length" (hit max_new_tokens)
+    finish_reason: str  # "stop" (EOS or stop string), "length" (hit its cap) or "repetition" (early stop)
     text: str = ""
     reward: float = 0.0
     reward_details: dict[str, Any] = field(default_factory=dict)

@@ -123,3 +123,29 @@ def test_stream_joins_new_requests_mid_flight_with_identical_tokens(small_model,
     for r, t in zip(reqs, alone):
         assert got[(r.prompt.uid, r.sample_index)].token_ids == t.token_ids
     assert len(asks) > len(reqs) // 4, "new groups should have joined while others were still running"
+
+
+def test_early_truncation_stops_confident_runs(small_model, tokenizer):
+    """MiniMax-M1's rule: N consecutive tokens each above probability p end the sample."""
+    import math
+
+    reqs = _requests(tokenizer, n_prompts=3, group=2)
+    cold = SamplingConfig(temperature=0.02, max_new_tokens=20, early_stop_run=3)  # near-greedy: p ~ 1
+    trajs = LocalEngine(small_model, tokenizer, cold).generate(reqs)
+    cut = [t for t in trajs if t.finish_reason == "repetition"]
+    assert cut, "a near-greedy random model should produce confident runs"
+    for t in cut:
+        assert len(t.token_ids) < 20 and all(lp > math.log(0.99) for lp in t.logprobs[-3:])
+        assert not all(lp > math.log(0.99) for lp in t.logprobs[-4:-1]) or len(t.token_ids) == 3  # first run of 3
+    off = LocalEngine(small_model, tokenizer, SamplingConfig(temperature=0.02, max_new_tokens=20)).generate(reqs)
+    assert all(t.finish_reason != "repetition" for t in off)
+
+
+def test_per_request_length_budget(small_model, tokenizer):
+    prompts = [Prompt("a", "1+2=", "3")]
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=9, stop=[]))
+    short = engine.generate(group_requests(tokenizer, prompts, 4, max_new_tokens=3))
+    default = engine.generate(group_requests(tokenizer, prompts, 4))
+    assert max(len(t.token_ids) for t in short) <= 3 and any(t.finish_reason == "length" for t in short)
+    assert max(len(t.token_ids) for t in default) <= 9
+    assert [t.token_ids for t in short] == [t.token_ids[:3] if len(t.token_ids) >= 3 else t.token_ids for t in default]

@@ -17,6 +17,7 @@ an interrupted generation with unchanged weights yields the same tokens as an un
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +46,13 @@ class SamplingConfig:
     """Extra stop strings (EOS always stops)."""
     max_batch_size: int = 512
     """Most sequences decoded in one forward pass."""
+    early_stop_run: int | None = None
+    """MiniMax-M1's early truncation (arXiv 2506.13585, sec. 4): stop a sample once this many
+    consecutive sampled tokens each had probability > ``early_stop_prob`` (finish_reason
+    'repetition'); the paper uses 3,000 tokens at 0.99 to cut degenerate repetition loops short.
+    None disables it."""
+    early_stop_prob: float = 0.99
+    """The per-token probability above which a token counts toward ``early_stop_run``."""
 
 
 @dataclass
@@ -55,6 +63,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    confident_run: int = 0  # consecutive tokens sampled with probability > early_stop_prob
 
 
 RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
@@ -115,6 +124,7 @@ class LocalEngine:
         self._lock = threading.Lock()
         stop_lengths = (len(tokenizer(s, add_special_tokens=False).input_ids) for s in cfg.stop)
         self._stop_max_tokens = max(stop_lengths, default=0)
+        self._early_stop_logp = math.log(cfg.early_stop_prob)
         self.num_generated_tokens = 0
         self.generate_seconds = 0.0
         self.num_interruptions = 0
@@ -216,10 +226,13 @@ class LocalEngine:
             row.tokens.append(tok)
             row.logprobs.append(lp)
             row.versions.append(self.version)
+            row.confident_run = row.confident_run + 1 if lp > self._early_stop_logp else 0
             if tok == self.eos_id or self._hit_stop(row):
                 row.finish_reason = "stop"
-            elif len(row.tokens) >= self.cfg.max_new_tokens:
+            elif len(row.tokens) >= (row.request.max_new_tokens or self.cfg.max_new_tokens):
                 row.finish_reason = "length"
+            elif self.cfg.early_stop_run is not None and row.confident_run >= self.cfg.early_stop_run:
+                row.finish_reason = "repetition"
             else:
                 keep.append(slot)
         self.num_generated_tokens += len(rows)

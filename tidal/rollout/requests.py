@@ -10,6 +10,8 @@ def prompt_ids(tokenizer, prompt: Prompt) -> tuple[int, ...]:
     return (tokenizer.bos_token_id, *tokenizer(prompt.text, add_special_tokens=False).input_ids)
 
 
-def group_requests(tokenizer, prompts: list[Prompt], group_size: int) -> list[GenRequest]:
+def group_requests(
+    tokenizer, prompts: list[Prompt], group_size: int, max_new_tokens: int | None = None
+) -> list[GenRequest]:
     """``group_size`` adjacent requests per prompt (adjacency lets the engine share the prefill)."""
-    return [GenRequest(p, prompt_ids(tokenizer, p), j) for p in prompts for j in range(group_size)]
+    return [GenRequest(p, prompt_ids(tokenizer, p), j, max_new_tokens) for p in prompts for j in range(group_size)]

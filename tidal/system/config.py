@@ -27,6 +27,15 @@ class RolloutConfig(SamplingConfig):
     """Prompts (groups) per training step."""
     max_staleness: int = 1
     """eta: a sample is trained at most eta policy versions after its oldest token (AReaL)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv 2503.14476, sec. 3.2): drop groups whose rewards are all equal
+    and keep drawing prompts until the step has ``prompts_per_step`` informative groups."""
+    max_draws_per_step: int = 4
+    """Dynamic sampling draws at most this many x ``prompts_per_step`` groups for one step, then
+    trains on what it has (bounds the cost when most groups are solved or hopeless)."""
+    length_schedule: list[list[int]] = field(default_factory=list)
+    """Staged length scaling: ``[[from_step, max_new_tokens], ...]`` raises the response budget as
+    training goes on (the staged context growth of DeepScaleR, MiniMax-M1 sec. 4); empty: fixed."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The controller: runs the RL loop in ``sync`` or ``async`` mode with one set of semantics.
 
-Step k trains on groups [k*P, (k+1)*P) of the prompt stream (P = prompts_per_step) with policy
-version k and publishes version k+1 to the rollout engine.
+Step k trains on the next P groups of the prompt stream (P = prompts_per_step; with dynamic
+sampling, the next P informative ones, see ``batching.py``) with policy version k and publishes
+version k+1 to the rollout engine.
 
 - ``sync``: generate batch k with version k, score it, train, repeat (generation and training
   take turns on all cores).
@@ -28,6 +29,7 @@ from tidal.api import RolloutEngine, Task, Tracker
 from tidal.rewards.monitor import reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.requests import group_requests
+from tidal.system.batching import collect_batch, informative, length_budget
 from tidal.system.buffer import RolloutBuffer
 from tidal.system.config import RunConfig
 from tidal.system.evaluate import greedy_accuracy
@@ -72,8 +74,32 @@ class Controller:
     def _prompts(self, start: int, count: int) -> list[Prompt]:
         return [self.task.train_prompt(i) for i in range(start, start + count)]
 
-    def _generate(self, prompts: list[Prompt]) -> list[Trajectory]:
-        return self.engine.generate(group_requests(self.tokenizer, prompts, self.cfg.rollout.group_size))
+    def _budget(self, step: int) -> int:
+        r = self.cfg.rollout
+        return length_budget(r.length_schedule, step, r.max_new_tokens)
+
+    def _requests(self, prompts: list[Prompt], step: int):
+        return group_requests(self.tokenizer, prompts, self.cfg.rollout.group_size, self._budget(step))
+
+    def _generate_on_demand(self, step: int):
+        """Sync mode's ``take``: when a group is missing, generate all the groups still needed."""
+        ready: dict[int, Group] = {}
+
+        def take(index: int, need: int) -> Group:
+            if index not in ready:
+                prompts = self._prompts(index, need)
+                trajs = self.engine.generate(self._requests(prompts, step))
+                ready.update(enumerate(self._score(prompts, trajs), start=index))
+            return ready.pop(index)
+
+        return take
+
+    def _collect(self, take, step: int, max_staleness: int | None, on_stale=lambda g: None):
+        r = self.cfg.rollout
+        got = collect_batch(take, self.state.next_group, step, r.prompts_per_step, r.dynamic_sampling,
+                            r.max_draws_per_step, max_staleness, on_stale)
+        self.state.next_group = got.cursor
+        return got.groups, got.metrics
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Group]:
         n = self.cfg.rollout.group_size
@@ -89,9 +115,13 @@ class Controller:
     def _train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
         """Train on one batch, publish the new weights, return the step's metrics."""
         trajs = [t for g in groups for t in g.trajectories]
-        staleness = [step - t.oldest_version for t in trajs]
+        staleness = [step - t.oldest_version for t in trajs] or [0]
         eta = self.cfg.rollout.max_staleness if self.cfg.system.mode == "async" else 0
         assert max(staleness) <= eta, f"staleness bound violated at step {step}: {max(staleness)} > {eta}"
+        if not trajs:  # dynamic sampling found no informative group within its draw limit
+            self.trainer.skip_step()
+            self.engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
+            return {"algo/empty_step": 1.0}
         rewards = [t.reward for t in trajs]
         metrics: dict[str, float] = {
             "reward/mean": sum(rewards) / len(rewards),
@@ -99,6 +129,7 @@ class Controller:
             "rollout/response_len_mean": sum(t.num_tokens for t in trajs) / len(trajs),
             "rollout/response_len_max": float(max(t.num_tokens for t in trajs)),
             "rollout/truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+            "rollout/early_stopped_frac": sum(t.finish_reason == "repetition" for t in trajs) / len(trajs),
             "rollout/interrupted_frac": sum(len(set(t.versions)) > 1 for t in trajs) / len(trajs),
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/staleness_max": float(max(staleness)),
@@ -123,7 +154,6 @@ class Controller:
         cfg = self.cfg
         done = step + 1
         self.state.step, self.state.version = done, self.trainer.version
-        self.state.next_group = done * cfg.rollout.prompts_per_step
         step_s = time.perf_counter() - step_start
         self._rl_seconds += step_s
         metrics["perf/step_s"] = step_s
@@ -146,7 +176,8 @@ class Controller:
             self.checkpoint(metrics["time/elapsed_s"])
         if bar is not None:
             bar.update(1)
-            post = {"reward": f"{metrics['reward/mean']:.3f}", "stale": f"{metrics['async/staleness_mean']:.2f}"}
+            post = {"reward": f"{metrics.get('reward/mean', 0.0):.3f}",
+                    "stale": f"{metrics.get('async/staleness_mean', 0.0):.2f}"}
             last_acc = next((h["eval/accuracy"] for h in reversed(self.history) if "eval/accuracy" in h), None)
             if last_acc is not None:
                 post["acc"] = f"{last_acc:.3f}"
@@ -192,13 +223,11 @@ class Controller:
 
     def _run_sync(self, bar) -> str:
         torch.set_num_threads(self.cfg.system.num_threads)
-        p = self.cfg.rollout.prompts_per_step
         step = self.state.step
         while True:
             start = time.perf_counter()
-            prompts = self._prompts(step * p, p)
-            groups = self._score(prompts, self._generate(prompts))
-            metrics = self._train_step(step, groups)
+            groups, collect_metrics = self._collect(self._generate_on_demand(step), step, max_staleness=None)
+            metrics = {**collect_metrics, **self._train_step(step, groups)}
             stop = self._finish_step(step, metrics, start, bar)
             if stop:
                 return stop
@@ -208,8 +237,8 @@ class Controller:
         cfg = self.cfg
         p = cfg.rollout.prompts_per_step
         torch.set_num_threads(cfg.system.async_threads)  # process-wide: shared by both threads
-        staleness = StalenessManager(p, cfg.rollout.max_staleness, version=self.trainer.version,
-                                     num_admitted=self.state.next_group)
+        # Everything before the cursor was trained or charged: version * P admitted groups exactly.
+        staleness = StalenessManager(p, cfg.rollout.max_staleness, version=self.trainer.version)
         buffer = RolloutBuffer()
         to_score: queue.Queue = queue.Queue()  # bounded in effect: admission caps groups in flight
         group_size = cfg.rollout.group_size
@@ -236,7 +265,7 @@ class Controller:
                 for i, prompt in enumerate(prompts):
                     in_flight[prompt.uid] = (next_group + i, prompt, {})
                 next_group += n
-                return group_requests(self.tokenizer, prompts, group_size)
+                return self._requests(prompts, staleness.version)
 
             def on_done(request, traj: Trajectory) -> None:
                 index, prompt, done = in_flight[request.prompt.uid]
@@ -257,6 +286,8 @@ class Controller:
                 while (item := to_score.get()) is not None:
                     first, prompts, trajs = item
                     for i, group in enumerate(self._score(prompts, trajs)):
+                        if cfg.rollout.dynamic_sampling and not informative(group):
+                            staleness.release()  # will be dropped: free its slot right away
                         buffer.put(first + i, group)
             except BaseException as e:
                 buffer.fail(e)
@@ -269,8 +300,10 @@ class Controller:
         try:
             while True:
                 start = time.perf_counter()
-                groups = buffer.take(step * p, p)
-                metrics = self._train_step(step, groups)
+                groups, metrics = self._collect(lambda i, _: buffer.take(i, 1)[0], step, cfg.rollout.max_staleness,
+                                                on_stale=lambda g: staleness.release())
+                staleness.charge(int(metrics["algo/shortfall_groups"]))
+                metrics.update(self._train_step(step, groups))
                 staleness.set_version(self.trainer.version)
                 metrics["async/buffered_groups"] = float(len(buffer))
                 stop = self._finish_step(step, metrics, start, bar)

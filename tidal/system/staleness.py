@@ -48,6 +48,20 @@ class StalenessManager:
             self.num_admitted += n
             return n
 
+    def release(self, n: int = 1) -> None:
+        """``n`` admitted groups will not be trained (dropped): give their slots back."""
+        self._adjust(-n)
+
+    def charge(self, n: int) -> None:
+        """A step trained ``n`` groups fewer than a full batch: later groups shift to later steps,
+        so count the missing ones as admitted to keep the bound (see ``batching.py``)."""
+        self._adjust(n)
+
+    def _adjust(self, n: int) -> None:
+        with self._cond:
+            self.num_admitted += n
+            self._cond.notify_all()
+
     @property
     def closed(self) -> bool:
         return self._closed
