@@ -83,17 +83,19 @@ class TrainBatch:
     """A right-padded batch of B sequences of length T (prompt + response) ready for the trainer.
 
     Tensors are named with their shape: ``_bt`` is [B, T]. Position t of the ``_bt`` tensors that
-    describe tokens (``loss_mask_bt``, ``behav_logp_bt``, ``adv_bt``, ``versions_bt``) refers to the
-    token at ``input_ids_bt[:, t]``, predicted from positions < t.
+    describe tokens (``loss_mask_bt``, ``behav_logp_bt``, ``versions_bt``) refers to the token at
+    ``input_ids_bt[:, t]``, predicted from positions < t. Advantages are not here: the trainer
+    computes them from ``rewards_b``, because some estimators need its own log-probs (VCPO) or a
+    KL penalty, or are normalized per minibatch (Magistral).
     """
 
     input_ids_bt: torch.Tensor  # long
     attention_mask_bt: torch.Tensor  # long, 1 for real tokens
     loss_mask_bt: torch.Tensor  # float, 1 for response tokens
     behav_logp_bt: torch.Tensor  # float, engine log-prob of each response token
-    adv_bt: torch.Tensor  # float, advantage broadcast over the response tokens
     versions_bt: torch.Tensor  # long, policy version of each response token (-1 elsewhere)
     group_index_b: torch.Tensor  # long, which group each row came from
+    rewards_b: torch.Tensor  # float, each sequence's scalar reward
 
     @property
     def num_sequences(self) -> int:

@@ -56,7 +56,8 @@ def test_every_field_reaches_some_component():
     ]
     fns += [kl.kl_loss, kl.kl_reward_penalty, correction.ess_lr_scale]
     params = set().union(*(inspect.signature(f).parameters for f in fns))
-    trainer_side = {"advantage", "policy_loss", "correction", "skip_zero_adv_groups", "kl_in_reward", "ess_lr_scaling"}
+    trainer_side = {"advantage", "policy_loss", "correction", "skip_zero_adv_groups", "overlong_filter", "kl_in_reward",
+                    "ess_lr_scaling"}
     for f in dataclasses.fields(AlgoConfig):
         assert f.name in trainer_side or f.metadata.get("param", f.name) in params, f"{f.name} reaches nothing"
 

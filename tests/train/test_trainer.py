@@ -31,7 +31,7 @@ def test_batch_layout_and_zero_advantage_filter(small_model, tokenizer):
         assert batch.input_ids_bt[r, : p + n].tolist() == t.prompt_ids + t.token_ids
         assert batch.loss_mask_bt[r].sum() == n and batch.loss_mask_bt[r, :p].sum() == 0
         assert torch.allclose(batch.behav_logp_bt[r, p : p + n], torch.tensor(t.logprobs))
-    assert batch.adv_bt[0].max() > 0 > batch.adv_bt[1].min()
+    assert batch.rewards_b.tolist() == [1.0, 0.0] and batch.group_index_b.tolist() == [0, 0]
 
 
 def test_trainer_step_on_fresh_samples_is_on_policy_and_moves_toward_reward(small_model, tokenizer):

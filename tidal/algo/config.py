@@ -49,6 +49,9 @@ class AlgoConfig:
     adv_eps: float = 1e-6
     """Added to the std before dividing (``grpo``, ``reinforce_pp``, ``magistral``): TRL/verl's 1e-6 epsilon
     (the papers divide by the bare std); a group or batch with zero std gets advantage 0, never NaN."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering (arXiv 2503.14476, sec. 3.4): truncated samples (finish_reason 'length')
+    get no loss, so a cut-off answer is not punished for its length; they still count in the baseline."""
     skip_zero_adv_groups: bool = True
     """Drop groups whose rewards are all equal (zero advantage, no gradient): DAPO's dynamic-sampling filter
     (arXiv 2503.14476 sec. 3.2) without re-sampling; the count is logged (``algo/zero_adv_groups``)."""

@@ -42,8 +42,10 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     config_lib.save_yaml(cfg, out_dir / "config.yaml")
     seed_everything(cfg.seed)
     task = TASKS.get(cfg.task.name)(cfg.task)
-    model, tokenizer = tiny.load(base_model_path(cfg, task, progress=cfg.log.progress))
-    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer)
+    base = base_model_path(cfg, task, progress=cfg.log.progress)
+    model, tokenizer = tiny.load(base)
+    ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base
+    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model)
 
     state = TrainingState(step=0, version=0, next_group=0, extra={})
     if resume:

@@ -1,49 +1,45 @@
-"""Turn scored groups into a padded TrainBatch with per-token advantages."""
+"""Turn scored groups into a right-padded TrainBatch (advantages are the trainer's job)."""
 
 from __future__ import annotations
 
 import torch
 
-from tidal.algo import ADVANTAGES, advantage_metrics, bind
 from tidal.algo.config import AlgoConfig
 from tidal.types import Group, TrainBatch
 
 
 def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tuple[TrainBatch | None, dict[str, float]]:
-    """Compute advantages per group and lay the sequences out as [B, T] (right-padded).
+    """Lay the groups' sequences out as [B, T], right-padded.
 
-    Groups need the same number of samples. With ``skip_zero_adv_groups`` (DAPO dynamic sampling's
-    filter), groups whose samples all got the same reward carry no signal and are left out; if none
-    remain the batch is None. Metrics report rewards before filtering.
+    With ``skip_zero_adv_groups``, groups whose samples all got the same reward (no advantage, no
+    gradient; DAPO's dynamic-sampling filter) are left out; if none remain the batch is None. With
+    ``overlong_filter`` (DAPO, arXiv 2503.14476, sec. 3.4), truncated samples keep their place in
+    the group's baseline but contribute no loss. Groups may differ in size.
     """
-    sizes = {len(g.trajectories) for g in groups}
-    assert len(sizes) == 1, f"all groups need the same number of samples, got sizes {sorted(sizes)}"
-    rewards_gn = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    group_ids_b = torch.arange(len(groups)).repeat_interleave(rewards_gn.shape[1])
-    adv_b = bind(ADVANTAGES[cfg.advantage], cfg)(rewards_gn.flatten(), group_ids_b)
-    adv_gn, metrics = adv_b.view_as(rewards_gn), advantage_metrics(adv_b)
-    informative = rewards_gn.std(dim=1) > 0 if rewards_gn.shape[1] > 1 else torch.ones(len(groups), dtype=torch.bool)
-    keep = informative.nonzero().flatten().tolist() if cfg.skip_zero_adv_groups else list(range(len(groups)))
-    metrics["algo/zero_adv_groups"] = float(len(groups) - int(informative.sum()))
+    informative = [len(set(g.rewards)) > 1 for g in groups]
+    keep = [gi for gi, ok in enumerate(informative) if ok or not cfg.skip_zero_adv_groups]
+    trajs = [t for gi in keep for t in groups[gi].trajectories]
+    metrics = {"algo/zero_adv_groups": float(len(groups) - sum(informative))}
+    if cfg.overlong_filter:
+        metrics["algo/overlong_filtered"] = float(sum(t.finish_reason == "length" for t in trajs))
     if not keep:
         return None, metrics
 
-    rows = [(gi, t, adv_gn[gi, j].item()) for gi in keep for j, t in enumerate(groups[gi].trajectories)]
-    width = max(len(t.prompt_ids) + len(t.token_ids) for _, t, _ in rows)
-    b = len(rows)
+    width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajs)
+    b = len(trajs)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
     loss_mask = torch.zeros((b, width))
     behav = torch.zeros((b, width))
-    adv = torch.zeros((b, width))
     versions = torch.full((b, width), -1, dtype=torch.long)
-    for r, (_, t, a) in enumerate(rows):
+    for r, t in enumerate(trajs):
         p, n = len(t.prompt_ids), len(t.token_ids)
         input_ids[r, : p + n] = torch.tensor(t.prompt_ids + t.token_ids)
         attn[r, : p + n] = 1
-        loss_mask[r, p : p + n] = 1.0
+        if not (cfg.overlong_filter and t.finish_reason == "length"):
+            loss_mask[r, p : p + n] = 1.0
         behav[r, p : p + n] = torch.tensor(t.logprobs)
-        adv[r, p : p + n] = a
         versions[r, p : p + n] = torch.tensor(t.versions)
-    batch = TrainBatch(input_ids, attn, loss_mask, behav, adv, versions, torch.tensor([gi for gi, _, _ in rows]))
-    return batch, metrics
+    group_index = torch.tensor([gi for gi in keep for _ in groups[gi].trajectories])
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    return TrainBatch(input_ids, attn, loss_mask, behav, versions, group_index, rewards), metrics
