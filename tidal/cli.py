@@ -32,10 +32,45 @@ def _recipe_config(name: str, overrides: list[str]):
 def cmd_recipes(args) -> int:
     from tidal.recipes import RECIPES
 
-    for name in RECIPES:
-        doc = (RECIPES.get(name).__doc__ or "").strip().splitlines()[0]
-        print(f"{name:18s} {doc}")
+    if args.action is None:
+        for name in RECIPES:
+            doc = (RECIPES.get(name).__doc__ or "").strip().splitlines()[0]
+            print(f"{name:18s} {doc}")
+        return 0
+    if args.action != "show" or not args.name:
+        print("usage: tidal recipes [show NAME]", file=sys.stderr)
+        return 2
+    print(show_recipe(args.name), end="")
     return 0
+
+
+def show_recipe(name: str) -> str:
+    """The resolved config, one ``key: value`` per line, each key the recipe sets annotated with its source."""
+    import dataclasses
+
+    import yaml
+
+    from tidal.recipes import RECIPES
+    from tidal.recipes.papers import NOTES, SOURCES
+
+    cfg = RECIPES.get(name)()
+    sources = SOURCES.get(name, {})
+
+    def flat(node, prefix=""):
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from flat(value, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", value
+
+    doc = (RECIPES.get(name).__doc__ or "").strip()
+    lines = [f"# {name}: {doc}"] + [f"# {note}" for note in NOTES.get(name, [])]
+    for key, value in flat(cfg):
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+        line = f"{key}: {text}"
+        lines.append(f"{line:48s} # {sources[key]}" if key in sources else line)
+    return "\n".join(lines) + "\n"
 
 
 def cmd_train(args) -> int:
@@ -195,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Asynchronous RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    sp = sub.add_parser("recipes", help="list the named recipes")
+    sp = sub.add_parser("recipes", help="list the named recipes; `recipes show NAME` prints one with its sources")
+    sp.add_argument("action", nargs="?", choices=["show"])
+    sp.add_argument("name", nargs="?")
     sp.set_defaults(fn=cmd_recipes)
 
     sp = sub.add_parser("train", help="train a recipe")

@@ -12,15 +12,18 @@ from tidal.system.run import prepare, train
 COMPARABLE = ("reward/", "algo/", "train/", "eval/", "rollout/response", "async/staleness")
 
 
-def tiny_cfg(tmp_path, *extra):
-    cfg = RECIPES.get("quickstart")()
-    return apply_overrides(cfg, [
+def TINY_OVERRIDES(tmp_path):  # noqa: N802  (a constant list, parametrized by the cache dir)
+    return [
         "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
         "model.intermediate_size=64", "sft.steps=2", "sft.batch_size=16", f"sft.cache_dir={tmp_path / 'cache'}",
         "reward.name=digit_match", "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=4",
         "rollout.max_new_tokens=4", "max_steps=4", "max_time_s=null", "target_accuracy=null", "eval_every=2",
         "num_eval=16", "checkpoint_every=2", "optim.lr=1e-2", "system.num_threads=1",
-        "log.progress=false", "log.tensorboard=false", "log.report=false", *extra])
+        "log.progress=false", "log.tensorboard=false", "log.report=false"]
+
+
+def tiny_cfg(tmp_path, *extra):
+    return apply_overrides(RECIPES.get("quickstart")(), [*TINY_OVERRIDES(tmp_path), *extra])
 
 
 def comparable(history):
