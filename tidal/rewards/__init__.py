@@ -50,6 +50,7 @@ def build_reward(name: str, params: dict[str, Any] | None = None) -> Callable:
         raise ConfigError(f"reward {name!r}: {e}") from None
 
 
+from tidal.rewards import code as _code  # noqa: E402,F401
 from tidal.rewards import compose as _compose  # noqa: E402,F401
 from tidal.rewards import exact_match as _exact_match  # noqa: E402,F401  (registers rewards)
 from tidal.rewards import format as _format  # noqa: E402,F401
