@@ -92,6 +92,11 @@ def test_copy_check_exempts_plain_numbers_and_the_gold():
     assert not copied_from_question("x^2+1", "Let f(x) = x^2 + 1. What is f?", "x^2+1")
     assert copied_from_question("x^2 + 1", "Let f(x) = x^2+1. Expand f.", "x^2+1+0")
     assert strip_question("Q: What is 2+3?\nA: 5", "What is\n2+3?") == "Q:  \nA: 5"
+    # Only whole-word copies of a real (multi-word) question are stripped: a one-letter "question"
+    # must not cut the q out of \sqrt.
+    assert strip_question(r"\boxed{2\sqrt{3}}", "q") == r"\boxed{2\sqrt{3}}"
+    assert strip_question("Whatever is 2+3? no", "ever is 2+3?") == "Whatever is 2+3? no"
+    assert score(r"\boxed{2\sqrt{3}}", answer=r"\sqrt{12}", question="q")[0] == 1.0
 
 
 def test_strict_vs_lenient():

@@ -128,9 +128,13 @@ def _squash(s: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _question_pattern(question: str) -> re.Pattern[str] | None:
-    """The question as a regex that tolerates whitespace changes (a model re-wraps lines)."""
+    """The question as a regex that tolerates whitespace changes (a model re-wraps lines), matched
+    only as whole words. None for a one-word question: a "copy" of it is not a copied question, and
+    stripping it would cut letters out of real answers (question "q" would break ``\\sqrt``)."""
     words = question.split()
-    return re.compile(r"\s+".join(map(re.escape, words))) if words else None
+    if len(words) < 2:
+        return None
+    return re.compile(r"(?<!\w)" + r"\s+".join(map(re.escape, words)) + r"(?!\w)")
 
 
 def strip_question(response: str, question: str) -> str:
