@@ -1,0 +1,31 @@
+"""Every metric key a run logs is documented in docs/metrics.md."""
+
+import re
+from pathlib import Path
+
+from tidal.system.run import prepare
+
+from .system.test_controller import tiny_cfg
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def documented() -> list[re.Pattern]:
+    keys = re.findall(r"`([a-z_]+/[a-z_<>/]+)`", DOC.read_text())
+    return [re.compile("^" + re.escape(k).replace("<name>", "[^/]+") + "$") for k in keys]
+
+
+def test_every_logged_key_is_documented(tmp_path):
+    patterns = documented()
+    logged = set()
+    for extra in (["system.mode=async", "rollout.dynamic_sampling=true", "algo.correction=tis"],
+                  ["system.mode=sync", "algo.policy_loss=decoupled_ppo", "trainer.num_minibatches=2",
+                   "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"]):
+        controller = prepare(tiny_cfg(tmp_path, *extra, "max_steps=2"), tmp_path / str(len(logged)))
+        try:
+            result = controller.run()
+        finally:
+            controller.tracker.close()
+        logged |= {k for row in result.history for k in row if k != "step"}
+    missing = sorted(k for k in logged if not any(p.match(k) for p in patterns))
+    assert not missing, f"undocumented metrics (add them to docs/metrics.md): {missing}"
