@@ -61,3 +61,34 @@ def test_humaneval_all_164():
     problems = load_problems()
     assert len(problems) == 164
     check_problems(problems)
+
+
+def check_through_cli(problems: list[dict]) -> None:
+    """The same check through the user-facing command: ``tidal score --reward code`` on JSONL rows."""
+    import subprocess
+    import sys
+
+    rows = []
+    for i, p in enumerate(problems):
+        tests = {"kind": "assert", "code": p["test"], "entry_point": p["entry_point"], "prompt": p["prompt"]}
+        broken = BROKEN["none"] if i % 2 else BROKEN["raise"]
+        rows.append({"response": p["canonical_solution"], "tests": tests, "want": 1.0})
+        rows.append({"response": f"```python\n{p['prompt']}{broken}```", "tests": tests, "want": 0.0})
+    stdin = "".join(json.dumps(r) + "\n" for r in rows)
+    cmd = [sys.executable, "-m", "tidal.cli", "score", "--reward", "code", "--workers", "2"]
+    if not ISOLATED:
+        cmd += ["--set", "allow_unisolated=true"]
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=600, check=True)
+    out = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(out) == len(rows)
+    wrong = [(r["want"], r["reward"], r["details"].get("reason")) for r in out if r["reward"] != r["want"]]
+    assert not wrong, wrong[:3]
+
+
+def test_humaneval_first_ten_through_tidal_score():
+    check_through_cli(load_problems()[:10])
+
+
+@pytest.mark.slow
+def test_humaneval_all_164_through_tidal_score():
+    check_through_cli(load_problems())
