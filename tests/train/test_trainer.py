@@ -60,3 +60,16 @@ def test_trainer_step_on_fresh_samples_is_on_policy_and_moves_toward_reward(smal
     assert abs(metrics["algo/ratio_mean"] - 1.0) < 1e-4 and metrics["algo/clip_frac"] == 0.0
     assert trainer.version == 1
     assert logp_of(good) > before  # rewarded samples became more likely
+
+
+def test_minibatches_keep_groups_whole_and_even():
+    from tidal.train.trainer import minibatches
+
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    # 12 rows in 3 groups of 4, two minibatches: the even split point 6 is not a group boundary; the
+    # closest boundaries are 4 and 8 (a tie, resolved to the first)
+    assert [c.tolist() for c in minibatches(groups, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11]]
+    assert [len(c) for c in minibatches(groups, 3)] == [4, 4, 4]
+    assert [len(c) for c in minibatches(groups, 8)] == [4, 4, 4]  # never more minibatches than groups
+    assert [len(c) for c in minibatches(torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]), 2)] == [2, 6]
+    assert [c.tolist() for c in minibatches(groups, 1)] == [list(range(12))]

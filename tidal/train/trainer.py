@@ -55,6 +55,23 @@ def _accepts(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
+def minibatches(group_index_b: torch.Tensor, num_minibatches: int) -> list[torch.Tensor]:
+    """Row indices of up to ``num_minibatches`` minibatches made of whole groups (contiguous runs of
+    rows with the same group id), split as evenly by rows as whole groups allow. Whole groups keep
+    group-level quantities exact per minibatch: Magistral's group baseline, group-length aggregation."""
+    starts = [0] + [i for i in range(1, len(group_index_b)) if group_index_b[i] != group_index_b[i - 1]]
+    bounds = [*starts, len(group_index_b)]
+    n = min(num_minibatches, len(starts))
+    chunks, first = [], 0
+    for k in range(1, n + 1):  # cut at the group start closest to the k-th even split point
+        target = round(k * len(group_index_b) / n)
+        cut = min(bounds[first + 1 :], key=lambda b: abs(b - target)) if k < n else len(group_index_b)
+        if cut > bounds[first]:
+            chunks.append(torch.arange(bounds[first], cut))
+            first = bounds.index(cut)
+    return chunks
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, optim: OptimConfig, cfg: TrainerConfig,
                  ref_model: torch.nn.Module | None = None):
@@ -98,7 +115,7 @@ class Trainer:
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algo = self.algo
         everything = torch.arange(batch.num_sequences)
-        chunks = [c for c in everything.chunk(self.cfg.num_minibatches) if len(c)]
+        chunks = minibatches(batch.group_index_b, self.cfg.num_minibatches)
         metrics_sum: dict[str, float] = {}
         first_forward = None
         prox_bt = None
