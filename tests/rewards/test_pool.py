@@ -50,3 +50,18 @@ def test_pool_times_out_a_hanging_verifier_and_keeps_going():
     assert pool.num_timeouts == 1
     assert elapsed < 10, elapsed
     assert again[0][0] == 1.0
+
+
+def test_a_script_without_main_guard_gets_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from tidal.rewards import build_reward\n"
+        "from tidal.rewards.pool import RewardConfig, RewardPool\n"
+        "from tidal.types import Prompt\n"
+        "RewardPool(build_reward('exact_match'), RewardConfig(num_workers=1)).score([('1', Prompt('a', 'q', '1'))])\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr.splitlines()[-1]

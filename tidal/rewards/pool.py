@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +64,15 @@ class RewardPool:
             self._executor = ProcessPoolExecutor(self.cfg.num_workers, mp_context=mp.get_context("forkserver"))
             # Start every worker and import the verifier before any deadline starts counting, so
             # start-up time is never mistaken for a hanging verifier.
-            for fut in [self._executor.submit(_warm_up, self.fn) for _ in range(self.cfg.num_workers)]:
-                fut.result()
+            try:
+                for fut in [self._executor.submit(_warm_up, self.fn) for _ in range(self.cfg.num_workers)]:
+                    fut.result()
+            except BrokenProcessPool as e:
+                self._executor = None
+                raise RuntimeError(
+                    "reward worker processes died while starting. If tidal runs from your own script, put "
+                    "the call under `if __name__ == \"__main__\":` (workers re-import the main module), or "
+                    "set reward.num_workers=0 to score inline") from e
         return self._executor
 
     def _restart(self) -> None:
