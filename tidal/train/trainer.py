@@ -79,7 +79,7 @@ class Trainer:
         self.algo = algo
         self.cfg = cfg
         self.optim_cfg = optim
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim)
+        self.optimizer, self.scheduler = build_optimizer(model, optim)
         self.policy_loss = POLICY_LOSSES[algo.policy_loss]
         self.advantage = ADVANTAGES[algo.advantage]
         self.correction = CORRECTIONS[algo.correction]
