@@ -36,8 +36,16 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
             extra = [x for kv in TINY for x in ("--set", kv)]
             if argv[0] == "bench":
                 extra += ["--set", "max_steps=1", "--set", "task.num_eval=8", "--out", str(tmp_path / "bench")]
+        if argv[:2] == ["bench", "rewards"]:  # its own knobs, not a run config
+            extra = ["--set", "math_samples=8", "--set", "code_samples=2", "--set", "workers=[1]",
+                     "--out", str(tmp_path / "bench")]
         if argv[0] == "eval":
             extra = ["--set", "num_eval=8"]
+        if "<" in argv:  # stdin redirection: feed the file the command names
+            stdin_path = argv[argv.index("<") + 1]
+            (tmp_path / stdin_path).write_text('{"response": "so \\\\boxed{12}", "answer": "12"}\n')
+            monkeypatch.setattr("sys.stdin", open(tmp_path / stdin_path))
+            argv = argv[: argv.index("<")]
         code = main(argv + extra)
         assert code == 0, f"`tidal {' '.join(argv)}` failed: {capsys.readouterr().err}"
 
