@@ -65,3 +65,20 @@ def test_a_script_without_main_guard_gets_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert 'if __name__ == "__main__":' in done.stderr.splitlines()[-1]
+
+
+def test_chunks_fall_back_to_items_around_a_hang():
+    """Many cheap items go in chunks; the chunk holding a hanging item misses its deadline and is
+    re-scored item by item, so only that item times out and every other result is in place."""
+    pool = RewardPool(slow_or_bad, RewardConfig(num_workers=2, timeout_s=1.0))
+    try:
+        pool.score([("2", P)] * 20)  # learn the item time: later chunks are large
+        assert pool._chunk_size(200) > 4
+        items = [("2" if i % 3 else "x", P) for i in range(60)]
+        items[37] = ("hang", P)
+        out = pool.score(items)
+    finally:
+        pool.close()
+    want = [0.0 if i == 37 else float(i % 3 != 0) for i in range(60)]
+    assert [r for r, _ in out] == want
+    assert out[37][1]["error"] == "timeout" and pool.num_timeouts == 1
