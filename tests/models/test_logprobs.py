@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tidal.models import tiny
-from tidal.models.logprobs import _linear_head, token_logprobs
+from tidal.models.logprobs import _linear_head, chunked_head_logprobs, token_logprobs
 
 
 def reference(model, ids, mask, temperature=1.0):
@@ -98,6 +98,17 @@ def test_fp32_head_is_closer_to_fp64_than_a_bf16_head(tokenizer):
     # Measured: bf16 head mean 1.4e-2 / max 3.8e-2; fp32 head mean 6.7e-7 / max 3.1e-6.
     assert err_fp32.max() < 1e-5, err_fp32.max()
     assert err_bf16.mean() > 1000 * err_fp32.mean(), (err_bf16.mean(), err_fp32.mean())
+
+
+def test_the_head_stays_fp32_under_a_callers_bf16_autocast():
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(2, 9, 16, generator=gen), 3 * torch.randn(40, 16, generator=gen)
+    targets = torch.randint(0, 40, (2, 9), generator=gen)
+    plain = chunked_head_logprobs(hidden, weight, None, targets, chunk_size=4)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = chunked_head_logprobs(hidden, weight, None, targets, chunk_size=4)[0]
+    assert autocast.dtype == torch.float32
+    torch.testing.assert_close(autocast, plain, rtol=0, atol=1e-6)
 
 
 def test_bf16_model_gets_bf16_gradients_through_the_fp32_head(tokenizer):

@@ -106,8 +106,10 @@ def chunked_head_logprobs(
 
 
 def _head_chunk(hidden_nh, weight_vh, bias_v, targets_n, temperature, with_entropy):
-    logits_nv = torch.nn.functional.linear(hidden_nh, weight_vh, bias_v)
-    return _logp_and_entropy(logits_nv, targets_n, temperature, with_entropy)
+    # Under a caller's bf16 autocast the matmul would silently drop back to bf16: keep the head in fp32.
+    with torch.autocast(hidden_nh.device.type, enabled=False):
+        logits_nv = torch.nn.functional.linear(hidden_nh, weight_vh, bias_v)
+        return _logp_and_entropy(logits_nv, targets_n, temperature, with_entropy)
 
 
 def _logp_and_entropy(logits, targets, temperature, with_entropy):
