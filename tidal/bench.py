@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 
@@ -30,6 +31,7 @@ def load(name: str):
         if path.exists():
             spec = importlib.util.spec_from_file_location(f"tidal_benchmark_{name}", path)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses in the benchmark look their module up here
             spec.loader.exec_module(module)
             return module
     raise FileNotFoundError(f"no benchmark {name!r}; available: {', '.join(available()) or 'none'} "

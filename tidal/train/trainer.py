@@ -29,6 +29,7 @@ from tidal.algo import (
     CORRECTIONS,
     POLICY_LOSSES,
     advantage_metrics,
+    aggregation_weights,
     bind,
     effective_sample_size_log,
     ess_lr_scale,
@@ -38,9 +39,13 @@ from tidal.algo import (
 )
 from tidal.algo.config import AlgoConfig
 from tidal.algo.losses import masked_mean
+from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig, build_optimizer
+from tidal.train.microbatch import greedy_collation, pack_sequences
+from tidal.train.packing import pack, unpack
 from tidal.types import TrainBatch
+from tidal.utils.memory import PeakMemory
 
 
 @dataclass
@@ -49,6 +54,23 @@ class TrainerConfig:
     """Optimizer steps per batch (PPO-style reuse; 1 keeps every update on fresh samples)."""
     temperature: float = 1.0
     """Must equal the sampling temperature so trainer and engine score the same distribution."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one forward/backward pass; a minibatch is split into micro-batches (Magistral's
+    greedy collation: sorted by length, filled to this many padded tokens; with ``packing``, real
+    tokens) and their gradients accumulated, weighted so the result equals the whole minibatch's.
+    None: the whole minibatch in one pass."""
+    packing: bool = False
+    """Pack sequences end to end without padding (position ids restart per sequence, block-diagonal
+    causal attention; see ``train/packing.py``). Same loss and gradients as padded."""
+    pack_tokens: int = 512
+    """Longest packed row, in tokens. On CPU, attention inside a row costs O(row^2) with a dense mask,
+    so rows stay short; on GPU, varlen flash attention makes long rows cheap."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the FP32 LM head + log-softmax (``models/logprobs.py``): the full
+    [tokens x vocab] logits are never materialized (about 3 x chunk x vocab x 4 bytes at peak)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass: same gradients, far less activation memory,
+    about one extra forward of compute."""
 
 
 def _accepts(fn, name: str) -> bool:
@@ -76,6 +98,9 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, optim: OptimConfig, cfg: TrainerConfig,
                  ref_model: torch.nn.Module | None = None):
         self.model = model.train()
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
+        self._memory = PeakMemory()
         self.algo = algo
         self.cfg = cfg
         self.optim_cfg = optim
@@ -91,9 +116,42 @@ class Trainer:
         self.version = 0
 
     # ---- pieces ----------------------------------------------------------------------------------
-    def _logprobs(self, model: torch.nn.Module, batch: TrainBatch, idx: torch.Tensor, with_entropy: bool = False):
-        return token_logprobs(model, batch.input_ids_bt[idx], batch.attention_mask_bt[idx], self.cfg.temperature,
-                              with_entropy=with_entropy)
+    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Positions (into ``rows``) of the micro-batches that make up one forward/backward each."""
+        budget = self.cfg.micro_batch_tokens
+        if budget is None:
+            return [torch.arange(len(rows))]
+        lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
+        split = pack_sequences(lengths, budget) if self.cfg.packing else greedy_collation(lengths, budget)
+        return [torch.tensor(sorted(m)) for m in split]
+
+    def _forward(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor, with_entropy: bool = False):
+        """Per-token log-probs (and entropies) of ``rows`` in the batch's [len(rows), T] layout, computed
+        padded to the longest of these rows, or packed without padding (``packing``)."""
+        width = batch.input_ids_bt.shape[1]
+        lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
+        if self.cfg.packing:
+            packed = pack(batch.input_ids_bt[rows], lengths, self.cfg.pack_tokens)
+            # Varlen flash attention finds the boundaries in the position ids; SDPA/eager need the mask.
+            flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
+            logp, ent = token_logprobs(model, packed.input_ids_rl, None if flash else packed.attention_mask_r1ll,
+                                       self.cfg.temperature, with_entropy, position_ids=packed.position_ids_rl,
+                                       chunk_size=self.cfg.logprob_chunk_size)
+            return unpack(logp, packed, width), unpack(ent, packed, width) if ent is not None else None
+        used = max(lengths)  # right-padded rows: drop the columns none of them uses
+        logp, ent = token_logprobs(model, batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used],
+                                   self.cfg.temperature, with_entropy, chunk_size=self.cfg.logprob_chunk_size)
+        pad = (0, width - used)
+        return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad) if ent is not None else None
+
+    @torch.no_grad()
+    def _scores(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs of the whole batch under ``model``, without gradient, one micro-batch at a time."""
+        everything = torch.arange(batch.num_sequences)
+        out = torch.zeros_like(batch.behav_logp_bt)
+        for micro in self._micro_batches(batch, everything):
+            out[micro] = self._forward(model, batch, micro)[0]
+        return out
 
     def _advantages(self, batch: TrainBatch, idx: torch.Tensor, rewards_b: torch.Tensor,
                     prox_bt: torch.Tensor | None) -> torch.Tensor:
@@ -104,32 +162,21 @@ class Trainer:
             data["seq_is_weight_b"] = log_w.exp()
         return bind(self.advantage, self.algo, **data)(rewards_b[idx], batch.group_index_b[idx])
 
-    def _lr_scale(self, logp_bt: torch.Tensor, batch: TrainBatch, idx: torch.Tensor) -> tuple[float, float]:
-        """VCPO: the normalized ESS of this minibatch's sequence weights pi_theta / pi_behav, and the lr
-        multiplier it implies (1 unless ``ess_lr_scaling``)."""
-        log_w = sequence_log_ratio(logp_bt.detach(), batch.behav_logp_bt[idx], batch.loss_mask_bt[idx])
-        ess = effective_sample_size_log(log_w)
-        return ess, bind(ess_lr_scale, self.algo)(ess) if self.algo.ess_lr_scaling else 1.0
+    def _agg_weights(self, fn, mask_bt: torch.Tensor, group_ids_b: torch.Tensor) -> torch.Tensor:
+        """Per-token weights of ``fn``'s aggregation over a whole minibatch: sliced per micro-batch, the
+        micro-batch losses sum exactly to the minibatch loss (gradient accumulation weighted by tokens)."""
+        agg = self.algo.loss_agg or inspect.signature(fn).parameters["agg"].default
+        return aggregation_weights(mask_bt, agg=agg, group_ids_b=group_ids_b, max_gen_len=self.algo.max_gen_len)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algo = self.algo
         everything = torch.arange(batch.num_sequences)
         chunks = minibatches(batch.group_index_b, self.cfg.num_minibatches)
-        metrics_sum: dict[str, float] = {}
-        first_forward = None
-        prox_bt = None
-        if self._needs_prox:
-            if len(chunks) == 1:
-                first_forward = self._logprobs(self.model, batch, everything, with_entropy=True)
-                prox_bt = first_forward[0].detach()
-            else:
-                with torch.no_grad():
-                    prox_bt, _ = self._logprobs(self.model, batch, everything)
-        ref_bt = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_bt, _ = self._logprobs(self.ref_model, batch, everything)
+        prox_bt = None  # with one minibatch the weights do not change before its loss: prox = logp.detach()
+        if self._needs_prox and (len(chunks) > 1 or _accepts(self.advantage, "seq_is_weight_b")):
+            prox_bt = self._scores(self.model, batch)
+        ref_bt = self._scores(self.ref_model, batch) if self.ref_model is not None else None
 
         rewards_b = batch.rewards_b
         step_metrics: dict[str, float] = {}
@@ -140,53 +187,84 @@ class Trainer:
         per_minibatch = getattr(self.advantage, "scope", "group") == "minibatch"
         adv_b = None if per_minibatch else self._advantages(batch, everything, rewards_b, prox_bt)
 
+        metrics_sum: dict[str, float] = {}
         for mb_index, idx in enumerate(chunks):
-            mask = batch.loss_mask_bt[idx]
-            behav = batch.behav_logp_bt[idx]
-            logp, entropy = first_forward if first_forward is not None else self._logprobs(
-                self.model, batch, idx, with_entropy=True)
-            first_forward = None
             adv = self._advantages(batch, idx, rewards_b, prox_bt) if per_minibatch else adv_b[idx]
-            data = {"group_ids_b": batch.group_index_b[idx]}
-            old = behav
-            if prox_bt is not None:
-                data["prox_logp_bt"] = prox_bt[idx]
-                if algo.correction != "none":
-                    weight_bt, correction_metrics = bind(self.correction, algo)(prox_bt[idx], behav, mask)
-                    data["is_weight_bt"] = weight_bt
-                    old = prox_bt[idx]
-            loss, metrics = bind(self.policy_loss, algo, **data)(logp, old, adv, mask)
-            if prox_bt is not None and algo.correction != "none":
-                metrics.update(correction_metrics)
-            if ref_bt is not None and not algo.kl_in_reward:
-                kl_term, kl_metrics = bind(kl_loss, algo, **data)(logp, ref_bt[idx], mask)
-                loss = loss + kl_term
-                metrics.update(kl_metrics)
-            ess, lr_scale = self._lr_scale(logp, batch, idx)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
-            if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
-                for group in self.optimizer.param_groups:
-                    group["lr"] *= lr_scale
-            self.optimizer.step()
-            self.scheduler.step()
-            with torch.no_grad():
-                metrics.update(advantage_metrics(adv))
-                metrics["algo/seq_ess"] = ess
-                metrics["algo/lr_scale"] = lr_scale
-                metrics["train/loss"] = loss.item()
-                metrics["train/grad_norm"] = grad_norm.item()
-                metrics["train/entropy"] = masked_mean(entropy, mask).item()
-                if mb_index == 0:  # before any update on this batch
-                    metrics.update(self._mismatch(logp, behav, batch.versions_bt[idx], mask))
+            metrics = self._minibatch_step(batch, idx, adv, prox_bt, ref_bt, first=mb_index == 0)
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / len(chunks)
         metrics_sum.update(step_metrics)
         metrics_sum["train/lr"] = self.scheduler.get_last_lr()[0]
         metrics_sum["train/num_tokens"] = float(batch.num_response_tokens)
+        metrics_sum.update(self._memory.step_metrics())
         self.version += 1
         return metrics_sum
+
+    def _minibatch_step(self, batch: TrainBatch, idx: torch.Tensor, adv: torch.Tensor,
+                        prox_bt: torch.Tensor | None, ref_bt: torch.Tensor | None, first: bool) -> dict[str, float]:
+        """One optimizer step on the minibatch ``idx``, accumulated over its micro-batches."""
+        algo = self.algo
+        mask_mb = batch.loss_mask_bt[idx]
+        groups_mb = batch.group_index_b[idx]
+        weights_mb = self._agg_weights(self.policy_loss, mask_mb, groups_mb)
+        kl_weights_mb = self._agg_weights(kl_loss, mask_mb, groups_mb) if ref_bt is not None else None
+        logp_mb = torch.zeros_like(mask_mb)
+        entropy_mb = torch.zeros_like(mask_mb)
+        totals: dict[str, float] = {}
+        loss_total = 0.0
+        num_tokens = max(float(mask_mb.sum()), 1.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in self._micro_batches(batch, idx):
+            rows = idx[micro]
+            mask, behav = batch.loss_mask_bt[rows], batch.behav_logp_bt[rows]
+            logp, entropy = self._forward(self.model, batch, rows, with_entropy=True)
+            prox = prox_bt[rows] if prox_bt is not None else logp.detach() if self._needs_prox else None
+            data = {"group_ids_b": batch.group_index_b[rows], "agg_weights_bt": weights_mb[micro]}
+            old = behav
+            metrics: dict[str, float] = {}
+            if prox is not None:
+                data["prox_logp_bt"] = prox
+                if algo.correction != "none":
+                    data["is_weight_bt"], correction_metrics = bind(self.correction, algo)(prox, behav, mask)
+                    metrics.update(correction_metrics)
+                    old = prox
+            loss, loss_metrics = bind(self.policy_loss, algo, **data)(logp, old, adv[micro], mask)
+            metrics.update(loss_metrics)
+            if ref_bt is not None and not algo.kl_in_reward:
+                data["agg_weights_bt"] = kl_weights_mb[micro]
+                kl_term, kl_metrics = bind(kl_loss, algo, **data)(logp, ref_bt[rows], mask)
+                loss = loss + kl_term
+                metrics.update(kl_metrics)
+            loss.backward()
+            loss_total += loss.item()
+            logp_mb[micro], entropy_mb[micro] = logp.detach(), entropy
+            share = float(mask.sum()) / num_tokens  # per-token metrics: a token-weighted mean
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v * share
+
+        ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
+            for group in self.optimizer.param_groups:
+                group["lr"] *= lr_scale
+        self.optimizer.step()
+        self.scheduler.step()
+        totals.update(advantage_metrics(adv))
+        totals["algo/seq_ess"] = ess
+        totals["algo/lr_scale"] = lr_scale
+        totals["train/loss"] = loss_total
+        totals["train/grad_norm"] = grad_norm.item()
+        totals["train/entropy"] = masked_mean(entropy_mb, mask_mb).item()
+        if first:  # before any update on this batch
+            totals.update(self._mismatch(logp_mb, batch.behav_logp_bt[idx], batch.versions_bt[idx], mask_mb))
+        return totals
+
+    def _lr_scale(self, logp_bt: torch.Tensor, batch: TrainBatch, idx: torch.Tensor) -> tuple[float, float]:
+        """VCPO: the normalized ESS of this minibatch's sequence weights pi_theta / pi_behav, and the lr
+        multiplier it implies (1 unless ``ess_lr_scaling``)."""
+        log_w = sequence_log_ratio(logp_bt.detach(), batch.behav_logp_bt[idx], batch.loss_mask_bt[idx])
+        ess = effective_sample_size_log(log_w)
+        return ess, bind(ess_lr_scale, self.algo)(ess) if self.algo.ess_lr_scaling else 1.0
 
     def _mismatch(self, logp, behav, versions, mask) -> dict[str, float]:
         """Engine/trainer numeric gap, on tokens sampled by the weights the trainer has now (stale
