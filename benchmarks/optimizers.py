@@ -19,7 +19,8 @@ warm-ups default to the run's length, as its paper does. Training runs on one th
 because the machine's two cores are shared: with two threads, another process on one core slows every
 step many times over (FACTS.md).
 
-    tidal bench optimizers [--set steps=300 optim.lr=1e-3 "optimizers=[adamw, muon]" "lrs=[1e-3, 1e-2]" ...]
+    tidal bench optimizers [--set steps=300] [--set optim.lr=1e-3] [--set "optimizers=[adamw, muon]"]
+                           [--set "lrs=[1e-3, 1e-2]"]
 
 Writes a PNG of the loss curves next to the JSON (``benchmarks/results/optimizers.png``).
 """
