@@ -66,8 +66,8 @@ class OptimConfig:
     """Peak learning rate. LLM recipes use ~1e-6 (DAPO); the 1M-parameter tiny model learns best near
     2e-4 (see the quickstart recipe)."""
     betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW's (beta1, beta2). MiniMax-M1 (arXiv 2506.13585) uses (0.9, 0.95) for RL: successive gradients
-    are weakly correlated there, so a shorter second-moment memory (the ``cispo`` recipe sets it)."""
+    """AdamW's (beta1, beta2). MiniMax-M1 (arXiv 2506.13585) uses (0.9, 0.95) for RL, a shorter
+    second-moment memory (the ``cispo`` recipe sets it)."""
     eps: float = 1e-8
     """Added to sqrt(v_hat) in Adam's denominator. It is not only a divide-by-zero guard: a coordinate whose
     gradient RMS is far below eps moves by ~lr * g / eps instead of ~lr, so eps is a threshold under which
