@@ -71,9 +71,9 @@ class OptimConfig:
     eps: float = 1e-8
     """Added to sqrt(v_hat) in Adam's denominator. It is not only a divide-by-zero guard: a coordinate whose
     gradient RMS is far below eps moves by ~lr * g / eps instead of ~lr, so eps is a threshold under which
-    updates are damped (a trust region on the step, in gradient units). MiniMax-M1 saw RL gradients from
-    ~1e-18 to 1e-5, mostly under 1e-14, and set eps = 1e-15 (with beta2 0.95) so that the small ones still
-    train; keep eps well below your gradients' scale."""
+    updates are damped (a trust region on the step, in gradient units). MiniMax-M1 found most of its RL
+    gradients far below the usual 1e-8 and set eps = 1e-15 (with beta2 0.95) so that they still train; keep
+    eps well below your gradients' scale."""
     weight_decay: float = 0.0
     """Decoupled weight decay (Loshchilov & Hutter 2019), theta <- theta * (1 - lr * wd), for every
     optimizer here; DAPO/Magistral use 0.1 on large models."""
