@@ -36,9 +36,14 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
             extra = [x for kv in TINY for x in ("--set", kv)]
             if argv[0] == "bench":
                 extra += ["--set", "max_steps=1", "--set", "task.num_eval=8", "--out", str(tmp_path / "bench")]
-        if argv[:2] == ["bench", "rewards"]:  # its own knobs, not a run config
-            extra = ["--set", "math_samples=8", "--set", "code_samples=2", "--set", "workers=[1]",
-                     "--out", str(tmp_path / "bench")]
+        own_knobs = {  # benchmarks with their own settings rather than a run config
+            "rewards": ["math_samples=8", "code_samples=2", "workers=[1]"],
+            "packing": ["num_sequences=16", "max_len=32", "steps=1", "micro_batch_tokens=64", "pack_tokens=32"],
+            "optimizers": ["steps=2", "eval_every=2", "batch_size=2", "seq_len=16", "eval_windows=2",
+                           "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64"],
+        }
+        if argv[0] == "bench" and argv[1] in own_knobs:
+            extra = [x for kv in own_knobs[argv[1]] for x in ("--set", kv)] + ["--out", str(tmp_path / "bench")]
         if argv[0] == "eval":
             extra = ["--set", "num_eval=8"]
         if "<" in argv:  # stdin redirection: feed the file the command names
