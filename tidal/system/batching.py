@@ -20,12 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tidal.algo.filters import informative as rewards_informative
 from tidal.types import Group
 
 
 def informative(group: Group) -> bool:
     """A group whose rewards are not all equal (a single-sample group never is)."""
-    return len(set(group.rewards)) > 1
+    return rewards_informative(group.rewards)
 
 
 def length_budget(schedule: Sequence[Sequence[int]], step: int, default: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tidal.algo.config import AlgoConfig
+from tidal.algo.filters import informative as rewards_informative
 from tidal.types import Group, TrainBatch
 
 
@@ -16,7 +17,7 @@ def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tupl
     ``overlong_filter`` (DAPO, arXiv 2503.14476, sec. 3.4), truncated samples keep their place in
     the group's baseline but contribute no loss. Groups may differ in size.
     """
-    informative = [len(set(g.rewards)) > 1 for g in groups]
+    informative = [rewards_informative(g.rewards) for g in groups]
     keep = [gi for gi, ok in enumerate(informative) if ok or not cfg.skip_zero_adv_groups]
     trajs = [t for gi in keep for t in groups[gi].trajectories]
     metrics = {"algo/zero_adv_groups": float(len(groups) - sum(informative))}
