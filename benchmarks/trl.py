@@ -1,0 +1,361 @@
+"""tidal vs TRL's GRPOTrainer: time to a held-out accuracy and accuracy after equal training time.
+
+Both frameworks start from the same warm-started tiny model (tidal's quickstart base, built locally
+and cached), train on the same 2-digit addition prompts in the same order, with the same reward
+(exact match), prompts per step, samples per prompt, learning rate, AdamW settings, clip range,
+response budget, temperature and thread count, one after the other: TRL first, in a subprocess in the
+benchmark's own virtual environment (``.tidal_cache/bench-trl-venv``: TRL is pinned there and is no
+dependency of tidal; CPU, no vLLM), then tidal's quickstart recipe (async, eta = 1) in this process.
+
+How time and accuracy are measured, identically for both (see ``trl_grpo.py``):
+
+- A training clock runs from the first step to the first step ending at or after ``max_time_s``.
+  Setup (imports, model loading, trainer construction, the TRL install) is off the clock.
+- Every ``snapshot_every_s`` of clock the policy weights are copied to memory (the copy is off the
+  clock). No evaluation runs during training: afterwards every snapshot of both runs is scored by the
+  same code (tidal's greedy accuracy on the same held-out prompts). So neither framework pays for
+  evaluation, and tidal's generator cannot get ahead while an evaluation would pause its trainer.
+
+Reported: base accuracy, accuracy at ``report_at`` seconds (linear between snapshots), steps/s and
+samples/s, how many cores other processes kept busy meanwhile (the machine may be shared: a run
+whose ``others_cpu_cores`` is well above 0 was slowed by someone else), and the headline: how much
+sooner tidal reaches the accuracy TRL has at ``max_time_s`` (``max_time_s`` / tidal's time to that
+accuracy; the issue's goal is >= 3x) and whether tidal's accuracy at ``max_time_s`` is higher.
+Writes ``benchmarks/results/trl.png`` (accuracy vs training time).
+
+    tidal bench trl [--set max_time_s=300] [--set snapshot_every_s=10] [--set rollout.prompts_per_step=16]
+
+``--set`` takes this benchmark's own knobs (``Settings``) and any quickstart run-config key; the TRL
+run reads its values from the same resolved config. Runs about 12 minutes (2 x 300 s of training plus
+setup and scoring); the first run also installs TRL (about a minute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tidal.algo import POLICY_LOSSES
+from tidal.config import apply_overrides
+from tidal.models import tiny
+from tidal.recipes import RECIPES
+from tidal.rewards import build_reward
+from tidal.rewards.pool import RewardConfig, RewardPool
+from tidal.rollout import ENGINES
+from tidal.system.config import RunConfig
+from tidal.system.evaluate import greedy_accuracy
+from tidal.system.run import base_model_path, prepare
+from tidal.tasks import TASKS
+from tidal.utils.metrics import MultiTracker
+
+DESCRIPTION = "tidal vs TRL GRPOTrainer: time to TRL's 300-s held-out accuracy, accuracy after equal time"
+TRL_VERSION = "1.16.0"
+"""Pinned: the version FACTS.md measured. It installs on top of tidal's environment (accelerate and
+psutil are all it adds), so the benchmark's venv reuses tidal's torch and transformers."""
+_SCRIPT = Path(__file__).with_name("trl_grpo.py")
+
+
+def _load_script():
+    """``trl_grpo.py`` as a module (it imports nothing heavy at module level): its clock and reward are shared."""
+    spec = importlib.util.spec_from_file_location("tidal_benchmark_trl_grpo", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+grpo = _load_script()
+
+
+@dataclass
+class Settings:
+    """This benchmark's own knobs; every other ``--set`` key goes to the quickstart run config."""
+
+    frameworks: list[str] = field(default_factory=lambda: ["trl", "tidal"])
+    snapshot_every_s: float = 10.0
+    """Training-clock seconds between weight snapshots: the resolution of the accuracy-vs-time curves."""
+    report_at: list[float] = field(default_factory=lambda: [60.0, 120.0, 300.0])
+    threads: int = 2
+    """torch threads for both: TRL's training process, and tidal's sync threads (async: 1 + 1 concurrently)."""
+    venv: str = ".tidal_cache/bench-trl-venv"
+    """The benchmark's own environment for TRL, created on first use and reused."""
+
+
+RUN = [  # the quickstart recipe as is, except what makes the comparison exact
+    "max_time_s=300", "target_accuracy=null", "max_steps=100000000", "eval_every=100000000",
+    "checkpoint_every=100000000", "log.progress=false", "log.tensorboard=false", "log.report=false",
+]
+
+
+def resolve(overrides: list[str]) -> tuple[Settings, RunConfig]:
+    own = {f.name for f in dataclasses.fields(Settings)}
+    mine = [o for o in overrides if o.partition("=")[0].strip() in own]
+    s = apply_overrides(Settings(), mine)
+    cfg = apply_overrides(RECIPES.get("quickstart")(), [*RUN, f"system.num_threads={s.threads}",
+                                                       *(o for o in overrides if o not in mine)])
+    return s, cfg
+
+
+# ---- the comparison's summary (pure: tested on synthetic curves) -------------------------------------
+Curve = list[tuple[float, float]]  # (training-clock seconds, held-out accuracy), sorted by time
+
+
+def accuracy_at(curve: Curve, t: float) -> float | None:
+    """Accuracy at time t, linear between snapshots; None past the last snapshot."""
+    for (t0, a0), (t1, a1) in zip(curve, curve[1:]):
+        if t0 <= t <= t1:
+            return a0 if t1 == t0 else a0 + (a1 - a0) * (t - t0) / (t1 - t0)
+    return curve[-1][1] if curve and t == curve[-1][0] else None
+
+
+def time_to_reach(curve: Curve, target: float) -> float | None:
+    """First time the curve reaches ``target`` (linear within the segment that crosses it); None if never."""
+    if curve and curve[0][1] >= target:
+        return curve[0][0]
+    for (t0, a0), (t1, a1) in zip(curve, curve[1:]):
+        if a1 >= target:
+            return t0 + (t1 - t0) * (target - a0) / (a1 - a0)
+    return None
+
+
+def summarize(runs: dict[str, dict], report_at: list[float], max_time_s: float) -> dict:
+    """Table rows (one per framework) and the headline numbers.
+
+    ``runs[name]`` holds ``curve`` (Curve) and ``steps`` (list of per-step ``{"step", "elapsed_s"}``),
+    plus ``samples_per_step``.
+    """
+    rows = []
+    for name, r in runs.items():
+        last = r["steps"][-1] if r["steps"] else {"step": 0, "elapsed_s": 0.0}
+        per_s = last["step"] / last["elapsed_s"] if last["elapsed_s"] else 0.0
+        row = {"framework": name, "steps": last["step"], "train_s": last["elapsed_s"], "steps_per_s": per_s,
+               "samples_per_s": per_s * r["samples_per_step"], "base_accuracy": r["curve"][0][1]}
+        row.update({f"acc_at_{t:g}s": accuracy_at(r["curve"], t) for t in report_at})
+        rows.append(row)
+    out = {"table": rows}
+    if "trl" in runs and "tidal" in runs:
+        target = accuracy_at(runs["trl"]["curve"], max_time_s)
+        tidal_at_end = accuracy_at(runs["tidal"]["curve"], max_time_s)
+        reach = None if target is None else time_to_reach(runs["tidal"]["curve"], target)
+        for row in rows:
+            row[f"s_to_trl_{max_time_s:g}s_acc"] = None if target is None else time_to_reach(runs[row["framework"]]
+                                                                                              ["curve"], target)
+        speedup = max_time_s / reach if reach else None
+        out.update({
+            "target_accuracy": target, "tidal_time_to_target_s": reach, "speedup": speedup,
+            "goal_3x_sooner": speedup is not None and speedup >= 3.0,
+            "goal_higher_at_end": tidal_at_end is not None and target is not None and tidal_at_end > target,
+        })
+    return out
+
+
+# ---- the TRL environment and run -----------------------------------------------------------------------
+def ensure_venv(path: str | Path, version: str = TRL_VERSION) -> Path:
+    """A venv that sees tidal's packages (a .pth adds tidal's site-packages) plus TRL; created once.
+
+    ``venv --system-site-packages`` would expose the base interpreter's packages, not tidal's venv, so
+    tidal's site directory is added by a ``.pth`` line instead (``site.addsitedir`` also runs tidal's own
+    .pth files). pip then installs only what TRL adds (``pip install --dry-run trl`` in tidal's env:
+    accelerate, psutil, trl).
+    """
+    path = Path(path).absolute()
+    python = path / "bin" / "python"
+    parent = sysconfig.get_paths()["purelib"]
+    stamp = path / "tidal-bench.json"
+    want = {"trl": version, "parent": parent}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return python
+    print(f"bench trl: creating {path} (TRL {version}; once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "tidal-parent-env.pth").write_text(f"import site; site.addsitedir({parent!r})\n")
+    subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+                    f"trl=={version}"], check=True)
+    stamp.write_text(json.dumps(want))
+    return python
+
+
+def export_prompts(task, count: int, path: Path) -> None:
+    """tidal's training stream (``train_prompt(0..count-1)``, epochs reshuffled as tidal does) as JSONL."""
+    with open(path, "w") as f:
+        for i in range(count):
+            p = task.train_prompt(i)
+            f.write(json.dumps({"prompt": p.text, "answer": p.answer}) + "\n")
+
+
+def trl_settings(cfg: RunConfig, s: Settings, model_dir: Path, work: Path) -> dict:
+    """The TRL script's settings, read from the resolved tidal config so both runs use the same values."""
+    loss_defaults = inspect.signature(POLICY_LOSSES.get(cfg.algo.policy_loss)).parameters
+    eps = {k: getattr(cfg.algo, k) if getattr(cfg.algo, k) is not None else loss_defaults[k].default
+           for k in ("eps_low", "eps_high")}
+    r, o = cfg.rollout, cfg.optim
+    return {
+        "model_dir": str(model_dir.absolute()), "prompts_path": str(work / "prompts.jsonl"),
+        "snapshots_path": str(work / "snapshots.pt"), "log_path": str(work / "steps.jsonl"),
+        "trl_out_dir": str(work / "trainer"), "threads": s.threads, "seed": cfg.seed,
+        "prompts_per_step": r.prompts_per_step, "group_size": r.group_size, "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature, "top_p": r.top_p, "lr": o.lr, "betas": list(o.betas), "adam_eps": o.eps,
+        "weight_decay": o.weight_decay, "grad_clip": o.grad_clip, **eps,
+        "max_time_s": cfg.max_time_s, "max_steps": cfg.max_steps, "snapshot_every_s": s.snapshot_every_s,
+    }
+
+
+def run_trl(cfg: RunConfig, s: Settings, task, model_dir: Path, work: Path) -> tuple[list[dict], list[dict], dict]:
+    python = ensure_venv(s.venv)
+    work.mkdir(parents=True, exist_ok=True)
+    settings = trl_settings(cfg, s, model_dir, work)
+    export_prompts(task, 2 * task.num_train, Path(settings["prompts_path"]))  # TRL cycles it if it runs out
+    (work / "config.json").write_text(json.dumps(settings, indent=2))
+    env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([str(python), str(_SCRIPT), "--config", str(work / "config.json")], check=True, env=env)
+    snapshots = torch.load(settings["snapshots_path"], weights_only=True)
+    return snapshots, grpo.read_rows(settings["log_path"]), settings
+
+
+# ---- the tidal run ---------------------------------------------------------------------------------------
+class SnapshotTracker:
+    """A metrics sink that snapshots the policy on the shared clock. The controller logs a step after
+    taking its time, so the copies are off tidal's clock (``time/elapsed_s``) as they are off TRL's."""
+
+    def __init__(self, model, clock, max_steps: int):
+        self.model, self.clock, self.max_steps = model, clock, max_steps
+        self.snapshots = [{"elapsed_s": 0.0, "step": 0, "state_dict": grpo.clone_state(model)}]
+        self.steps: list[dict] = []
+
+    def log(self, step: int, metrics) -> None:
+        if "time/elapsed_s" not in metrics:  # the base model's evaluation, before the clock starts
+            return
+        elapsed = metrics["time/elapsed_s"]
+        self.steps.append({"step": step, "elapsed_s": elapsed})
+        if self.clock.tick(elapsed, final=step >= self.max_steps):
+            self.snapshots.append({"elapsed_s": elapsed, "step": step, "state_dict": grpo.clone_state(self.model)})
+
+    def close(self) -> None:
+        pass
+
+
+def run_tidal(cfg: RunConfig, s: Settings, out_dir: Path) -> tuple[list[dict], list[dict]]:
+    controller = prepare(cfg, out_dir)
+    snap = SnapshotTracker(controller.trainer.model, grpo.SnapshotClock(s.snapshot_every_s, cfg.max_time_s),
+                           cfg.max_steps)
+    controller.tracker = MultiTracker([controller.tracker, snap])
+    try:
+        result = controller.run()
+    finally:
+        controller.tracker.close()
+        controller.reward_pool.close()
+    print(f"tidal: {result.steps} steps, stopped: {result.stopped_because}", flush=True)
+    return snap.snapshots, snap.steps
+
+
+# ---- how busy the machine was with other work ---------------------------------------------------------
+def cpu_clock() -> tuple[float, float, float]:
+    """(CPU seconds the whole machine was busy, CPU seconds of this process and its reaped children, now).
+
+    Linux only (``/proc/stat``); elsewhere the machine figure is NaN. The TRL subprocess is reaped when
+    its run ends, and tidal's reward workers when its pool closes, so both count as ours.
+    """
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        busy = float("nan")
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
+
+
+def others_cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """Mean number of cores other processes kept busy between two ``cpu_clock`` readings."""
+    return ((end[0] - start[0]) - (end[1] - start[1])) / max(end[2] - start[2], 1e-9)
+
+
+# ---- scoring and the plot --------------------------------------------------------------------------------
+def score_snapshots(cfg: RunConfig, task, model_dir: Path, snapshots: list[dict]) -> Curve:
+    """Greedy held-out accuracy of every snapshot, by one evaluator for both frameworks."""
+    model, tokenizer = tiny.load(model_dir)
+    engine = ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg.rollout, cfg.seed, 0)
+    pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params),
+                      RewardConfig(cfg.reward.name, cfg.reward.params, num_workers=0))
+    prompts = task.eval_prompts()[: cfg.num_eval]
+    curve = []
+    for i, snap in enumerate(snapshots):
+        engine.request_weight_update(snap["state_dict"], i + 1)
+        curve.append((snap["elapsed_s"], greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]))
+    return curve
+
+
+def plot(runs: dict[str, dict], summary: dict, max_time_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in runs.items():
+        ax.plot(*zip(*r["curve"]), marker=".", label=f"{name} ({r['label']})")
+    if summary.get("target_accuracy") is not None:
+        ax.axhline(summary["target_accuracy"], color="gray", linestyle="--", linewidth=0.8,
+                   label=f"TRL at {max_time_s:g} s")
+    if summary.get("tidal_time_to_target_s"):
+        ax.axvline(summary["tidal_time_to_target_s"], color="gray", linestyle=":", linewidth=0.8,
+                   label=f"tidal reaches it ({summary['speedup']:.1f}x sooner)")
+    ax.set_xlabel("training time (s; evaluation excluded)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("2-digit addition, same base model, same settings")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(overrides: list[str], out_dir: Path) -> dict:
+    s, cfg = resolve(overrides)
+    assert set(s.frameworks) <= {"trl", "tidal"}, f"frameworks must be among trl, tidal: {s.frameworks}"
+    assert cfg.max_time_s is not None, "max_time_s sets the comparison's time budget; it cannot be null"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task = TASKS.get(cfg.task.name)(cfg.task)
+    model_dir = base_model_path(cfg, task, progress=False)  # the warm start, off both clocks (cached)
+    samples_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    snaps, runs, trl_cfg = {}, {}, None
+    for name in s.frameworks:
+        start, cpu_start = time.perf_counter(), cpu_clock()
+        if name == "trl":
+            snaps[name], steps, trl_cfg = run_trl(cfg, s, task, model_dir, out_dir / "trl")
+            label = f"TRL {TRL_VERSION} GRPOTrainer"
+        else:
+            torch.set_num_threads(s.threads)
+            snaps[name], steps = run_tidal(cfg, s, out_dir / "tidal")
+            label = f"quickstart, {cfg.system.mode}, eta={cfg.rollout.max_staleness}"
+        runs[name] = {"steps": steps, "samples_per_step": samples_per_step, "label": label,
+                      "wall_s": time.perf_counter() - start, "others_cores": others_cores(cpu_start, cpu_clock())}
+    torch.set_num_threads(s.threads)
+    for name in runs:
+        runs[name]["curve"] = score_snapshots(cfg, task, model_dir, snaps[name])
+    summary = summarize(runs, s.report_at, cfg.max_time_s)
+    for row in summary["table"]:  # > 0: other jobs shared the cores during this framework's run
+        row["others_cpu_cores"] = runs[row["framework"]]["others_cores"]
+    png = out_dir.parent / "trl.png"  # next to trl.json (the run directories are not kept)
+    plot(runs, summary, cfg.max_time_s, png)
+    return {
+        "benchmark": "trl", "description": DESCRIPTION, **summary, "plot": str(png), "trl_version": TRL_VERSION,
+        "settings": {"benchmark": dataclasses.asdict(s), "trl_script": trl_cfg, "tidal_overrides": [*RUN, *overrides],
+                     "task": cfg.task.name, "num_eval": len(task.eval_prompts()[: cfg.num_eval]),
+                     "mode": cfg.system.mode, "max_staleness": cfg.rollout.max_staleness},
+        "curves": {name: {"elapsed_s": [t for t, _ in r["curve"]], "accuracy": [a for _, a in r["curve"]],
+                          "wall_s_with_setup": r["wall_s"]} for name, r in runs.items()},
+        "cpus": os.cpu_count(),
+    }

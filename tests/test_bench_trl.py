@@ -1,0 +1,180 @@
+"""``tidal bench trl``'s harness without installing TRL: the summary on synthetic curves, the shared clock,
+the TRL script's reward and prompt export, the settings both runs share, and the tidal side on a toy size.
+One optional test (marked slow) runs 2 TRL steps when the benchmark's TRL environment already exists."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal import bench
+from tidal.tasks import TASKS
+from tidal.tasks.config import TaskConfig
+
+trl_bench = bench.load("trl")
+grpo = trl_bench.grpo
+TOY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
+       "model.intermediate_size=64", "sft.steps=2", "sft.batch_size=8", "num_eval=8",
+       "rollout.prompts_per_step=2", "rollout.group_size=2", "snapshot_every_s=0.05", "report_at=[0.1]"]
+
+
+# ---- the summary ------------------------------------------------------------------------------------------
+def test_accuracy_at_interpolates_between_snapshots_and_stops_at_the_last():
+    curve = [(0.0, 0.3), (10.0, 0.5), (20.0, 0.4)]
+    assert trl_bench.accuracy_at(curve, 0.0) == 0.3
+    assert trl_bench.accuracy_at(curve, 5.0) == pytest.approx(0.4)
+    assert trl_bench.accuracy_at(curve, 15.0) == pytest.approx(0.45)
+    assert trl_bench.accuracy_at(curve, 20.0) == 0.4
+    assert trl_bench.accuracy_at(curve, 20.5) is None
+    assert trl_bench.accuracy_at([(0.0, 0.3)], 0.0) == 0.3
+
+
+def test_time_to_reach_is_the_first_crossing():
+    curve = [(0.0, 0.3), (10.0, 0.5), (20.0, 0.4), (30.0, 0.7)]
+    assert trl_bench.time_to_reach(curve, 0.2) == 0.0  # already there at the start
+    assert trl_bench.time_to_reach(curve, 0.4) == pytest.approx(5.0)
+    assert trl_bench.time_to_reach(curve, 0.6) == pytest.approx(20.0 + 10.0 * 2 / 3)  # after the dip
+    assert trl_bench.time_to_reach(curve, 0.8) is None
+
+
+def _steps(n, seconds_per_step):
+    return [{"step": i, "elapsed_s": i * seconds_per_step} for i in range(1, n + 1)]
+
+
+def test_summary_reports_the_speedup_and_both_goals():
+    runs = {
+        "trl": {"curve": [(0.0, 0.4), (150.0, 0.5), (300.0, 0.6)], "steps": _steps(600, 0.5), "samples_per_step": 256},
+        "tidal": {"curve": [(0.0, 0.4), (50.0, 0.6), (100.0, 0.8), (300.0, 0.9)], "steps": _steps(1000, 0.3),
+                  "samples_per_step": 256},
+    }
+    out = trl_bench.summarize(runs, [60.0, 300.0], 300.0)
+    assert out["target_accuracy"] == 0.6 and out["tidal_time_to_target_s"] == pytest.approx(50.0)
+    assert out["speedup"] == pytest.approx(6.0) and out["goal_3x_sooner"] and out["goal_higher_at_end"]
+    trl_row, tidal_row = out["table"]
+    assert trl_row["framework"] == "trl" and trl_row["steps"] == 600 and trl_row["steps_per_s"] == pytest.approx(2.0)
+    assert trl_row["samples_per_s"] == pytest.approx(512.0) and trl_row["base_accuracy"] == 0.4
+    assert trl_row["acc_at_60s"] == pytest.approx(0.44) and tidal_row["acc_at_60s"] == pytest.approx(0.64)
+    assert trl_row["acc_at_300s"] == 0.6 and tidal_row["acc_at_300s"] == 0.9
+    assert trl_row["s_to_trl_300s_acc"] == pytest.approx(300.0) and tidal_row["s_to_trl_300s_acc"] == pytest.approx(50)
+    assert bench.format_table(out["table"]).count("\n") == 3
+
+
+def test_summary_says_when_the_goal_is_missed():
+    runs = {"trl": {"curve": [(0.0, 0.4), (300.0, 0.7)], "steps": _steps(10, 30.0), "samples_per_step": 4},
+            "tidal": {"curve": [(0.0, 0.4), (300.0, 0.65)], "steps": _steps(10, 30.0), "samples_per_step": 4}}
+    out = trl_bench.summarize(runs, [300.0], 300.0)
+    assert out["tidal_time_to_target_s"] is None and out["speedup"] is None
+    assert not out["goal_3x_sooner"] and not out["goal_higher_at_end"]
+
+
+def test_others_cores_is_machine_cpu_minus_ours():
+    assert trl_bench.others_cores((100.0, 10.0, 0.0), (130.0, 25.0, 10.0)) == pytest.approx(1.5)
+    start = trl_bench.cpu_clock()
+    sum(i * i for i in range(200_000))
+    end = trl_bench.cpu_clock()
+    assert end[1] > start[1] and end[2] > start[2]
+
+
+# ---- the clock both frameworks share -------------------------------------------------------------------
+def test_snapshot_clock_fires_once_per_mark_and_at_the_end():
+    clock = grpo.SnapshotClock(every_s=10.0, max_time_s=30.0)
+    fired = [t for t in [3.0, 9.9, 10.2, 14.0, 25.0, 29.0, 31.0] if clock.tick(t)]
+    assert fired == [10.2, 25.0, 31.0]  # 25 covers the 20-s mark; 31 is the last step
+    assert grpo.SnapshotClock(10.0, 30.0).tick(4.0, final=True)  # a step limit ends the run early
+
+
+def test_snapshot_tracker_ignores_the_base_eval_and_snapshots_on_the_clock(small_model):
+    tracker = trl_bench.SnapshotTracker(small_model, grpo.SnapshotClock(1.0, 2.0), max_steps=100)
+    tracker.log(0, {"eval/accuracy": 0.5})
+    for step, t in enumerate([0.4, 1.1, 1.5, 2.3], start=1):
+        tracker.log(step, {"time/elapsed_s": t})
+    assert [(s["step"], s["elapsed_s"]) for s in tracker.snapshots] == [(0, 0.0), (2, 1.1), (4, 2.3)]
+    assert [s["step"] for s in tracker.steps] == [1, 2, 3, 4]
+    weights = tracker.snapshots[0]["state_dict"]
+    key = next(iter(weights))
+    assert weights[key].data_ptr() != small_model.state_dict()[key].data_ptr()  # a copy, not a view
+
+
+# ---- the TRL script's pieces (no TRL needed) --------------------------------------------------------------
+def test_exact_match_reward_is_tidals_exact_match():
+    from tidal.rewards.exact_match import exact_match
+    from tidal.types import Prompt
+
+    completions, answers = ["052", " 052\n", "52", "0520", ""], ["052"] * 5
+    got = grpo.exact_match_reward(completions, answers, prompts=["x"] * 5)
+    assert got == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert got == [exact_match(c, Prompt("u", "07+45=", a))[0] for c, a in zip(completions, answers)]
+
+
+def test_exported_prompts_are_tidals_stream_and_tokenize_like_tidal(tmp_path, tokenizer):
+    from tidal.rollout.requests import prompt_ids
+
+    task = TASKS.get("addition")(TaskConfig())
+    path = tmp_path / "prompts.jsonl"
+    trl_bench.export_prompts(task, task.num_train + 3, path)  # into the reshuffled second epoch
+    rows = grpo.read_rows(path)
+    assert len(rows) == task.num_train + 3
+    for i in (0, 1, task.num_train + 2):
+        p = task.train_prompt(i)
+        assert rows[i] == {"prompt": p.text, "answer": p.answer}
+    held_out = {p.text for p in task.eval_prompts()}
+    assert not held_out & {r["prompt"] for r in rows}
+    trl_rows = grpo.with_bos(rows[:2], tokenizer.bos_token)
+    assert trl_rows[0]["answer"] == rows[0]["answer"]
+    # TRL tokenizes the prompt text with the tokenizer's defaults: it must give tidal's [bos, chars...]
+    assert tokenizer(text=trl_rows[0]["prompt"])["input_ids"] == list(prompt_ids(tokenizer, task.train_prompt(0)))
+
+
+def test_both_runs_read_one_resolved_config(tmp_path):
+    s, cfg = trl_bench.resolve(["rollout.prompts_per_step=16", "optim.lr=3e-4", "threads=1", "max_time_s=60"])
+    assert s.threads == 1 and cfg.system.num_threads == 1 and cfg.system.mode == "async"
+    assert cfg.target_accuracy is None and cfg.max_time_s == 60 and cfg.rollout.group_size == 8
+    got = trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)
+    assert (got["prompts_per_step"], got["group_size"], got["lr"], got["threads"]) == (16, 8, 3e-4, 1)
+    assert (got["max_new_tokens"], got["temperature"], got["top_p"]) == (cfg.rollout.max_new_tokens, 1.0, 1.0)
+    assert (got["eps_low"], got["eps_high"]) == (0.2, 0.28)  # ppo_clip's own defaults (DAPO clip-higher)
+    assert got["betas"] == list(cfg.optim.betas) and got["grad_clip"] == cfg.optim.grad_clip
+    with pytest.raises(Exception, match="unknown config key"):
+        trl_bench.resolve(["snapshot_evry_s=3"])
+
+
+# ---- the harness end to end, toy size ---------------------------------------------------------------------
+def test_run_on_a_toy_size_writes_the_table_curves_and_plot(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the warm start caches under ./.tidal_cache
+
+    def fake_trl(cfg, s, task, model_dir, work):  # TRL's side replaced by the base model, twice
+        from tidal.models import tiny
+
+        weights = grpo.clone_state(tiny.load(model_dir)[0])
+        snaps = [{"elapsed_s": 0.0, "step": 0, "state_dict": weights}, {"elapsed_s": 0.2, "step": 2,
+                                                                          "state_dict": weights}]
+        return snaps, [{"step": 1, "elapsed_s": 0.1}, {"step": 2, "elapsed_s": 0.2}], {"lr": cfg.optim.lr}
+
+    monkeypatch.setattr(trl_bench, "run_trl", fake_trl)
+    result = trl_bench.run([*TOY, "max_time_s=0.2"], tmp_path / "results" / "trl")
+    trl_row, tidal_row = result["table"]
+    assert (trl_row["framework"], tidal_row["framework"]) == ("trl", "tidal")
+    assert tidal_row["steps"] >= 1 and tidal_row["train_s"] >= 0.2 and "others_cpu_cores" in tidal_row
+    curves = result["curves"]["tidal"]
+    assert curves["elapsed_s"][0] == 0.0 and curves["elapsed_s"][-1] == tidal_row["train_s"]
+    assert trl_row["base_accuracy"] == tidal_row["base_accuracy"]  # same base, same evaluator
+    assert result["target_accuracy"] == trl_row["base_accuracy"] and "speedup" in result
+    assert Path(result["plot"]) == tmp_path / "results" / "trl.png" and Path(result["plot"]).stat().st_size > 0
+    json.dumps(result)  # the JSON tidal bench writes
+
+
+@pytest.mark.slow
+def test_two_trl_steps(tmp_path, monkeypatch):
+    """Runs TRL for real: needs the benchmark's environment (``tidal bench trl`` creates it once)."""
+    s, _ = trl_bench.resolve([])
+    if not (Path(s.venv) / "tidal-bench.json").exists():
+        pytest.skip(f"no TRL environment at {s.venv}: run `tidal bench trl` once")
+    venv = Path(s.venv).absolute()
+    monkeypatch.chdir(tmp_path)
+    result = trl_bench.run([*TOY, "frameworks=[trl]", f"venv={venv}", "max_steps=2", "max_time_s=600"],
+                           tmp_path / "results" / "trl")
+    (row,) = result["table"]
+    assert row["steps"] == 2 and len(result["curves"]["trl"]["accuracy"]) == 3
+    snapshots = torch.load(tmp_path / "results" / "trl" / "trl" / "snapshots.pt", weights_only=True)
+    assert [s["step"] for s in snapshots] == [0, 1, 2]  # the base, then every step (snapshot_every_s=0.05)
