@@ -51,6 +51,7 @@ def test_summary_reports_the_speedup_and_both_goals():
     out = trl_bench.summarize(runs, [60.0, 300.0], 300.0)
     assert out["target_accuracy"] == 0.6 and out["tidal_time_to_target_s"] == pytest.approx(50.0)
     assert out["speedup"] == pytest.approx(6.0) and out["goal_3x_sooner"] and out["goal_higher_at_end"]
+    assert out["trl_best_accuracy"] == 0.6 and out["tidal_time_to_trl_best_s"] == pytest.approx(50.0)
     trl_row, tidal_row = out["table"]
     assert trl_row["framework"] == "trl" and trl_row["steps"] == 600 and trl_row["steps_per_s"] == pytest.approx(2.0)
     assert trl_row["samples_per_s"] == pytest.approx(512.0) and trl_row["base_accuracy"] == 0.4
@@ -64,7 +65,7 @@ def test_summary_says_when_the_goal_is_missed():
     runs = {"trl": {"curve": [(0.0, 0.4), (300.0, 0.7)], "steps": _steps(10, 30.0), "samples_per_step": 4},
             "tidal": {"curve": [(0.0, 0.4), (300.0, 0.65)], "steps": _steps(10, 30.0), "samples_per_step": 4}}
     out = trl_bench.summarize(runs, [300.0], 300.0)
-    assert out["tidal_time_to_target_s"] is None and out["speedup"] is None
+    assert out["tidal_time_to_target_s"] is None and out["speedup"] is None and out["tidal_time_to_trl_best_s"] is None
     assert not out["goal_3x_sooner"] and not out["goal_higher_at_end"]
 
 
@@ -135,6 +136,8 @@ def test_both_runs_read_one_resolved_config(tmp_path):
     assert (got["max_new_tokens"], got["temperature"], got["top_p"]) == (cfg.rollout.max_new_tokens, 1.0, 1.0)
     assert (got["eps_low"], got["eps_high"]) == (0.2, 0.28)  # ppo_clip's own defaults (DAPO clip-higher)
     assert got["betas"] == list(cfg.optim.betas) and got["grad_clip"] == cfg.optim.grad_clip
+    s.trl_threads = 2
+    assert trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)["threads"] == 2
     with pytest.raises(Exception, match="unknown config key"):
         trl_bench.resolve(["snapshot_evry_s=3"])
 
@@ -149,7 +152,7 @@ def test_run_on_a_toy_size_writes_the_table_curves_and_plot(tmp_path, monkeypatc
         weights = grpo.clone_state(tiny.load(model_dir)[0])
         snaps = [{"elapsed_s": 0.0, "step": 0, "state_dict": weights}, {"elapsed_s": 0.2, "step": 2,
                                                                           "state_dict": weights}]
-        return snaps, [{"step": 1, "elapsed_s": 0.1}, {"step": 2, "elapsed_s": 0.2}], {"lr": cfg.optim.lr}
+        return snaps, [{"step": 1, "elapsed_s": 0.1}, {"step": 2, "elapsed_s": 0.2}], {"lr": cfg.optim.lr, "threads": 1}
 
     monkeypatch.setattr(trl_bench, "run_trl", fake_trl)
     result = trl_bench.run([*TOY, "max_time_s=0.2"], tmp_path / "results" / "trl")
@@ -158,6 +161,7 @@ def test_run_on_a_toy_size_writes_the_table_curves_and_plot(tmp_path, monkeypatc
     assert tidal_row["steps"] >= 1 and tidal_row["train_s"] >= 0.2 and "others_cpu_cores" in tidal_row
     curves = result["curves"]["tidal"]
     assert curves["elapsed_s"][0] == 0.0 and curves["elapsed_s"][-1] == tidal_row["train_s"]
+    assert curves["step"][0] == 0 and curves["step"][-1] == tidal_row["steps"]
     assert trl_row["base_accuracy"] == tidal_row["base_accuracy"]  # same base, same evaluator
     assert result["target_accuracy"] == trl_row["base_accuracy"] and "speedup" in result
     assert Path(result["plot"]) == tmp_path / "results" / "trl.png" and Path(result["plot"]).stat().st_size > 0
