@@ -1,10 +1,12 @@
-"""The embedded local engine: batched sampling with a KV cache, interruptible between tokens.
+"""The embedded local engine: continuous batching with a KV cache, interruptible between tokens.
 
 How a batch is generated:
-1. Prefill: each distinct prompt is run once (left-padded) and its KV cache is repeated for the
-   group's samples (``batch_repeat_interleave``), so a group of N costs one prompt forward.
-2. Decode: one forward per step over the unfinished rows; finished rows are dropped from the KV
-   cache (``batch_select_indices``) so long-tailed batches do not pay for padding.
+1. Prefill: each distinct prompt is run once (left-padded) and its keys and values are copied to
+   each of the group's samples, so a group of N costs one prompt forward.
+2. Decode: one forward per step over the running rows, whose keys and values live in a
+   preallocated slot cache (``slots.py``: each step writes one column in place). A row that
+   finishes leaves at once and a waiting request takes its slot at the next step, so a long-tailed
+   batch pays neither for padding nor for waiting on its longest row.
 3. Interruption (AReaL-style): between two decode steps the engine checks for a pending weight
    update. If there is one it loads the weights, bumps its version, re-prefills every unfinished
    sequence (prompt + tokens so far) under the new weights and continues. Tokens sampled after the
@@ -28,6 +30,7 @@ from transformers import DynamicCache
 
 from tidal.api import GenRequest
 from tidal.rollout.sampling import sample_tokens
+from tidal.rollout.slots import SlotCache
 from tidal.types import Trajectory
 from tidal.utils.seeding import stable_hash
 
@@ -67,46 +70,6 @@ class _Row:
 
 
 RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
-
-
-@dataclass
-class _Batch:
-    """The running batch's tensors: KV cache [B, H, L, D], attention mask [B, L], the position of
-    each row's last token [B], and the logits for each row's next token [B, V]."""
-
-    cache: DynamicCache
-    mask: torch.Tensor
-    last_pos: torch.Tensor
-    logits: torch.Tensor
-
-    def select(self, index: torch.Tensor) -> _Batch:
-        self.cache.batch_select_indices(index)
-        return _Batch(self.cache, self.mask[index], self.last_pos[index], self.logits[index])
-
-    def trimmed(self) -> _Batch:
-        """Drop leading cache columns that no row attends to (left padding of finished rows)."""
-        used = self.mask.any(dim=0).nonzero()
-        first = int(used[0]) if len(used) else 0
-        if first == 0:
-            return self
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-        return _Batch(self.cache, self.mask[:, first:], self.last_pos, self.logits)
-
-
-def _merge(a: _Batch | None, b: _Batch) -> _Batch:
-    """Stack two batches into one, left-padding the shorter cache (masked out, never attended)."""
-    if a is None:
-        return b
-    la, lb = a.mask.shape[1], b.mask.shape[1]
-    width = max(la, lb)
-    pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  [B,H,L,D] on L
-    for layer_a, layer_b in zip(a.cache.layers, b.cache.layers):
-        layer_a.keys = torch.cat([pad(layer_a.keys, width - la), pad(layer_b.keys, width - lb)])
-        layer_a.values = torch.cat([pad(layer_a.values, width - la), pad(layer_b.values, width - lb)])
-    pad_mask = torch.nn.functional.pad
-    mask = torch.cat([pad_mask(a.mask, (width - la, 0)), pad_mask(b.mask, (width - lb, 0))])
-    return _Batch(a.cache, mask, torch.cat([a.last_pos, b.last_pos]), torch.cat([a.logits, b.logits]))
 
 
 class LocalEngine:
@@ -186,14 +149,13 @@ class LocalEngine:
         """
         start = time.perf_counter()
         temperature = 0.0 if greedy else self.cfg.temperature
-        rows: list[_Row] = []  # the running batch, aligned with the tensors in ``state``
-        state: _Batch | None = None
+        rows: list[_Row] = []  # the running batch, row i in slot i of ``slots``
+        slots = SlotCache(self.model, self.cfg.max_batch_size)  # grows to fit: memory follows the live rows
         exhausted = False
         try:
             while True:
                 if self._apply_pending_update() and rows:  # interruption point: re-read under new weights
-                    self.num_interruptions += 1
-                    state = self._prefill(rows, share_prompts=False)
+                    self._reprefill(slots, rows)
                 free = self.cfg.max_batch_size - len(rows)
                 if free > 0 and not exhausted:
                     self.generate_seconds += time.perf_counter() - start
@@ -203,25 +165,31 @@ class LocalEngine:
                         exhausted = True
                     elif new:
                         if self._apply_pending_update() and rows:  # arrived while we waited
-                            self.num_interruptions += 1
-                            state = self._prefill(rows, share_prompts=False)
+                            self._reprefill(slots, rows)
                         new_rows = [_Row(r, stable_hash(self.seed, r.prompt.uid, r.sample_index)) for r in new]
-                        state = _merge(state, self._prefill(new_rows, share_prompts=True))
+                        self._prefill(slots, new_rows, share_prompts=True)
                         rows += new_rows
                 if not rows:
                     if exhausted:
                         return
                     continue
-                rows, state = self._sample_step(rows, state, temperature, on_done)
+                rows = self._sample_step(rows, slots, temperature, on_done)
         finally:
             self.generate_seconds += time.perf_counter() - start
 
-    def _sample_step(self, rows: list[_Row], state: _Batch, temperature: float, on_done) -> tuple[list[_Row], _Batch]:
+    def _reprefill(self, slots: SlotCache, rows: list[_Row]) -> None:
+        """After a weight update: recompute every running row's cache (prompt + tokens so far)."""
+        self.num_interruptions += 1
+        slots.clear()
+        self._prefill(slots, rows, share_prompts=False)
+
+    def _sample_step(self, rows: list[_Row], slots: SlotCache, temperature: float, on_done) -> list[_Row]:
         """Sample one token for every running row, hand finished rows out, decode the rest one step."""
+        n = len(rows)
         keys = torch.tensor([r.key for r in rows], dtype=torch.int64)
         gen_pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)
-        tokens, logps = sample_tokens(state.logits, keys, gen_pos, temperature, self.cfg.top_p)
-        keep: list[int] = []
+        tokens, logps = sample_tokens(slots.logits[:n], keys, gen_pos, temperature, self.cfg.top_p)
+        keep = torch.ones(n, dtype=torch.bool)
         for slot, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist())):
             row.tokens.append(tok)
             row.logprobs.append(lp)
@@ -234,24 +202,24 @@ class LocalEngine:
             elif self.cfg.early_stop_run is not None and row.confident_run >= self.cfg.early_stop_run:
                 row.finish_reason = "repetition"
             else:
-                keep.append(slot)
-        self.num_generated_tokens += len(rows)
-        for slot in sorted(set(range(len(rows))) - set(keep)):
+                continue
+            keep[slot] = False
+        self.num_generated_tokens += n
+        for slot in (~keep).nonzero().squeeze(1).tolist():
             on_done(rows[slot].request, self._to_trajectory(rows[slot]))
-        if not keep:
-            return [], None
-        if len(keep) < len(rows):
-            state = state.select(torch.tensor(keep))
-            tokens = tokens[keep]
-        rows = [rows[i] for i in keep]
-        mask = torch.cat([state.mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-        last_pos = state.last_pos + 1
-        logits = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                            past_key_values=state.cache, use_cache=True).logits[:, -1]
-        return rows, _Batch(state.cache, mask, last_pos, logits).trimmed()
+        if not keep.all():
+            holes, movers = slots.remove(keep)
+            for hole, mover in zip(holes, movers):
+                rows[hole] = rows[mover]
+            tokens[holes] = tokens[movers]
+            rows, tokens = rows[: slots.n], tokens[: slots.n]
+        if rows:
+            slots.decode(self.model, tokens)
+        return rows
 
-    def _prefill(self, rows: list[_Row], share_prompts: bool) -> _Batch:
-        """Forward prompts (+ tokens so far) of ``rows`` into a fresh left-padded KV cache."""
+    def _prefill(self, slots: SlotCache, rows: list[_Row], share_prompts: bool) -> None:
+        """Forward prompts (+ tokens so far) of ``rows`` (left-padded, on a fresh DynamicCache) and
+        append them to the running batch in ``slots``."""
         if share_prompts:
             # Rows of one group are adjacent and share a prompt: run each distinct prompt once.
             starts = [i for i in range(len(rows))
@@ -271,10 +239,8 @@ class LocalEngine:
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True).logits[:, -1]
-        batch = _Batch(cache, mask, positions[:, -1], logits)
-        if any(c != 1 for c in counts):
-            batch = batch.select(torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts)))
-        return batch
+        source = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
+        slots.admit(cache, mask, positions[:, -1], logits, source)
 
     def _hit_stop(self, row: _Row) -> bool:
         if not self._stop_max_tokens:

@@ -1,0 +1,160 @@
+"""A preallocated KV cache with one slot per running sequence: continuous batching without copies.
+
+Why: with Hugging Face's ``DynamicCache`` every decode step concatenates one column onto each
+layer's keys and values (a copy of the whole cache), dropping finished rows copies it again
+(``batch_select_indices``) and joining new rows a third time. On the 1M-parameter tiny model those
+copies took as long as all the matmuls (``tidal bench generate``, profiled with cProfile). Here the
+buffers are allocated once and a step writes one column in place.
+
+Layout, per layer: keys and values of shape [slots, heads, columns, head_dim].
+- Running rows live in slots [0, n). When rows finish, rows from the end move into their slots
+  (only the finished rows' worth of data moves), so the running batch stays a contiguous prefix.
+- Every row writes its next token at one shared column ``t``; a row's sequence occupies columns
+  [start[row], t). Rows that joined later start further right, and what lies left of a row's start
+  is masked out exactly like left padding. Attention reads columns [lo, t] where ``lo`` is the
+  earliest start of a running row.
+- When ``t`` reaches the end of the buffer the live span moves back to column 0 (a copy once every
+  few dozen steps); when it does not fit, the buffers grow (doubling).
+
+The model sees a Hugging Face ``Cache`` whose ``update`` writes in place and returns the live span,
+and a ready 4-D boolean attention mask (so Hugging Face builds none). Only full-attention layers are
+supported: a sliding-window layer would need its own mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, DynamicCache
+
+
+class SlotCache(Cache):
+    """Running rows' keys and values in preallocated slots (see module docstring), plus each
+    row's last position id and next-token logits, which move with the row."""
+
+    def __init__(self, model: torch.nn.Module, max_slots: int, min_columns: int = 64):
+        super().__init__(layers=[])  # ``update`` below replaces the per-layer objects
+        config = model.config
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        assert all(t == "full_attention" for t in layer_types), (
+            f"the local engine's slot cache supports full attention only, got layer types {set(layer_types)}")
+        self.num_layers = config.num_hidden_layers
+        self.heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.dtype = next(model.parameters()).dtype
+        self.max_slots = max_slots
+        self.min_columns = min_columns
+        self.n = 0  # running rows, in slots [0, n)
+        self.t = 0  # the column the next token is written to
+        self.lo = 0  # the earliest column a running row attends to
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.start = torch.zeros(0, dtype=torch.long)
+        self.last_pos = torch.zeros(0, dtype=torch.long)
+        self.logits = torch.zeros(0, config.vocab_size)
+        self._resize(0, 0)
+
+    # ---- what the model calls ----------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this step's column for every running row; return the span attention reads."""
+        assert key_states.shape[2] == 1, "the slot cache only decodes (prefill runs on a DynamicCache)"
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[: self.n, :, self.t] = key_states[:, :, 0]
+        v[: self.n, :, self.t] = value_states[:, :, 0]
+        return k[: self.n, :, self.lo : self.t + 1], v[: self.n, :, self.lo : self.t + 1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.t - self.lo
+
+    # ---- decode -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, model: torch.nn.Module, tokens_n: torch.Tensor) -> None:
+        """One forward over the running rows with their newest tokens; refreshes ``logits[:n]``."""
+        self._place(0, extra=1)
+        n = self.n
+        cols = torch.arange(self.lo, self.t + 1)
+        mask = (cols[None, :] >= self.start[:n, None])[:, None, None, :]  # [n, 1, q=1, span]
+        pos = self.last_pos[:n] + 1
+        logits = model(input_ids=tokens_n[:, None], attention_mask=mask, position_ids=pos[:, None],
+                       past_key_values=self, use_cache=True).logits[:, -1]
+        self.t += 1
+        self.last_pos[:n] = pos
+        self.logits[:n] = logits
+
+    # ---- joining and leaving -----------------------------------------------------------------
+    def admit(self, cache: DynamicCache, mask_dw: torch.Tensor, last_pos_d: torch.Tensor, logits_dv: torch.Tensor,
+              source_k: torch.Tensor) -> None:
+        """Append k rows after the running ones from a left-padded prefill of d distinct sequences;
+        new row i copies prefill row ``source_k[i]`` (a group's samples share one prompt forward)."""
+        k, width = len(source_k), mask_dw.shape[1]
+        assert self.n + k <= self.max_slots, f"{self.n} running + {k} new rows exceed {self.max_slots} slots"
+        if self.n + k > len(self.start):
+            self._resize(min(self.max_slots, max(2 * len(self.start), self.n + k)), self.columns)
+        self._place(width, extra=1)
+        rows = slice(self.n, self.n + k)
+        for layer, kv in enumerate(cache.layers):
+            self.keys[layer][rows, :, self.t - width : self.t] = kv.keys[source_k]
+            self.values[layer][rows, :, self.t - width : self.t] = kv.values[source_k]
+        lengths = mask_dw.sum(dim=1)[source_k]
+        self.start[rows] = self.t - lengths
+        self.last_pos[rows] = last_pos_d[source_k]
+        self.logits[rows] = logits_dv[source_k].to(self.logits.dtype)
+        self.lo = int(self.start[: self.n + k].min())
+        self.n += k
+
+    def remove(self, keep_n: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Drop the running rows where ``keep_n`` is False: kept rows from the end move into the
+        freed slots. Returns (destination slots, source slots) so the caller moves its rows alike."""
+        m = int(keep_n.sum())
+        holes = (~keep_n[:m]).nonzero().squeeze(1)
+        movers = keep_n[m:].nonzero().squeeze(1) + m
+        if len(holes):
+            for buf in (*self.keys, *self.values):
+                buf[holes, :, self.lo : self.t] = buf[movers, :, self.lo : self.t]
+            for per_row in (self.start, self.last_pos, self.logits):
+                per_row[holes] = per_row[movers]
+        self.n = m
+        self.lo = int(self.start[:m].min()) if m else self.t
+        return holes.tolist(), movers.tolist()
+
+    def clear(self) -> None:
+        """Forget every running row (the buffers stay allocated)."""
+        self.n, self.lo = 0, self.t
+
+    # ---- layout -------------------------------------------------------------------------------
+    @property
+    def columns(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def _place(self, min_t: int, extra: int) -> None:
+        """Make ``t >= min_t`` (room for a prefill of width ``min_t`` to end at t) and leave ``extra``
+        free columns from ``t``, moving the live span left or right and growing if needed."""
+        span = self.t - self.lo if self.n else 0
+        if self.t >= min_t and self.t + extra <= self.columns:
+            return
+        dst = max(0, min_t - span)
+        need = dst + span + extra
+        columns = self.columns if 2 * need <= self.columns else max(2 * need, self.min_columns)
+        if columns != self.columns:
+            self._resize(len(self.start), columns, dst)
+        elif self.n:
+            for buf in (*self.keys, *self.values):
+                buf[: self.n, :, dst : dst + span] = buf[: self.n, :, self.lo : self.t].clone()
+        self.start[: self.n] += dst - self.lo
+        self.lo, self.t = dst, dst + span
+
+    def _resize(self, slots: int, columns: int, dst: int | None = None) -> None:
+        """Reallocate with ``slots`` x ``columns``, copying the live span to start at column ``dst``."""
+        n, span = self.n, self.t - self.lo
+        dst = self.lo if dst is None else dst
+        new_kv = []
+        for buf in (*self.keys, *self.values) if self.keys else [None] * (2 * self.num_layers):
+            new = torch.zeros(slots, self.heads, columns, self.head_dim, dtype=self.dtype)
+            if buf is not None and n:
+                new[:n, :, dst : dst + span] = buf[:n, :, self.lo : self.t]
+            new_kv.append(new)
+        self.keys, self.values = new_kv[: self.num_layers], new_kv[self.num_layers :]
+        for name in ("start", "last_pos", "logits"):
+            old = getattr(self, name)
+            new = old.new_zeros((slots, *old.shape[1:]))
+            new[:n] = old[:n]
+            setattr(self, name, new)
