@@ -5,6 +5,9 @@ tool), the tokenizer, and ``trainer_state.pt``: optimizer and scheduler state, R
 policy version, the step and the data position. A checkpoint is written to a temporary directory
 and renamed into place, and ``latest`` is updated last, so a crash mid-save leaves the previous
 checkpoint intact. Older checkpoints beyond ``keep`` are removed.
+
+A data-parallel (FSDP) trainer gathers full weights and optimizer state on rank 0 and passes them in
+(``model_state_dict``, ``optimizer_state``): the files are the same whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -30,18 +33,21 @@ class TrainingState:
 
 
 def save_checkpoint(
-    root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2
+    root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2, *,
+    model_state_dict: dict[str, torch.Tensor] | None = None, optimizer_state: dict | None = None,
 ) -> Path:
+    """Write ``step_<k>/``. ``model_state_dict`` / ``optimizer_state`` replace the model's and the
+    optimizer's own (full state gathered from shards)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"
     tmp = root / f".tmp_step_{state.step}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state_dict)
     tokenizer.save_pretrained(tmp)
     torch.save(
         {
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": scheduler.state_dict(),
             "rng": rng_state(),
             "state": state.__dict__,
@@ -74,17 +80,21 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:
     """Load weights, optimizer, scheduler and RNG state in place; return the counters."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    weights = load_file(path / "model.safetensors")
+    weights, blob = read_checkpoint(path)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # Tied embeddings are saved once; anything else missing means a different architecture.
     missing = [k for k in missing if k not in ("lm_head.weight",)]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-    blob = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     set_rng_state(blob["rng"])
     return TrainingState(**blob["state"])
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, trainer state blob) of a checkpoint directory."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    return load_file(path / "model.safetensors"), torch.load(path / "trainer_state.pt", weights_only=False)

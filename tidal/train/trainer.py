@@ -15,12 +15,18 @@ One call to ``step`` consumes one TrainBatch and bumps the policy version once:
 Which ratio a loss sees: ``old_logp`` is the engine's behaviour log-prob, except under a mismatch
 correction, where the loss's ratio is taken against the trainer's own proximal log-probs and the
 engine gap is carried by the correction weight instead (Yao et al. 2025).
+
+Data parallel (``dp``, ``train/distributed.py``): every rank runs ``step`` on the same batch; weights
+and advantages come from the whole (mini)batch, each rank runs forward/backward on its own groups,
+and per-token results are summed across ranks, so the step equals the 1-process step.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,6 +48,9 @@ from tidal.algo.losses import masked_mean
 from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig, build_optimizer
+from tidal.train import distributed
+from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from tidal.train.distributed import LOCAL, DataParallel
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, unpack
 from tidal.types import TrainBatch
@@ -96,7 +105,7 @@ def minibatches(group_index_b: torch.Tensor, num_minibatches: int) -> list[torch
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, optim: OptimConfig, cfg: TrainerConfig,
-                 ref_model: torch.nn.Module | None = None):
+                 ref_model: torch.nn.Module | None = None, dp: DataParallel = LOCAL):
         self.model = model.train()
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -104,6 +113,17 @@ class Trainer:
         self.algo = algo
         self.cfg = cfg
         self.optim_cfg = optim
+        self.dp = dp
+        self._roots: dict[int, torch.nn.Module] = {}  # id(model) -> its FSDP root (data parallel only)
+        if dp.enabled:
+            if optim.name == "muon":
+                raise ValueError("optim.name=muon is not supported with data parallel FSDP: Newton-Schulz needs each "
+                                 "whole matrix, and FSDP shards them (use adamw or ademamix)")
+            self._roots[id(model)] = distributed.shard(model, dp)
+            if ref_model is not None:
+                self._roots[id(ref_model)] = distributed.shard(ref_model.eval().requires_grad_(False), dp)
+        self.weight_sync_metrics: dict[str, float] = {}
+        """Bytes and gather time of the last ``state_dict_for_engine`` (``perf/weight_sync_bytes``, ...)."""
         self.optimizer, self.scheduler = build_optimizer(model, optim)
         self.policy_loss = POLICY_LOSSES[algo.policy_loss]
         self.advantage = ADVANTAGES[algo.advantage]
@@ -116,6 +136,22 @@ class Trainer:
         self.version = 0
 
     # ---- pieces ----------------------------------------------------------------------------------
+    def _logprobs(self, model: torch.nn.Module, *args, **kwargs):
+        """``token_logprobs`` of ``model``, through its FSDP root when sharded (which unshards its weights)."""
+        root = self._roots.get(id(model))
+        return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
+
+    def _my_micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """This rank's micro-batches of ``rows`` (positions into ``rows``): its whole groups, split as
+        ``_micro_batches`` splits; with data parallel, padded with None up to the most any rank has, so
+        every rank runs as many forward/backward passes (FSDP's collectives pair up across ranks)."""
+        lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
+        mine = torch.tensor(self.dp.part(batch.group_index_b[rows].tolist(), lengths), dtype=torch.long)
+        micros: list[torch.Tensor | None] = []
+        if len(mine):
+            micros = [mine[m] for m in self._micro_batches(batch, rows[mine])]
+        return micros + [None] * (self.dp.max_int(len(micros)) - len(micros))
+
     def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Positions (into ``rows``) of the micro-batches that make up one forward/backward each."""
         budget = self.cfg.micro_batch_tokens
@@ -134,12 +170,12 @@ class Trainer:
             packed = pack(batch.input_ids_bt[rows], lengths, self.cfg.pack_tokens)
             # Varlen flash attention finds the boundaries in the position ids; SDPA/eager need the mask.
             flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
-            logp, ent = token_logprobs(model, packed.input_ids_rl, None if flash else packed.attention_mask_r1ll,
+            logp, ent = self._logprobs(model, packed.input_ids_rl, None if flash else packed.attention_mask_r1ll,
                                        self.cfg.temperature, with_entropy, position_ids=packed.position_ids_rl,
                                        chunk_size=self.cfg.logprob_chunk_size)
             return unpack(logp, packed, width), unpack(ent, packed, width) if ent is not None else None
         used = max(lengths)  # right-padded rows: drop the columns none of them uses
-        logp, ent = token_logprobs(model, batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used],
+        logp, ent = self._logprobs(model, batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used],
                                    self.cfg.temperature, with_entropy, chunk_size=self.cfg.logprob_chunk_size)
         pad = (0, width - used)
         return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad) if ent is not None else None
@@ -149,9 +185,12 @@ class Trainer:
         """Log-probs of the whole batch under ``model``, without gradient, one micro-batch at a time."""
         everything = torch.arange(batch.num_sequences)
         out = torch.zeros_like(batch.behav_logp_bt)
-        for micro in self._micro_batches(batch, everything):
+        for micro in self._my_micro_batches(batch, everything):
+            if micro is None:  # nothing left on this rank: a pass for the collectives only
+                self._forward(model, batch, everything[:1])
+                continue
             out[micro] = self._forward(model, batch, micro)[0]
-        return out
+        return self.dp.sum_(out)  # each row is non-zero on exactly one rank
 
     def _advantages(self, batch: TrainBatch, idx: torch.Tensor, rewards_b: torch.Tensor,
                     prox_bt: torch.Tensor | None) -> torch.Tensor:
@@ -214,7 +253,10 @@ class Trainer:
         loss_total = 0.0
         num_tokens = max(float(mask_mb.sum()), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in self._micro_batches(batch, idx):
+        for micro in self._my_micro_batches(batch, idx):
+            if micro is None:  # nothing left on this rank: a zero-weight pass keeps FSDP's collectives paired
+                (self._forward(self.model, batch, idx[:1])[0].sum() * 0.0).backward()
+                continue
             rows = idx[micro]
             mask, behav = batch.loss_mask_bt[rows], batch.behav_logp_bt[rows]
             logp, entropy = self._forward(self.model, batch, rows, with_entropy=True)
@@ -242,8 +284,14 @@ class Trainer:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v * share
 
+        if self.dp.enabled:  # every rank filled its own rows; token-weighted metrics and losses add up
+            self.dp.sum_(logp_mb)
+            self.dp.sum_(entropy_mb)
+            totals = self.dp.sum_floats({**totals, "train/loss": loss_total})
+            loss_total = totals.pop("train/loss")
         ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        grad_norm = distributed.local_value(  # the global norm over every rank's shards
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip))
         if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
             for group in self.optimizer.param_groups:
                 group["lr"] *= lr_scale
@@ -282,6 +330,38 @@ class Trainer:
         self.version += 1
 
     def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the weights to ship to the rollout engine."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """A detached copy of the weights to ship to the rollout engine. With data parallel: the full
+        weights gathered on rank 0 (an empty dict elsewhere; every rank must call it)."""
+        start = time.perf_counter()
+        if self.dp.enabled:
+            sd = distributed.full_state_dict(self._roots[id(self.model)])
+        else:
+            sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
+                                    "perf/weight_sync_bytes": float(distributed.state_dict_bytes(sd))}
+        return sd
+
+    def save_checkpoint(self, root: str | Path, tokenizer, state: TrainingState, keep: int = 2) -> Path | None:
+        """``train/checkpoint.py``'s checkpoint of this trainer. With data parallel every rank calls it,
+        rank 0 writes full weights and optimizer state in the 1-process layout (None elsewhere)."""
+        if not self.dp.enabled:
+            return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep)
+        root_module = self._roots[id(self.model)]
+        model_sd = distributed.full_state_dict(root_module)
+        optim_sd = distributed.full_optimizer_state(root_module, self.optimizer)
+        if self.dp.rank != 0:
+            return None
+        return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
+                               model_state_dict=model_sd, optimizer_state=optim_sd)
+
+    def load_checkpoint(self, path: str | Path) -> TrainingState:
+        """Restore weights, optimizer, scheduler and RNG state and the policy version; return the
+        counters. With data parallel every rank calls it and rank 0 reads the files."""
+        if not self.dp.enabled:
+            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        else:
+            state = distributed.load_full_checkpoint(path, self._roots[id(self.model)], self.optimizer,
+                                                     self.scheduler, self.dp)
+        self.version = state.version
+        return state
 

@@ -1,0 +1,339 @@
+"""Data-parallel training with FSDP2 (``torch.distributed.fsdp.fully_shard``): same loss, same update.
+
+One process per device (``torchrun --nproc_per_node N``); gloo on CPU, NCCL on CUDA. Every rank holds
+the whole TrainBatch and runs ``Trainer.step`` on it (SPMD); what differs per rank is only which rows it
+runs forward and backward on:
+
+- *Split by whole groups, balanced by tokens.* Each minibatch's groups are dealt to the ranks
+  longest-processing-time first on their token counts (``balanced_partition``), so group-level
+  quantities never straddle ranks and the slowest rank waits least.
+- *Global denominators, local sums.* The aggregation weights (``algo/aggregation.py``: w_bt =
+  mask_bt c_b / D with D the minibatch's token, sequence or group count) and the advantages (including
+  the ``batch`` and ``minibatch`` scopes of REINFORCE++ and Magistral) are computed from the whole
+  minibatch on every rank, before the split. Each rank then sums loss_bt w_bt over its own rows only,
+  so the ranks' losses add up to the 1-process loss exactly, and the full gradient is the *sum* of the
+  ranks' gradients: FSDP's reduce-scatter is set to sum (gradient divide factor 1), not average.
+- *Collectives stay in step.* FSDP2 all-gathers each layer's parameters in every forward and
+  reduce-scatters its gradients in every backward, so every rank must run the same number of passes.
+  A rank with fewer micro-batches (or no group at all, e.g. 3 groups on 2 ranks with micro-batching)
+  runs zero-weight passes on one row: zero gradient, same collectives.
+- Per-token results (log-probs, entropies, proximal and reference log-probs) are summed across ranks
+  into the whole batch's [B, T] layout (each row is non-zero on exactly one rank), so every metric,
+  VCPO's ESS and the engine-mismatch statistics are computed as in one process.
+
+Gradient clipping uses the global norm (``clip_grad_norm_`` reduces over DTensor shards). The rollout
+engine gets a full, unsharded state dict gathered on rank 0 (``full_state_dict``, timed and counted in
+``perf/weight_gather_s`` and ``perf/weight_sync_bytes``). Checkpoints are written by rank 0 in the
+1-process layout (full weights, optimizer state numbered as ``optimizer.state_dict()`` numbers it), so
+a run can resume with a different number of processes.
+
+How a run uses it (``system/run.py``): rank 0 runs the controller (generation, rewards, eval, logging)
+and holds a ``LeaderTrainer``, which announces every call that touches the sharded model to the other
+ranks before running it; the other ranks sit in ``follow``, running the same calls with the same
+arguments (the TrainBatch travels by ``broadcast_object_list``).
+
+Like torchtitan's FSDP2 recipe, each decoder layer is one FSDP unit and the root unit holds the
+embeddings, final norm and LM head. The root is a small module whose forward is ``token_logprobs``:
+FSDP2 unshards the root's parameters in its forward, and the trainer reaches the decoder and the head
+directly (chunked FP32 head), not through the causal LM's own forward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.models.logprobs import token_logprobs
+from tidal.train.microbatch import balanced_partition
+
+DEFAULT_TIMEOUT_S = 7200.0
+"""Collective timeout. The other ranks wait in a broadcast while rank 0 generates and evaluates, which
+can take long on a real run; a crashed rank still ends the run (torchrun tears the others down)."""
+
+
+# ---- process group ------------------------------------------------------------------------------
+def world_size_from_env() -> int:
+    """WORLD_SIZE as torchrun sets it (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in the data-parallel group; a world of 1 makes every method a no-op."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def part(self, group_index_b: Sequence[int], lengths_b: Sequence[int]) -> list[int]:
+        """Positions of this rank's rows: whole groups, balanced by tokens (``split_groups``)."""
+        if not self.enabled:
+            return list(range(len(group_index_b)))
+        return split_groups(group_index_b, lengths_b, self.world_size)[self.rank]
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce ``t`` in place by sum."""
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def max_int(self, n: int) -> int:
+        if not self.enabled:
+            return n
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        """Key-wise sum of every rank's dict of floats (ranks may hold different keys)."""
+        if not self.enabled:
+            return values
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, values)
+        out: dict[str, float] = {}
+        for part in gathered:
+            for k, v in part.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; other ranks' argument is ignored)."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+LOCAL = DataParallel()
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel:
+    """Join the process group torchrun describes (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT). gloo on CPU; on CUDA NCCL for tensors on the GPU plus gloo for the CPU-side objects
+    and metrics (``cpu:gloo,cuda:nccl``)."""
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DataParallel(dist.get_rank(), dist.get_world_size(), device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---- the split ----------------------------------------------------------------------------------
+def split_groups(group_index_b: Sequence[int], lengths_b: Sequence[int], num_parts: int) -> list[list[int]]:
+    """Row positions of ``num_parts`` parts made of whole groups (rows sharing a group id), balanced by
+    the groups' token counts (LPT, ``balanced_partition``). Deterministic: every rank computes the same
+    split. A part may be empty when there are fewer groups than parts."""
+    assert len(group_index_b) == len(lengths_b), f"{len(group_index_b)} group ids, {len(lengths_b)} lengths"
+    members: dict[int, list[int]] = {}  # insertion order: groups in order of first appearance
+    for pos, g in enumerate(group_index_b):
+        members.setdefault(int(g), []).append(pos)
+    groups = list(members.values())
+    parts = balanced_partition([sum(lengths_b[i] for i in rows) for rows in groups], num_parts)
+    return [sorted(i for gi in part for i in groups[gi]) for part in parts]
+
+
+# ---- sharding -----------------------------------------------------------------------------------
+class LogprobModule(torch.nn.Module):
+    """The root FSDP unit: its forward is ``token_logprobs`` of the wrapped causal LM, so FSDP2's root
+    hooks unshard the embeddings, norm and head around the trainer's own forward."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids_bt, attention_mask_bt, temperature=1.0, with_entropy=False, *,
+                position_ids=None, chunk_size=1024):
+        return token_logprobs(self.lm, input_ids_bt, attention_mask_bt, temperature, with_entropy,
+                              position_ids=position_ids, chunk_size=chunk_size)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder blocks of a Hugging Face causal LM (Llama/Qwen2/Mistral layout: ``model.layers``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: no decoder layers at get_decoder().layers to shard one by one")
+    return layers
+
+
+def shard(model: torch.nn.Module, dp: DataParallel, reshard_after_forward: bool = True) -> LogprobModule:
+    """Apply FSDP2 in place: each decoder layer, then a ``LogprobModule`` root around ``model``. Returns
+    the root; ``model`` keeps its class and names, its parameters become DTensor shards. Gradients are
+    summed across ranks, not averaged (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model.to(dp.device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    root = LogprobModule(model)
+    fully_shard(root, reshard_after_forward=reshard_after_forward)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if dp.device.type == "cpu":  # gloo has no PREMUL_SUM: reduce with a plain sum
+                module.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (e.g. the grad norm of sharded parameters), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# ---- full state dicts ---------------------------------------------------------------------------
+_PREFIX = "lm."  # LogprobModule's name for the wrapped model
+
+
+def full_state_dict(root: LogprobModule) -> dict[str, torch.Tensor]:
+    """The unsharded weights on rank 0, on CPU, under the causal LM's own names (tied weights under both
+    names, as ``model.state_dict()``); an empty dict on the other ranks. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix(_PREFIX): v for k, v in sd.items()}
+
+
+def state_dict_bytes(sd: dict[str, torch.Tensor]) -> int:
+    """Bytes a state dict ships (every entry counted, as a receiver copies every entry)."""
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def _optimizer_fqns(root: LogprobModule, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's order: position i is what ``optimizer.state_dict()`` calls i."""
+    names = {id(p): n for n, p in root.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_optimizer_state(root: LogprobModule, optimizer: torch.optim.Optimizer) -> dict:
+    """The unsharded optimizer state on rank 0, numbered as the 1-process ``optimizer.state_dict()``
+    (so a checkpoint moves between world sizes); an empty dict elsewhere. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(root, optimizer,
+                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return {}
+    index = {name: i for i, name in enumerate(_optimizer_fqns(root, optimizer))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
+    return {"state": {index[n]: s for n, s in osd["state"].items()}, "param_groups": groups}
+
+
+def load_full_state(root: LogprobModule, optimizer: torch.optim.Optimizer | None,
+                    model_sd: dict[str, torch.Tensor], optim_sd: dict | None) -> None:
+    """Load full (1-process layout) weights and optimizer state given on rank 0 into the shards of every
+    rank (broadcast from rank 0; other ranks pass empty dicts). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        model_sd = _with_tied(root.lm, model_sd)
+    set_model_state_dict(root, {_PREFIX + k: v for k, v in model_sd.items()} if rank0 else {}, options=options)
+    if optimizer is None:
+        return
+    if rank0:
+        names = _optimizer_fqns(root, optimizer)
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim_sd["param_groups"]]
+        optim_sd = {"state": {names[i]: s for i, s in optim_sd["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(root, optimizer, optim_sd if rank0 else {}, options=options)
+
+
+def _with_tied(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fill in the names a checkpoint leaves out because they share a parameter with another (tied input
+    and output embeddings are saved once)."""
+    sd = dict(sd)
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    for names in aliases.values():
+        saved = next((n for n in names if n in sd), None)
+        for n in names:
+            if saved is not None and n not in sd:
+                sd[n] = sd[saved]
+    return sd
+
+
+def load_full_checkpoint(path, root: LogprobModule, optimizer, scheduler, dp: DataParallel):
+    """``checkpoint.load_checkpoint`` for a sharded model: rank 0 reads the files, every rank gets its
+    shards, the scheduler state and the counters; rank 0 restores its RNG state. Collective."""
+    from tidal.train.checkpoint import TrainingState, read_checkpoint
+    from tidal.utils.seeding import set_rng_state
+
+    weights, blob = read_checkpoint(path) if dp.rank == 0 else ({}, {})
+    load_full_state(root, optimizer, weights, blob.get("optimizer"))
+    scheduler_state, counters = dp.broadcast((blob.get("scheduler"), blob.get("state")))
+    scheduler.load_state_dict(scheduler_state)
+    if dp.rank == 0:
+        set_rng_state(blob["rng"])
+    return TrainingState(**counters)
+
+
+# ---- rank 0 leads, the others follow ------------------------------------------------------------
+class LeaderTrainer:
+    """Rank 0's handle on an SPMD trainer: each call that touches the sharded model is first announced
+    to the other ranks (which run it too, in ``follow``); everything else is the trainer's own."""
+
+    COLLECTIVE = ("step", "skip_step", "state_dict_for_engine", "save_checkpoint")
+
+    def __init__(self, trainer):
+        assert trainer.dp.rank == 0, "the leader is rank 0"
+        self.trainer = trainer
+
+    def __getattr__(self, name: str):
+        if name in LeaderTrainer.COLLECTIVE:
+            def call(*args, **kwargs):
+                follower_args = args
+                if name == "save_checkpoint":  # only rank 0 writes: the others need no tokenizer
+                    follower_args = (args[0], None, *args[2:])
+                self.trainer.dp.broadcast((name, follower_args, kwargs))
+                return getattr(self.trainer, name)(*args, **kwargs)
+
+            return call
+        return getattr(self.trainer, name)
+
+    def close(self) -> None:
+        """Release the followers (they return from ``follow``)."""
+        self.trainer.dp.broadcast(("stop", (), {}))
+
+
+def follow(trainer) -> int:
+    """The loop of ranks other than 0: run each announced call until rank 0 closes. Returns the calls run."""
+    calls = 0
+    while True:
+        name, args, kwargs = trainer.dp.broadcast(None)
+        if name == "stop":
+            return calls
+        assert name in LeaderTrainer.COLLECTIVE, f"unknown call {name!r} from rank 0"
+        getattr(trainer, name)(*args, **kwargs)
+        calls += 1
+
+
+def timed(fn, *args, **kwargs):
+    """(result, seconds)."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
