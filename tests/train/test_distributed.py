@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from tidal.algo.config import AlgoConfig
 from tidal.models import tiny
 from tidal.optim import OptimConfig
-from tidal.train.checkpoint import TrainingState
+from tidal.train.checkpoint import TrainingState, save_checkpoint
 from tidal.train.distributed import LOCAL, LeaderTrainer, follow, init_distributed, split_groups, teardown
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.types import TrainBatch
@@ -99,26 +99,36 @@ def _worker(rank: int, world: int, port: int, out: str, ckpt_1proc: str) -> None
                             "version": trainer.version}, out_dir / f"{case}.pt")
             else:
                 follow(trainer)
-        # checkpoints, every rank calling the same methods: save after one step, resume in a fresh trainer
+        # checkpoints. Saved as the controller saves (rank 0 alone calls save_checkpoint on the leader's
+        # model; the gather brings the followers in), resumed with every rank calling the same method.
         tok = tiny.build_tokenizer() if rank == 0 else None
         b0, b1, _ = batches()
         trainer = make_trainer("token_mean", dp)
-        trainer.step(b0)
-        trainer.save_checkpoint(out_dir / "ckpt", tok, TrainingState(1, trainer.version, 7, {}))
-        trainer.step(b1)
-        continued = trainer.state_dict_for_engine()
+        if rank == 0:
+            lead = LeaderTrainer(trainer)
+            lead.step(b0)
+            save_checkpoint(out_dir / "ckpt", lead.model, tok, lead.optimizer, lead.scheduler,
+                            TrainingState(1, lead.version, 7, {}))
+            lead.step(b1)
+            continued = lead.state_dict_for_engine()
+            lead.close()
+        else:
+            follow(trainer)
         fresh = make_trainer("token_mean", dp)
         state = fresh.load_checkpoint(out_dir / "ckpt" / "step_1")
         fresh.step(b1)
         resumed = fresh.state_dict_for_engine()
+        written = fresh.save_checkpoint(out_dir / "ckpt_spmd", tok, TrainingState(2, fresh.version, 9, {}))
         # a checkpoint written by one process, resumed by two
         other = make_trainer("token_mean", dp)
         other.load_checkpoint(ckpt_1proc)
         other.step(b1)
         from_1proc = other.state_dict_for_engine()
         if rank == 0:
-            torch.save({"continued": continued, "resumed": resumed, "from_1proc": from_1proc,
+            torch.save({"continued": continued, "resumed": resumed, "from_1proc": from_1proc, "written": written,
                         "state": state.__dict__, "version": fresh.version}, out_dir / "ckpt.pt")
+        else:
+            assert written is None and resumed == {} and from_1proc == {}
     finally:
         teardown()
 
@@ -191,4 +201,5 @@ def test_checkpoint_resume_across_world_sizes(two_procs):
     assert_state_dicts_close(got["continued"], one.state_dict_for_engine())
     assert_state_dicts_close(got["from_1proc"], got["continued"])
     model, _ = tiny.load(two_procs / "ckpt" / "step_1")  # an ordinary Hugging Face directory
+    assert got["written"] == two_procs / "ckpt_spmd" / "step_2" and (got["written"] / "trainer_state.pt").exists()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

@@ -6,8 +6,9 @@ policy version, the step and the data position. A checkpoint is written to a tem
 and renamed into place, and ``latest`` is updated last, so a crash mid-save leaves the previous
 checkpoint intact. Older checkpoints beyond ``keep`` are removed.
 
-A data-parallel (FSDP) trainer gathers full weights and optimizer state on rank 0 and passes them in
-(``model_state_dict``, ``optimizer_state``): the files are the same whatever the number of processes.
+A model sharded with FSDP (``distributed.py``) is saved as full weights and full optimizer state
+gathered on rank 0, in the same files and numbering as one process writes, so a run can resume with
+a different number of processes; loading one broadcasts it from rank 0 into every rank's shards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tidal.train import distributed
 from tidal.utils.seeding import rng_state, set_rng_state
 
 
@@ -33,11 +35,15 @@ class TrainingState:
 
 
 def save_checkpoint(
-    root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2, *,
-    model_state_dict: dict[str, torch.Tensor] | None = None, optimizer_state: dict | None = None,
-) -> Path:
-    """Write ``step_<k>/``. ``model_state_dict`` / ``optimizer_state`` replace the model's and the
-    optimizer's own (full state gathered from shards)."""
+    root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2
+) -> Path | None:
+    """Write ``step_<k>/``. A sharded model: every rank takes part in the gather and rank 0 writes
+    (the others get None)."""
+    model_state_dict = optimizer_state = None
+    if distributed.root_of(model) is not None:
+        model_state_dict, optimizer_state = distributed.gather_full_state(model, optimizer)
+        if distributed.rank() != 0:
+            return None
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"
@@ -79,7 +85,10 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:
-    """Load weights, optimizer, scheduler and RNG state in place; return the counters."""
+    """Load weights, optimizer, scheduler and RNG state in place; return the counters. A sharded model:
+    every rank calls it, rank 0 reads the files."""
+    if distributed.root_of(model) is not None:
+        return distributed.load_full_checkpoint(path, model, optimizer, scheduler)
     weights, blob = read_checkpoint(path)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # Tied embeddings are saved once; anything else missing means a different architecture.

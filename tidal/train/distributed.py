@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +134,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     return DataParallel(dist.get_rank(), dist.get_world_size(), device)
 
 
+def rank() -> int:
+    """This process's global rank (0 outside a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -189,6 +193,7 @@ def shard(model: torch.nn.Module, dp: DataParallel, reshard_after_forward: bool 
         fully_shard(layer, reshard_after_forward=reshard_after_forward)
     root = LogprobModule(model)
     fully_shard(root, reshard_after_forward=reshard_after_forward)
+    model.__dict__["_tidal_fsdp_root"] = root  # not a registered submodule: the root contains the model
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -206,6 +211,11 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 # ---- full state dicts ---------------------------------------------------------------------------
 _PREFIX = "lm."  # LogprobModule's name for the wrapped model
+
+
+def root_of(model: torch.nn.Module) -> LogprobModule | None:
+    """The FSDP root ``shard`` put around ``model``; None for a model that is not sharded."""
+    return model.__dict__.get("_tidal_fsdp_root")
 
 
 def full_state_dict(root: LogprobModule) -> dict[str, torch.Tensor]:
@@ -240,6 +250,15 @@ def full_optimizer_state(root: LogprobModule, optimizer: torch.optim.Optimizer) 
     index = {name: i for i, name in enumerate(_optimizer_fqns(root, optimizer))}
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
     return {"state": {index[n]: s for n, s in osd["state"].items()}, "param_groups": groups}
+
+
+def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(full weights, full optimizer state) of a sharded model on rank 0, empty dicts elsewhere, for a
+    checkpoint. Collective; called on rank 0 alone under a ``LeaderTrainer``, it brings the other ranks
+    in (so ``checkpoint.save_checkpoint(trainer.model, ...)`` works unchanged on rank 0)."""
+    _announce("gather_full_state")
+    root = root_of(model)
+    return full_state_dict(root), full_optimizer_state(root, optimizer)
 
 
 def load_full_state(root: LogprobModule, optimizer: torch.optim.Optimizer | None,
@@ -277,47 +296,68 @@ def _with_tied(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str,
     return sd
 
 
-def load_full_checkpoint(path, root: LogprobModule, optimizer, scheduler, dp: DataParallel):
+def load_full_checkpoint(path, model: torch.nn.Module, optimizer, scheduler):
     """``checkpoint.load_checkpoint`` for a sharded model: rank 0 reads the files, every rank gets its
-    shards, the scheduler state and the counters; rank 0 restores its RNG state. Collective."""
+    shards, the scheduler state and the counters; rank 0 restores its RNG state. Collective (every rank
+    calls it)."""
     from tidal.train.checkpoint import TrainingState, read_checkpoint
     from tidal.utils.seeding import set_rng_state
 
-    weights, blob = read_checkpoint(path) if dp.rank == 0 else ({}, {})
-    load_full_state(root, optimizer, weights, blob.get("optimizer"))
-    scheduler_state, counters = dp.broadcast((blob.get("scheduler"), blob.get("state")))
+    rank0 = dist.get_rank() == 0
+    weights, blob = read_checkpoint(path) if rank0 else ({}, {})
+    load_full_state(root_of(model), optimizer, weights, blob.get("optimizer"))
+    box = [(blob.get("scheduler"), blob.get("state")) if rank0 else None]
+    dist.broadcast_object_list(box, src=0)
+    scheduler_state, counters = box[0]
     scheduler.load_state_dict(scheduler_state)
-    if dp.rank == 0:
+    if rank0:
         set_rng_state(blob["rng"])
     return TrainingState(**counters)
 
 
 # ---- rank 0 leads, the others follow ------------------------------------------------------------
-class LeaderTrainer:
-    """Rank 0's handle on an SPMD trainer: each call that touches the sharded model is first announced
-    to the other ranks (which run it too, in ``follow``); everything else is the trainer's own."""
+COLLECTIVE = ("step", "skip_step", "state_dict_for_engine", "gather_full_state")
+"""Trainer calls every rank must make together (each runs FSDP collectives)."""
 
-    COLLECTIVE = ("step", "skip_step", "state_dict_for_engine", "save_checkpoint")
+_leading: list[DataParallel] = []  # rank 0's group while a LeaderTrainer is open
+_busy = [False]  # inside an announced call: its nested collectives are already everyone's
+
+
+def _announce(name: str, *args, **kwargs) -> None:
+    """Under a LeaderTrainer on rank 0, tell the followers to make the call ``name`` too."""
+    if _leading and not _busy[0]:
+        _leading[-1].broadcast((name, args, kwargs))
+
+
+class LeaderTrainer:
+    """Rank 0's handle on an SPMD trainer: each call in ``COLLECTIVE`` is first announced to the other
+    ranks (which run it too, in ``follow``); everything else is the trainer's own, on rank 0 alone."""
 
     def __init__(self, trainer):
         assert trainer.dp.rank == 0, "the leader is rank 0"
         self.trainer = trainer
+        _leading.append(trainer.dp)
 
     def __getattr__(self, name: str):
-        if name in LeaderTrainer.COLLECTIVE:
-            def call(*args, **kwargs):
-                follower_args = args
-                if name == "save_checkpoint":  # only rank 0 writes: the others need no tokenizer
-                    follower_args = (args[0], None, *args[2:])
-                self.trainer.dp.broadcast((name, follower_args, kwargs))
-                return getattr(self.trainer, name)(*args, **kwargs)
+        attr = getattr(self.trainer, name)
+        if name not in COLLECTIVE:
+            return attr
 
-            return call
-        return getattr(self.trainer, name)
+        def call(*args, **kwargs):
+            _announce(name, *args, **kwargs)
+            _busy[0] = True
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                _busy[0] = False
+
+        return call
 
     def close(self) -> None:
-        """Release the followers (they return from ``follow``)."""
-        self.trainer.dp.broadcast(("stop", (), {}))
+        """Release the followers (they return from ``follow``). Idempotent."""
+        if self.trainer.dp in _leading:
+            _announce("stop")
+            _leading.remove(self.trainer.dp)
 
 
 def follow(trainer) -> int:
@@ -327,13 +367,6 @@ def follow(trainer) -> int:
         name, args, kwargs = trainer.dp.broadcast(None)
         if name == "stop":
             return calls
-        assert name in LeaderTrainer.COLLECTIVE, f"unknown call {name!r} from rank 0"
+        assert name in COLLECTIVE, f"unknown call {name!r} from rank 0"
         getattr(trainer, name)(*args, **kwargs)
         calls += 1
-
-
-def timed(fn, *args, **kwargs):
-    """(result, seconds)."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

@@ -114,14 +114,13 @@ class Trainer:
         self.cfg = cfg
         self.optim_cfg = optim
         self.dp = dp
-        self._roots: dict[int, torch.nn.Module] = {}  # id(model) -> its FSDP root (data parallel only)
         if dp.enabled:
             if optim.name == "muon":
                 raise ValueError("optim.name=muon is not supported with data parallel FSDP: Newton-Schulz needs each "
                                  "whole matrix, and FSDP shards them (use adamw or ademamix)")
-            self._roots[id(model)] = distributed.shard(model, dp)
+            distributed.shard(model, dp)
             if ref_model is not None:
-                self._roots[id(ref_model)] = distributed.shard(ref_model.eval().requires_grad_(False), dp)
+                distributed.shard(ref_model.eval().requires_grad_(False), dp)
         self.weight_sync_metrics: dict[str, float] = {}
         """Bytes and gather time of the last ``state_dict_for_engine`` (``perf/weight_sync_bytes``, ...)."""
         self.optimizer, self.scheduler = build_optimizer(model, optim)
@@ -138,7 +137,7 @@ class Trainer:
     # ---- pieces ----------------------------------------------------------------------------------
     def _logprobs(self, model: torch.nn.Module, *args, **kwargs):
         """``token_logprobs`` of ``model``, through its FSDP root when sharded (which unshards its weights)."""
-        root = self._roots.get(id(model))
+        root = distributed.root_of(model)
         return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
 
     def _my_micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor | None]:
@@ -334,34 +333,26 @@ class Trainer:
         weights gathered on rank 0 (an empty dict elsewhere; every rank must call it)."""
         start = time.perf_counter()
         if self.dp.enabled:
-            sd = distributed.full_state_dict(self._roots[id(self.model)])
+            sd = distributed.full_state_dict(distributed.root_of(self.model))
         else:
             sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
                                     "perf/weight_sync_bytes": float(distributed.state_dict_bytes(sd))}
         return sd
 
+    def gather_full_state(self) -> tuple[dict, dict]:
+        """Data parallel: full weights and optimizer state on rank 0 (for a checkpoint). Collective."""
+        return distributed.gather_full_state(self.model, self.optimizer)
+
     def save_checkpoint(self, root: str | Path, tokenizer, state: TrainingState, keep: int = 2) -> Path | None:
-        """``train/checkpoint.py``'s checkpoint of this trainer. With data parallel every rank calls it,
-        rank 0 writes full weights and optimizer state in the 1-process layout (None elsewhere)."""
-        if not self.dp.enabled:
-            return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep)
-        root_module = self._roots[id(self.model)]
-        model_sd = distributed.full_state_dict(root_module)
-        optim_sd = distributed.full_optimizer_state(root_module, self.optimizer)
-        if self.dp.rank != 0:
-            return None
-        return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
-                               model_state_dict=model_sd, optimizer_state=optim_sd)
+        """``train/checkpoint.py``'s checkpoint of this trainer (data parallel: every rank calls it, rank 0
+        writes the 1-process layout and returns its path, the others None)."""
+        return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep)
 
     def load_checkpoint(self, path: str | Path) -> TrainingState:
-        """Restore weights, optimizer, scheduler and RNG state and the policy version; return the
-        counters. With data parallel every rank calls it and rank 0 reads the files."""
-        if not self.dp.enabled:
-            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
-        else:
-            state = distributed.load_full_checkpoint(path, self._roots[id(self.model)], self.optimizer,
-                                                     self.scheduler, self.dp)
+        """Restore weights, optimizer, scheduler, RNG state and the policy version; return the counters
+        (data parallel: every rank calls it, rank 0 reads the files)."""
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.version = state.version
         return state
 
