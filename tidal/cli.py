@@ -76,6 +76,9 @@ def show_recipe(name: str) -> str:
 def cmd_train(args) -> int:
     from tidal.system.run import train
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP data-parallel trainer
+        from tidal.system.data_parallel import train
+
     out = Path(args.out or f"runs/{args.recipe}")
     if args.resume and (out / "config.yaml").exists():
         from tidal.recipes import RECIPES
@@ -88,6 +91,8 @@ def cmd_train(args) -> int:
             return 2
         cfg = _recipe_config(args.recipe, args.set)
     result = train(cfg, out, resume=args.resume)
+    if result is None:  # a data-parallel rank other than 0: rank 0 reports
+        return 0
     summary = {
         "out": str(out),
         "steps": result.steps,

@@ -1,0 +1,100 @@
+"""A run with an FSDP data-parallel trainer over N processes, launched by torchrun:
+
+    torchrun --nproc_per_node 2 -m tidal.cli train quickstart --set system.num_threads=1 --out runs/dp
+
+Rank 0 is the run exactly as one process runs it (``run.prepare``: controller, rollout engines, rewards,
+trackers, checkpoints, report), except that its trainer is sharded with the other ranks and wrapped in a
+``LeaderTrainer``. The other ranks build the same trainer and ``follow``: each training step, weight
+gather and checkpoint gather on rank 0 is announced to them (the TrainBatch travels with the
+announcement) and they run it too. Only rank 0 generates, scores, evaluates and writes files.
+
+Every rank starts from rank 0's weights (broadcast after sharding) or, with ``--resume``, from the
+checkpoint rank 0 reads; checkpoints have the 1-process layout, so a run may resume with a different
+number of processes. torch threads: rank 0 follows ``system.num_threads`` / ``system.async_threads``
+as in one process, the other ranks use ``system.num_threads``; keep the total within the cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tidal.models import tiny
+from tidal.system import run as run_lib
+from tidal.system.config import RunConfig
+from tidal.system.controller import RunResult
+from tidal.train import distributed
+from tidal.train.checkpoint import latest_checkpoint
+from tidal.train.distributed import DataParallel, LeaderTrainer, follow
+from tidal.train.trainer import Trainer
+from tidal.utils.seeding import seed_everything
+
+
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult | None:
+    """``run.train`` on every rank of a torchrun launch. Rank 0 returns the run's result, the others None."""
+    dp = distributed.init_distributed()
+    try:
+        cfg = dp.broadcast(cfg)  # one config for every rank: rank 0's
+        if dp.rank == 0:
+            return _lead(cfg, Path(out_dir), resume, dp)
+        _follow(cfg, dp)
+        return None
+    finally:
+        distributed.teardown()
+
+
+def _trainer(cfg: RunConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None, dp: DataParallel,
+             ckpt: str | None) -> Trainer:
+    """The sharded trainer, built alike on every rank, starting from the checkpoint or rank 0's weights."""
+    start = model.state_dict() if dp.rank == 0 and ckpt is None else {}
+    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, dp=dp)
+    if ckpt is not None:
+        trainer.load_checkpoint(ckpt)
+    else:
+        distributed.load_full_state(distributed.root_of(model), None, start, None)
+    return trainer
+
+
+def _lead(cfg: RunConfig, out_dir: Path, resume: bool, dp: DataParallel) -> RunResult:
+    try:
+        controller = run_lib.prepare(cfg, out_dir, resume)
+        base = run_lib.base_model_path(cfg, controller.task, progress=False)  # cached by prepare
+        ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
+    except BaseException:
+        dp.broadcast(None)  # let the other ranks exit instead of waiting out the timeout
+        raise
+    dp.broadcast((str(base), str(ckpt) if ckpt is not None else None))
+    single = controller.trainer  # its engines were copied from this model: now shard it in place
+    leader = LeaderTrainer(_trainer(cfg, single.model, single.ref_model, dp, str(ckpt) if ckpt else None))
+    controller.trainer = leader
+    try:
+        return controller.run()
+    finally:
+        leader.close()
+        _close(controller)
+        if cfg.log.report:
+            from tidal.utils.report import write_report
+
+            write_report(out_dir)
+
+
+def _close(controller) -> None:
+    close = getattr(run_lib, "close", None)
+    if close is not None:
+        close(controller)
+    else:
+        controller.tracker.close()
+        controller.reward_pool.close()
+
+
+def _follow(cfg: RunConfig, dp: DataParallel) -> None:
+    seed_everything(cfg.seed)
+    torch.set_num_threads(cfg.system.num_threads)
+    paths = dp.broadcast(None)
+    if paths is None:  # rank 0 failed before training; it reports why
+        return
+    base, ckpt = paths
+    model, _ = tiny.load(base)
+    ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None
+    follow(_trainer(cfg, model, ref_model, dp, ckpt))
