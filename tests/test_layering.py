@@ -10,7 +10,7 @@ LAYER = {
     "api": 1,
     "algo": 2, "rewards": 2, "tasks": 2, "optim": 2, "models": 2, "data": 2,
     "rollout": 3, "train": 3,
-    "system": 4,
+    "system": 4, "sim": 4,
     "bench": 5, "cli": 5, "recipes": 5,
 }
 NO_TORCH = {"rewards"}  # reward workers must start fast and never pay for torch

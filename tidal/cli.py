@@ -6,6 +6,7 @@
     tidal bench async [--set ...]
     tidal report DIR
     tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
+    tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]
 """
 
 from __future__ import annotations
@@ -142,6 +143,14 @@ def cmd_bench(args) -> int:
     return run_benchmark(args.name, args.set, args.out)
 
 
+def cmd_simulate(args) -> int:
+    """Predict sync / periodic / async throughput with the discrete-event simulator (docs/simulate.md)."""
+    from tidal.sim.report import main as simulate_main
+
+    simulate_main(args.set, args.out, args.plot)
+    return 0
+
+
 def cmd_report(args) -> int:
     from tidal.utils.report import write_report
 
@@ -258,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sp.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     sp.set_defaults(fn=cmd_bench)
+
+    sp = sub.add_parser("simulate", help="simulate sync/periodic/async RL throughput at any scale (docs/simulate.md)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="preset=cpu|areal, or a simulator key (costs.*, layout.*, workload.*, steps, ...)")
+    sp.add_argument("--out", default="runs/simulate", help="where result.json and simulate.png go")
+    sp.add_argument("--plot", choices=["eta", "devices", "none"], default="eta", help="PNG: throughput vs this")
+    sp.set_defaults(fn=cmd_simulate)
 
     sp = sub.add_parser("report", help="(re)write report.html for a run directory")
     sp.add_argument("run_dir")

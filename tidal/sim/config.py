@@ -1,0 +1,79 @@
+"""The simulator's config (``tidal simulate --set key=value`` edits one) and its per-mode result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tidal.sim.costs import CostModel, Layout
+
+MODES = ("sync", "periodic", "async")
+
+
+@dataclass
+class WorkloadConfig:
+    """What one step trains on and how stale it may be (the controller's ``rollout`` settings)."""
+
+    prompts_per_step: int = 16
+    """Groups per training step (P)."""
+    group_size: int = 8
+    """Samples per prompt (G)."""
+    prompt_len: int = 6
+    """Prompt tokens per sample."""
+    lengths: str = "one_over_n:48"
+    """Response-length distribution (``lengths.parse_lengths``: constant, bimodal, cycle, one_over_n,
+    lognormal, empirical:PATH), or recorded groups (groups:PATH)."""
+    max_staleness: int = 2
+    """eta of the ``async`` mode."""
+    periodic_staleness: int = 1
+    """eta of the ``periodic`` mode (one-step off-policy: 1)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: uninformative groups are dropped and more are drawn."""
+    drop_prob: float = 0.0
+    """Probability that a group is uninformative (all rewards equal), decided per group by seed."""
+    train_informative_only: bool = False
+    """Uninformative groups cost no training (``algo.skip_zero_adv_groups``) but count as trained."""
+    max_draws_per_step: int = 4
+    consume: Literal["stream", "completion"] = "stream"
+    """Which groups a step trains: ``stream``, the next P of the prompt stream (tidal's controller:
+    reproducible, a straggler holds its step back); ``completion``, the next P to finish (AReaL's
+    replay buffer: nothing waits for a straggler, but only the head of the stream is bounded by eta)."""
+
+
+@dataclass
+class SimConfig:
+    preset: str = "custom"
+    """Which preset this config started from (``presets.PRESETS``); informational."""
+    seed: int = 0
+    steps: int = 40
+    """Training steps simulated per mode."""
+    warmup_steps: int = 0
+    """Steps left out of the throughput window (pipeline fill)."""
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    costs: CostModel = field(default_factory=CostModel)
+    layout: Layout = field(default_factory=Layout)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    samples_per_s: float
+    step_s: float
+    """Mean wall time per step in the window."""
+    gen_idle_frac: float
+    """Share of generation-device time not spent decoding/prefilling/loading weights."""
+    train_idle_frac: float
+    """Share of training-device time not spent training or publishing weights."""
+    device_idle_frac: float
+    """Share of all device time spent on neither (the "GPU idle fraction")."""
+    gen_mean_batch: float
+    """Mean running sequences per decode step (low: memory-bound tail, see ``costs.py``)."""
+    staleness_mean: float
+    staleness_max: int
+    interruptions: int
+    update_frac: float
+    """Share of generation busy time spent loading weights and re-prefilling interrupted rows."""
+    wall_s: float
+    gen_devices: int
+    train_devices: int
