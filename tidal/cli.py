@@ -6,6 +6,7 @@
     tidal bench async [--set ...]
     tidal report DIR
     tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
+    tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
     tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]
 """
 
@@ -143,6 +144,19 @@ def cmd_bench(args) -> int:
     return run_benchmark(args.name, args.set, args.out)
 
 
+def cmd_curate(args) -> int:
+    """Run a curation recipe (docs/curate.md) and print its report's per-block counts."""
+    from tidal.data.curate import curate
+
+    report = curate(args.recipe, args.inp, args.out, args.set, progress=True)
+    print(f"{report['rows_in']} rows in, {report['rows_out']} kept ({report['rows_per_s'] or 0:.0f} rows/s, "
+          f"{report['workers']} workers); report: {args.out}.report.json")
+    for b in report["blocks"]:
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(b["dropped"].items())) or "none"
+        print(f"  {b['name']:<18} seen {b['seen']:>8}  kept {b['kept']:>8}  dropped: {dropped}")
+    return 0
+
+
 def cmd_simulate(args) -> int:
     """Predict sync / periodic / async throughput with the discrete-event simulator (docs/simulate.md)."""
     from tidal.sim.report import main as simulate_main
@@ -267,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sp.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     sp.set_defaults(fn=cmd_bench)
+
+    sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems (docs/curate.md)")
+    sp.add_argument("recipe", help="dedup | quality | decontaminate | rl-problems, or a recipe .yaml")
+    sp.add_argument("--in", dest="inp", required=True, help="input: .jsonl(.gz), .parquet or a HF dataset directory")
+    sp.add_argument("--out", required=True, help="output for the kept rows (same formats); OUT.report.json beside it")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="eval=PATH, workers=N, near_dedup.threshold=0.8, ... (CurateConfig keys)")
+    sp.set_defaults(fn=cmd_curate)
 
     sp = sub.add_parser("simulate", help="simulate sync/periodic/async RL throughput at any scale (docs/simulate.md)")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -1,0 +1,155 @@
+"""The curation pipeline: rows flow through a chain of blocks; each block keeps a row or drops it
+with a reason, and counts both (datatrove's design: ``pipeline/base.py``, ``filters/base_filter.py``).
+
+A block splits its work in two so the pipeline can use every core without giving up exactness:
+
+- ``prepare(row)``: pure per-row work (a filter's whole decision, a MinHash signature, a hash). It
+  runs in a process pool on chunks of rows, in parallel.
+- ``decide(row, prepared) -> reason | None``: runs in the main process, in input order. A stateless
+  filter just returns what ``prepare`` computed; a dedup block checks the signature against what it
+  has kept so far. So the output is the same for any number of workers.
+
+Rows are never modified: what comes out is a subset of what went in, in input order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+from tidal.data.io import Row
+
+
+class Block:
+    """A keep-or-drop step. Subclasses set ``name`` and override ``prepare`` (pure, picklable) and,
+    for stateful blocks, ``decide``."""
+
+    name = "block"
+    keep_all_examples = False
+    """Report every dropped row, not only the first few (decontamination: say what was removed and why)."""
+    detail: Any = None
+    """Set by ``decide`` to explain its last drop (e.g. the evaluation item and the shared n-gram)."""
+
+    def prepare(self, row: Row) -> Any:
+        """Per-row work that needs no state; for a plain filter, the drop reason (None: keep)."""
+        raise NotImplementedError
+
+    def decide(self, row: Row, prepared: Any) -> str | None:
+        """The drop reason for ``row`` (None: keep), given what ``prepare`` returned."""
+        return prepared
+
+    def summary(self) -> dict[str, Any]:
+        """Extra numbers for the report (e.g. clusters found)."""
+        return {}
+
+
+@dataclass
+class BlockStats:
+    name: str
+    seen: int = 0
+    kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+    examples: list[dict] = field(default_factory=list)
+    """The first dropped rows' positions in the input and reasons (for the report)."""
+
+    def as_dict(self, extra: dict) -> dict:
+        return {"name": self.name, "seen": self.seen, "kept": self.kept, "dropped": dict(self.dropped),
+                "seconds": round(self.seconds, 4), "rows_per_s": self.seen / self.seconds if self.seconds else None,
+                **extra, "examples": self.examples}
+
+
+_WORKER_BLOCKS: list[Block] = []
+
+
+def _init_worker(blocks: list[Block]) -> None:
+    global _WORKER_BLOCKS
+    _WORKER_BLOCKS = blocks
+
+
+def _prepare_chunk(args: tuple[int, list[Row]]) -> list[Any]:
+    index, rows = args
+    block = _WORKER_BLOCKS[index]
+    return [block.prepare(row) for row in rows]
+
+
+class Pipeline:
+    """Run ``blocks`` over rows. ``workers > 1`` runs every block's ``prepare`` in a process pool
+    (blocks are sent to each worker once, so a big n-gram index is not re-pickled per chunk)."""
+
+    def __init__(self, blocks: list[Block], workers: int = 1, chunk_size: int = 1024, max_examples: int = 5):
+        assert blocks, "a pipeline needs at least one block"
+        names = [b.name for b in blocks]
+        assert len(set(names)) == len(names), f"block names must be unique, got {names}"
+        self.blocks = blocks
+        self.workers = max(1, workers)
+        self.chunk_size = chunk_size
+        self.max_examples = max_examples
+        self.stats = [BlockStats(b.name) for b in blocks]
+        self.rows_in = self.rows_out = 0
+        self.seconds = 0.0
+
+    def run(self, rows: Iterable[Row]) -> Iterator[Row]:
+        """The kept rows, in input order, streamed chunk by chunk."""
+        pool = None
+        if self.workers > 1:
+            pool = mp.get_context().Pool(self.workers, initializer=_init_worker, initargs=(self.blocks,))
+        start = time.perf_counter()
+        try:
+            it = iter(rows)
+            while chunk := list(islice(it, self.chunk_size)):
+                positions = list(range(self.rows_in, self.rows_in + len(chunk)))
+                self.rows_in += len(chunk)
+                for i, (block, stats) in enumerate(zip(self.blocks, self.stats)):
+                    if not chunk:
+                        break
+                    chunk, positions = self._apply(i, block, stats, chunk, positions, pool)
+                self.rows_out += len(chunk)
+                self.seconds = time.perf_counter() - start
+                yield from chunk
+        finally:
+            self.seconds = time.perf_counter() - start
+            if pool is not None:
+                pool.terminate()
+
+    def _apply(self, i: int, block: Block, stats: BlockStats, chunk: list[Row], positions: list[int], pool):
+        t0 = time.perf_counter()
+        if pool is None:
+            prepared = [block.prepare(row) for row in chunk]
+        else:
+            step = -(-len(chunk) // self.workers)
+            parts = pool.map(_prepare_chunk, [(i, chunk[k : k + step]) for k in range(0, len(chunk), step)])
+            prepared = [p for part in parts for p in part]
+        kept, kept_pos = [], []
+        for row, pos, prep in zip(chunk, positions, prepared):
+            reason = block.decide(row, prep)
+            if reason is None:
+                kept.append(row)
+                kept_pos.append(pos)
+            else:
+                stats.dropped[reason] += 1
+                if block.keep_all_examples or len(stats.examples) < self.max_examples:
+                    example = {"row": pos, "reason": reason}
+                    if block.detail is not None:
+                        example["detail"] = block.detail
+                    stats.examples.append(example)
+        stats.seen += len(chunk)
+        stats.kept += len(kept)
+        stats.seconds += time.perf_counter() - t0
+        return kept, kept_pos
+
+    def report(self) -> dict[str, Any]:
+        """Per-block counts (seen = kept + dropped; each block sees what the previous one kept)."""
+        return {
+            "rows_in": self.rows_in,
+            "rows_out": self.rows_out,
+            "seconds": round(self.seconds, 4),
+            "rows_per_s": self.rows_in / self.seconds if self.seconds else None,
+            "workers": self.workers,
+            "blocks": [s.as_dict(b.summary()) for b, s in zip(self.blocks, self.stats)],
+        }
