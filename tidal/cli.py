@@ -148,6 +148,12 @@ def cmd_curate(args) -> int:
     """Run a curation recipe (docs/curate.md) and print its report's per-block counts."""
     from tidal.data.curate import curate
 
+    if args.recipe == "train-classifier":
+        from tidal.data.classifier import TrainClassifierConfig, train_classifier
+
+        metrics = train_classifier(args.inp, args.out, apply_overrides(TrainClassifierConfig(), args.set))
+        print(f"classifier written to {args.out}: {json.dumps(metrics)}")
+        return 0
     report = curate(args.recipe, args.inp, args.out, args.set, progress=True)
     print(f"{report['rows_in']} rows in, {report['rows_out']} kept ({report['rows_per_s'] or 0:.0f} rows/s, "
           f"{report['workers']} workers); report: {args.out}.report.json")
@@ -283,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_bench)
 
     sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems (docs/curate.md)")
-    sp.add_argument("recipe", help="dedup | quality | decontaminate | rl-problems, or a recipe .yaml")
+    sp.add_argument("recipe", help="dedup | quality | decontaminate | rl-problems | a recipe .yaml | "
+                    "train-classifier (labeled rows in, a quality model directory out)")
     sp.add_argument("--in", dest="inp", required=True, help="input: .jsonl(.gz), .parquet or a HF dataset directory")
     sp.add_argument("--out", required=True, help="output for the kept rows (same formats); OUT.report.json beside it")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

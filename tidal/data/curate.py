@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tidal.config import ConfigError, apply_overrides
+from tidal.data.classifier import ClassifierConfig, QualityClassifier
 from tidal.data.decontam import DecontamConfig, Decontaminate
 from tidal.data.dedup import ExactDedup, NearDedup, NearDedupConfig
 from tidal.data.io import BadRows, read_rows, write_rows
@@ -43,6 +44,7 @@ class CurateConfig:
     c4_min_sentences: int = 3
     language: LanguageConfig = field(default_factory=LanguageConfig)
     decontaminate: DecontamConfig = field(default_factory=DecontamConfig)
+    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
 
 
 BLOCKS = {
@@ -54,6 +56,7 @@ BLOCKS = {
     "language": lambda c: LanguageFilter(c.language, c.text_key),
     "decontaminate": lambda c: Decontaminate(c.decontaminate, [c.eval] if isinstance(c.eval, str) else c.eval),
     "verifiable": lambda c: Verifiable(c.text_key),
+    "quality_classifier": lambda c: QualityClassifier(c.classifier, c.text_key),
 }
 
 RECIPES = {
