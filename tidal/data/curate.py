@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from tidal.config import ConfigError, apply_overrides
 from tidal.data.classifier import ClassifierConfig, QualityClassifier
+from tidal.data.difficulty import Difficulty, DifficultyConfig, difficulty_stages
 from tidal.data.decontam import DecontamConfig, Decontaminate
 from tidal.data.dedup import ExactDedup, NearDedup, NearDedupConfig
 from tidal.data.io import BadRows, read_rows, write_rows
@@ -45,6 +46,7 @@ class CurateConfig:
     language: LanguageConfig = field(default_factory=LanguageConfig)
     decontaminate: DecontamConfig = field(default_factory=DecontamConfig)
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
+    difficulty: DifficultyConfig = field(default_factory=DifficultyConfig)
 
 
 BLOCKS = {
@@ -57,6 +59,7 @@ BLOCKS = {
     "decontaminate": lambda c: Decontaminate(c.decontaminate, [c.eval] if isinstance(c.eval, str) else c.eval),
     "verifiable": lambda c: Verifiable(c.text_key),
     "quality_classifier": lambda c: QualityClassifier(c.classifier, c.text_key),
+    "difficulty": None,  # one block per model: build_blocks
 }
 
 RECIPES = {
@@ -64,6 +67,8 @@ RECIPES = {
     "quality": dict(blocks=["gopher_quality", "gopher_repetition", "c4", "language"]),
     "decontaminate": dict(blocks=["decontaminate"]),
     "rl-problems": dict(blocks=["verifiable", "exact_dedup"], text_key="prompt"),
+    # verifiable problems in the pass-rate band of difficulty.model (one or two stages)
+    "rl-difficulty": dict(blocks=["verifiable", "exact_dedup", "difficulty"], text_key="prompt"),
 }
 
 
@@ -101,7 +106,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def build_blocks(cfg: CurateConfig) -> list[Block]:
-    return [BLOCKS[name](cfg) for name in cfg.blocks]
+    blocks = []
+    for name in cfg.blocks:
+        if name == "difficulty":  # one block per stage (model)
+            blocks += difficulty_stages(cfg.difficulty, cfg.text_key)
+        else:
+            blocks.append(BLOCKS[name](cfg))
+    return blocks
 
 
 def curate(recipe: str, in_path: str | Path, out_path: str | Path, overrides: list[str] = (),
@@ -111,7 +122,13 @@ def curate(recipe: str, in_path: str | Path, out_path: str | Path, overrides: li
     pipeline = Pipeline(build_blocks(cfg), workers=cfg.workers or os.cpu_count() or 1, chunk_size=cfg.chunk_size)
     bad = BadRows()
     rows = tqdm(read_rows(in_path, bad), desc=f"curate {recipe}", unit=" rows", disable=not progress)
-    written = write_rows(out_path, pipeline.run(rows))
+    kept = pipeline.run(rows)
+    if cfg.difficulty.curriculum:
+        last = [b for b in pipeline.blocks if isinstance(b, Difficulty)]
+        if not last:
+            raise ConfigError("difficulty.curriculum=true needs the difficulty block in the recipe")
+        kept = sorted(kept, key=lambda row: -last[-1].pass_rates[id(row)])  # easiest first (stable)
+    written = write_rows(out_path, kept)
     assert written == pipeline.rows_out
     report = {"recipe": recipe, "input": str(in_path), "output": str(out_path),
               "skipped_bad_rows": bad.count, "bad_row_examples": bad.examples, **pipeline.report(),

@@ -34,10 +34,16 @@ class Block:
     """Report every dropped row, not only the first few (decontamination: say what was removed and why)."""
     detail: Any = None
     """Set by ``decide`` to explain its last drop (e.g. the evaluation item and the shared n-gram)."""
+    parallel = True
+    """False: ``prepare_chunk`` runs in the main process (a block that batches its own work, such as
+    generation with the rollout engine)."""
 
     def prepare(self, row: Row) -> Any:
         """Per-row work that needs no state; for a plain filter, the drop reason (None: keep)."""
         raise NotImplementedError
+
+    def prepare_chunk(self, rows: list[Row]) -> list[Any]:
+        return [self.prepare(row) for row in rows]
 
     def decide(self, row: Row, prepared: Any) -> str | None:
         """The drop reason for ``row`` (None: keep), given what ``prepare`` returned."""
@@ -119,8 +125,8 @@ class Pipeline:
 
     def _apply(self, i: int, block: Block, stats: BlockStats, chunk: list[Row], positions: list[int], pool):
         t0 = time.perf_counter()
-        if pool is None:
-            prepared = [block.prepare(row) for row in chunk]
+        if pool is None or not block.parallel:
+            prepared = block.prepare_chunk(chunk)
         else:
             step = -(-len(chunk) // self.workers)
             parts = pool.map(_prepare_chunk, [(i, chunk[k : k + step]) for k in range(0, len(chunk), step)])
