@@ -150,6 +150,16 @@ def spawn(fn, world: int, args: tuple, timeout_s: float) -> None:
             pytest.fail(f"distributed workers still running after {timeout_s} s")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The workers use one thread each; the 1-process reference too (2 threads on a shared 2-core machine
+    can be many times slower, FACTS.md)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def two_procs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
