@@ -50,6 +50,34 @@ class SystemConfig:
     2 x async_threads <= cores (FACTS.md: oversubscription made a training step 21x slower). While
     the generator is blocked on the staleness bound with nothing to decode, it lends the pool to
     the trainer (``num_threads``) and takes it back the moment it is admitted again."""
+    journal: bool = True
+    """Async mode: append every scored group to ``RUN_DIR/journal.jsonl`` the moment it is scored,
+    so Ctrl-C or a crash loses no finished group and ``--resume`` trains them instead of generating
+    them again (``system/journal.py``)."""
+    backend: Literal["local", "ray"] = "local"
+    """``local``: engine, rewards and trainer in this process. ``ray``: rollout workers and reward
+    workers run as Ray actors placed by the resources below; the trainer stays in this (driver)
+    process (``system/ray_engine.py``, ``system/ray_rewards.py``). Needs ``pip install 'tidal[ray]'``."""
+    ray_address: str | None = None
+    """Ray cluster to join: ``auto`` (or ``HOST:6379``) after ``ray start --head``, ``ray://HOST:10001``
+    for Ray Client. None starts a local Ray instance for the run and stops it at the end."""
+    rollout_workers: int = 2
+    """Ray backend: rollout worker actors, each holding its own ``rollout.engine``."""
+    rollout_worker_cpus: float = 1.0
+    """Ray backend: CPUs each rollout worker reserves (placement); Ray will not start more workers
+    than the cluster has CPUs for."""
+    rollout_worker_gpus: float = 0.0
+    """Ray backend: GPUs each rollout worker reserves (fractions share a GPU). The ``local`` engine
+    runs on CPU; GPUs are for engines that use them."""
+    rollout_worker_threads: int = 1
+    """Ray backend: torch intra-op threads in each rollout worker (keep the sum within the cores)."""
+    rollout_worker_restarts: int = 0
+    """Ray backend: a dead rollout worker is replaced up to this many times per worker (it joins
+    with the newest weights). Either way its requests go to the survivors at once; 0 goes on with
+    fewer workers (Gemini 2.5's lesson: keep going rather than stop)."""
+    reward_worker_cpus: float = 0.0
+    """Ray backend: CPUs each reward worker actor reserves (``reward.num_workers`` of them; 0 lets
+    them share the cores, fine for cheap verifiers). A dead reward worker is always replaced."""
 
 
 @dataclass

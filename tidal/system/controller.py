@@ -10,7 +10,11 @@ version k+1 to the rollout engine.
   admits them, a scorer thread runs the reward pool, and the trainer (this thread) consumes batches
   in order. A new version reaches the engine mid-generation (it interrupts, re-reads and resumes);
   no sample is trained more than eta versions after its oldest token. With eta = 0 it produces
-  exactly the sync trajectories and parameters (tests pin this).
+  exactly the sync trajectories and parameters (tests pin this). The scorer journals every scored
+  group (``journal.py``), so a stopped run resumes with the groups it had finished.
+
+The data cursor (``state.next_group``) advances when a step completes, not when its batch is drawn,
+so a checkpoint written on Ctrl-C in the middle of a step never skips that step's groups.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tidal.system.batching import collect_batch, informative, length_budget
 from tidal.system.buffer import RolloutBuffer
 from tidal.system.config import RunConfig
 from tidal.system.evaluate import greedy_accuracy
+from tidal.system.journal import GroupJournal
 from tidal.system.staleness import StalenessManager
 from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState, save_checkpoint
@@ -53,7 +58,7 @@ class RunResult:
 class Controller:
     def __init__(self, cfg: RunConfig, task: Task, engine: RolloutEngine, eval_engine: RolloutEngine,
                  reward_pool: RewardPool, trainer: Trainer, tokenizer, tracker: Tracker, out_dir: Path,
-                 state: TrainingState):
+                 state: TrainingState, journal: GroupJournal | None = None):
         self.cfg = cfg
         self.task = task
         self.engine = engine
@@ -64,6 +69,9 @@ class Controller:
         self.tracker = tracker
         self.out_dir = out_dir
         self.state = state
+        self.journal = journal
+        self._cursor = state.next_group  # the stream position after the current step's batch
+        self._reloaded_groups = 0
         self.eval_prompts = task.eval_prompts()[: cfg.num_eval]
         self.history: list[dict] = []
         self._trained_samples = 0
@@ -98,7 +106,7 @@ class Controller:
         r = self.cfg.rollout
         got = collect_batch(take, self.state.next_group, step, r.prompts_per_step, r.dynamic_sampling,
                             r.max_draws_per_step, max_staleness, on_stale)
-        self.state.next_group = got.cursor
+        self._cursor = got.cursor  # committed to the state when the step completes (_finish_step)
         return got.groups, got.metrics
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Group]:
@@ -153,7 +161,7 @@ class Controller:
         """Eval, log, checkpoint; return a stop reason or None."""
         cfg = self.cfg
         done = step + 1
-        self.state.step, self.state.version = done, self.trainer.version
+        self.state.step, self.state.version, self.state.next_group = done, self.trainer.version, self._cursor
         step_s = time.perf_counter() - step_start
         self._rl_seconds += step_s
         metrics["perf/step_s"] = step_s
@@ -186,9 +194,12 @@ class Controller:
 
     def checkpoint(self, elapsed_s: float) -> Path:
         self.state.extra["elapsed_s"] = elapsed_s
-        return save_checkpoint(self.out_dir / "checkpoints", self.trainer.model, self.tokenizer,
+        path = save_checkpoint(self.out_dir / "checkpoints", self.trainer.model, self.tokenizer,
                                self.trainer.optimizer, self.trainer.scheduler, self.state,
                                keep=self.cfg.keep_checkpoints)
+        if self.journal is not None:
+            self.journal.compact(self.state.next_group)  # what this checkpoint trained is no longer needed
+        return path
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -233,6 +244,16 @@ class Controller:
                 return stop
             step += 1
 
+    def _reload_journal(self) -> dict[int, Group]:
+        """Groups journaled before a resume that this run may train (``journal.py``), by index."""
+        if self.journal is None:
+            return {}
+        groups, discarded = self.journal.reload(self.state.next_group, max_version=self.trainer.version)
+        if groups or discarded:
+            tqdm.write(f"journal: reusing {len(groups)} scored groups, generating {discarded} again "
+                       f"(sampled by versions newer than the checkpoint's {self.trainer.version})")
+        return groups
+
     def _run_async(self, bar) -> str:
         cfg = self.cfg
         p = cfg.rollout.prompts_per_step
@@ -242,6 +263,12 @@ class Controller:
         buffer = RolloutBuffer()
         to_score: queue.Queue = queue.Queue()  # bounded in effect: admission caps groups in flight
         group_size = cfg.rollout.group_size
+        reloaded = self._reload_journal()
+
+        def publish(index: int, group: Group) -> None:
+            if cfg.rollout.dynamic_sampling and not informative(group):
+                staleness.release()  # will be dropped: free its slot right away
+            buffer.put(index, group)
 
         def generate_forever() -> None:
             """Continuous batching: admit whole groups whenever the engine has room (and the
@@ -261,10 +288,17 @@ class Controller:
                     torch.set_num_threads(cfg.system.async_threads)
                 if n == 0:
                     return None if staleness.closed else []
-                prompts = self._prompts(next_group, n)
-                for i, prompt in enumerate(prompts):
-                    in_flight[prompt.uid] = (next_group + i, prompt, {})
+                fresh = []
+                for index in range(next_group, next_group + n):
+                    if index in reloaded:  # journaled by the run before --resume: admitted, not generated
+                        publish(index, reloaded.pop(index))
+                        self._reloaded_groups += 1
+                    else:
+                        fresh.append(index)
                 next_group += n
+                prompts = [self.task.train_prompt(i) for i in fresh]
+                for index, prompt in zip(fresh, prompts):
+                    in_flight[prompt.uid] = (index, prompt, {})
                 return self._requests(prompts, staleness.version)
 
             def on_done(request, traj: Trajectory) -> None:
@@ -286,9 +320,9 @@ class Controller:
                 while (item := to_score.get()) is not None:
                     first, prompts, trajs = item
                     for i, group in enumerate(self._score(prompts, trajs)):
-                        if cfg.rollout.dynamic_sampling and not informative(group):
-                            staleness.release()  # will be dropped: free its slot right away
-                        buffer.put(first + i, group)
+                        if self.journal is not None:
+                            self.journal.append(first + i, group)  # queued: written on the journal's thread
+                        publish(first + i, group)
             except BaseException as e:
                 buffer.fail(e)
 
@@ -306,6 +340,7 @@ class Controller:
                 metrics.update(self._train_step(step, groups))
                 staleness.set_version(self.trainer.version)
                 metrics["async/buffered_groups"] = float(len(buffer))
+                metrics["async/reloaded_groups"] = float(self._reloaded_groups)
                 stop = self._finish_step(step, metrics, start, bar)
                 if stop:
                     return stop

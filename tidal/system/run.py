@@ -2,7 +2,10 @@
 
 ``prepare`` is what ``tidal train`` calls; it writes ``config.yaml`` next to the metrics, warm-starts
 (or loads) the base model, and, with ``resume=True``, restores the latest checkpoint so the run
-continues exactly where it stopped.
+continues exactly where it stopped (reusing the scored groups in ``journal.jsonl``).
+
+``system.backend`` picks where rollouts and rewards run: in this process (``local``) or on Ray
+actors (``ray``). The evaluation engine and the trainer stay in this process either way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
 from tidal.system.config import RunConfig
 from tidal.system.controller import Controller, RunResult
+from tidal.system.journal import GroupJournal
 from tidal.tasks import TASKS
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint
 from tidal.train.sft import warm_start
@@ -56,9 +60,16 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
         trainer.version = state.version
 
     make_engine = ENGINES.get(cfg.rollout.engine)
-    engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
     eval_engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
-    reward_pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
+    reward_fn = build_reward(cfg.reward.name, cfg.reward.params)
+    if cfg.system.backend == "ray":
+        from tidal.system.ray_backend import start_ray_backend
+
+        engine, reward_pool = start_ray_backend(cfg, trainer.model, tokenizer, trainer.version, reward_fn)
+    else:
+        engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
+        reward_pool = RewardPool(reward_fn, cfg.reward)
+    journal = GroupJournal(out_dir / "journal.jsonl", fresh=not resume) if cfg.system.journal else None
 
     trackers: list = [JsonlTracker(out_dir / "metrics.jsonl", resume_after_step=state.step if resume else None)]
     if cfg.log.tensorboard:
@@ -68,7 +79,19 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     if cfg.log.mlflow_experiment:
         trackers.append(MlflowTracker(cfg.log.mlflow_experiment, dataclasses.asdict(cfg)))
     return Controller(cfg, task, engine, eval_engine, reward_pool, trainer, tokenizer, MultiTracker(trackers),
-                      out_dir, state)
+                      out_dir, state, journal=journal)
+
+
+def close(controller: Controller) -> None:
+    """Release what ``prepare`` started: trackers, the journal, reward workers, rollout workers (and
+    the Ray instance the run started, if any)."""
+    controller.tracker.close()
+    if controller.journal is not None:
+        controller.journal.close()
+    controller.reward_pool.close()
+    engine_close = getattr(controller.engine, "close", None)
+    if engine_close is not None:
+        engine_close()
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult:
@@ -77,8 +100,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
     try:
         return controller.run()
     finally:
-        controller.tracker.close()
-        controller.reward_pool.close()
+        close(controller)
         if cfg.log.report:
             from tidal.utils.report import write_report
 

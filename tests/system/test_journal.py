@@ -1,0 +1,105 @@
+"""The group journal: scored groups survive Ctrl-C and are trained once after --resume, not regenerated."""
+
+import json
+
+import pytest
+import torch
+
+from tidal.system.journal import GroupJournal
+from tidal.system.run import close, prepare
+from tidal.types import Group, Prompt, Trajectory
+
+from .test_controller import tiny_cfg
+
+
+def group(uid, versions, reward=1.0):
+    trajs = [Trajectory(uid, j, [1, 2], [3] * len(versions), [-0.1 / 3] * len(versions), list(versions), "stop",
+                        text="42", reward=reward, reward_details={"a": [1, 2]}) for j in range(2)]
+    return Group(Prompt(uid, "1+1=", "2", {"k": 1}), trajs)
+
+
+def test_round_trip_is_exact_and_a_torn_line_is_skipped(tmp_path):
+    j = GroupJournal(tmp_path / "journal.jsonl", fresh=True)
+    g = group("a", [0, 1])
+    j.append(5, g)
+    j.append(6, group("b", [1]))
+    j.close()
+    with (tmp_path / "journal.jsonl").open("a") as f:
+        f.write('{"index": 7, "group": {"prom')  # the process died mid-write
+    groups, discarded = GroupJournal(tmp_path / "journal.jsonl", fresh=False).reload(0, max_version=5)
+    assert discarded == 0 and sorted(groups) == [5, 6]
+    assert groups[5] == g  # floats, versions, details: all exact
+
+
+def test_reload_keeps_untrained_groups_of_known_versions_only(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    j = GroupJournal(path, fresh=True)
+    j.append(3, group("trained", [1]))
+    j.append(8, group("old", [1, 2]))
+    j.append(9, group("newer_than_checkpoint", [2, 3]))
+    j.append(10, group("first", [2]))
+    j.append(10, group("again", [2]))  # the newest record of an index wins
+    groups, discarded = j.reload(start=8, max_version=2)
+    assert sorted(groups) == [8, 10] and discarded == 1
+    assert groups[10].prompt.uid == "again"
+    assert [json.loads(x)["index"] for x in path.read_text().splitlines()] == [8, 10]  # rewritten
+    j.append(11, group("later", [2]))
+    j.compact(10)
+    assert [json.loads(x)["index"] for x in path.read_text().splitlines()] == [10, 11]
+    assert GroupJournal(path, fresh=True).reload(0, 99) == ({}, 0)  # a fresh run starts empty
+
+
+def _record_training(controller, trained: list):
+    real = controller._train_step
+
+    def train_step(step, groups):
+        out = real(step, groups)  # raises on the interrupted step: not recorded
+        trained.append((step, [g.prompt.uid for g in groups]))
+        return out
+
+    controller._train_step = train_step
+
+
+def test_ctrl_c_in_async_mode_then_resume_trains_every_group_once_without_regenerating(tmp_path):
+    out = tmp_path / "run"
+    opts = ("system.mode=async", "rollout.max_staleness=1", "checkpoint_every=100", "max_steps=5")
+    controller = prepare(tiny_cfg(tmp_path, *opts), out)
+    trained: list = []
+    _record_training(controller, trained)
+    real_step = controller.trainer.step
+
+    def interrupt_on_third(batch):
+        if controller.trainer.version == 2:
+            raise KeyboardInterrupt
+        return real_step(batch)
+
+    controller.trainer.step = interrupt_on_third
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.run()
+    finally:
+        close(controller)
+    p = controller.cfg.rollout.prompts_per_step
+    assert [s for s, _ in trained] == [0, 1]
+    state = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)["state"]
+    assert state["next_group"] == 2 * p, "the interrupted step's groups must not be skipped"
+    journaled = {json.loads(x)["index"] for x in (out / "journal.jsonl").read_text().splitlines()}
+    assert set(range(2 * p, 3 * p)) <= journaled and min(journaled) == 2 * p  # compacted at the checkpoint
+
+    resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)
+    _record_training(resumed, trained)
+    generated: list[str] = []
+    real_requests = resumed._requests
+    resumed._requests = lambda prompts, step: generated.extend(q.uid for q in prompts) or real_requests(prompts, step)
+    try:
+        result = resumed.run()
+    finally:
+        close(resumed)
+    assert result.steps == 5
+    uids = [u for _, groups in trained for u in groups]
+    assert [s for s, _ in trained] == [0, 1, 2, 3, 4]
+    assert uids == [resumed.task.train_prompt(i).uid for i in range(5 * p)], "every group trained once, in order"
+    reused = {resumed.task.train_prompt(i).uid for i in journaled}
+    assert not reused & set(generated), "journaled groups must not be generated again"
+    assert result.history[-1]["async/reloaded_groups"] == len(journaled)
+    assert max(r["async/staleness_max"] for r in result.history if "async/staleness_max" in r) <= 1
