@@ -20,14 +20,16 @@ from tidal.algo.config import AlgoConfig
 from tidal.models import tiny
 from tidal.optim import OptimConfig
 from tidal.train.checkpoint import TrainingState, save_checkpoint
-from tidal.train.distributed import LOCAL, LeaderTrainer, follow, init_distributed, split_groups, teardown
+from tidal.train.distributed import LOCAL, DataParallel, LeaderTrainer, follow, init_distributed, split_groups, teardown
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.types import TrainBatch
 
 STEPS = 3
-CASES = {
+CASES = {  # name: (algo, trainer[, optim]) settings
     # DAPO's token mean, one pass per minibatch
     "token_mean": ({}, {}),
+    # AdEMAMix (optimizer state in DTensor shards) under a warm-up schedule
+    "ademamix_warmup": ({}, {"micro_batch_tokens": 60}, {"name": "ademamix", "warmup_steps": 2}),
     # GRPO's sequence mean over greedy-collated micro-batches, with a KL loss against a (sharded) reference
     "seq_mean_micro_kl": ({"loss_agg": "seq_mean_token_mean", "kl_coef": 0.05}, {"micro_batch_tokens": 40}),
     # Magistral: group-length aggregation and per-minibatch advantages, decoupled PPO (proximal log-probs
@@ -66,13 +68,13 @@ def make_batch(seed: int, group_sizes=(4, 3, 4, 2, 4)) -> TrainBatch:
 
 
 def make_trainer(case: str, dp=LOCAL) -> Trainer:
-    algo_kw, trainer_kw = CASES[case]
+    algo_kw, trainer_kw, *rest = CASES[case]
+    optim = OptimConfig(lr=3e-3, **(rest[0] if rest else {}))
     tok = tiny.build_tokenizer()
     cfg = tiny.ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64)
     model = tiny.build_model(cfg, tok)
     ref = tiny.build_model(cfg, tok) if algo_kw.get("kl_coef") else None
-    return Trainer(model, AlgoConfig(**algo_kw), OptimConfig(lr=3e-3), TrainerConfig(**trainer_kw),
-                   ref_model=ref, dp=dp)
+    return Trainer(model, AlgoConfig(**algo_kw), optim, TrainerConfig(**trainer_kw), ref_model=ref, dp=dp)
 
 
 def batches() -> list[TrainBatch]:
@@ -192,12 +194,18 @@ def test_two_processes_match_one(two_procs, case):
     for step, batch in enumerate(batches()):
         want = ref.step(batch)
         have = got["metrics"][step]
-        for key in ("train/loss", "train/grad_norm", "train/entropy", "algo/adv_abs_mean", "algo/seq_ess"):
+        for key in ("train/loss", "train/grad_norm", "train/lr", "train/entropy", "algo/adv_abs_mean", "algo/seq_ess"):
             assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key, have[key], want[key])
     assert got["version"] == ref.version == STEPS
     want_sd = ref.state_dict_for_engine()
     assert_state_dicts_close(got["sd"], want_sd)
     assert got["sync"]["perf/weight_sync_bytes"] == ref.weight_sync_metrics["perf/weight_sync_bytes"] > 0
+
+
+def test_muon_is_refused_under_fsdp():
+    with pytest.raises(ValueError, match="muon"):
+        Trainer(torch.nn.Linear(2, 2), AlgoConfig(), OptimConfig(name="muon"), TrainerConfig(),
+                dp=DataParallel(rank=0, world_size=2))
 
 
 def test_checkpoint_resume_across_world_sizes(two_procs):
