@@ -36,6 +36,8 @@ CASES = {  # name: (algo, trainer[, optim]) settings
     # from a sharded scoring pass), packed micro-batches, two minibatches
     "group_length_packed": ({"loss_agg": "group_length", "advantage": "magistral", "policy_loss": "decoupled_ppo"},
                             {"packing": True, "pack_tokens": 32, "micro_batch_tokens": 40, "num_minibatches": 2}),
+    # VCPO's baseline (sequence importance weights from a sharded scoring pass) and ESS-scaled lr, TIS
+    "vcpo_tis": ({"advantage": "vcpo", "correction": "tis", "ess_lr_scaling": True}, {"micro_batch_tokens": 30}),
     # sequence-level aggregation with packing and a batch-scope advantage (REINFORCE++)
     "seq_sum_packed": ({"loss_agg": "seq_mean_token_sum", "advantage": "reinforce_pp"},
                        {"packing": True, "pack_tokens": 48}),
@@ -194,7 +196,8 @@ def test_two_processes_match_one(two_procs, case):
     for step, batch in enumerate(batches()):
         want = ref.step(batch)
         have = got["metrics"][step]
-        for key in ("train/loss", "train/grad_norm", "train/lr", "train/entropy", "algo/adv_abs_mean", "algo/seq_ess"):
+        for key in ("train/loss", "train/grad_norm", "train/lr", "train/entropy", "algo/adv_abs_mean", "algo/seq_ess",
+                    "algo/lr_scale"):
             assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key, have[key], want[key])
     assert got["version"] == ref.version == STEPS
     want_sd = ref.state_dict_for_engine()
