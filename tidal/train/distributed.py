@@ -27,7 +27,7 @@ engine gets a full, unsharded state dict gathered on rank 0 (``full_state_dict``
 1-process layout (full weights, optimizer state numbered as ``optimizer.state_dict()`` numbers it), so
 a run can resume with a different number of processes.
 
-How a run uses it (``system/run.py``): rank 0 runs the controller (generation, rewards, eval, logging)
+How a run uses it (``system/data_parallel.py``): rank 0 runs the controller (generation, rewards, eval, logging)
 and holds a ``LeaderTrainer``, which announces every call that touches the sharded model to the other
 ranks before running it; the other ranks sit in ``follow``, running the same calls with the same
 arguments (the TrainBatch travels by ``broadcast_object_list``).
@@ -58,11 +58,6 @@ can take long on a real run; a crashed rank still ends the run (torchrun tears t
 
 
 # ---- process group ------------------------------------------------------------------------------
-def world_size_from_env() -> int:
-    """WORLD_SIZE as torchrun sets it (1 outside torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 @dataclass(frozen=True)
 class DataParallel:
     """This process's place in the data-parallel group; a world of 1 makes every method a no-op."""
@@ -121,7 +116,8 @@ LOCAL = DataParallel()
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel:
     """Join the process group torchrun describes (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT). gloo on CPU; on CUDA NCCL for tensors on the GPU plus gloo for the CPU-side objects
-    and metrics (``cpu:gloo,cuda:nccl``)."""
+    and metrics (``cpu:gloo,cuda:nccl``). Only the gloo path is tested: the trainer keeps batches and
+    losses on the CPU today, so a CUDA run needs device placement in ``Trainer`` first."""
     cuda = torch.cuda.is_available()
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
