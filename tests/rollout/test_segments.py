@@ -122,9 +122,9 @@ class _FakeLLM:
         self.llm_engine = _FakeEngine()
         self.loaded = []
 
-    def collective_rpc(self, fn, args=()):
-        model = SimpleNamespace(load_weights=lambda weights: self.loaded.append(dict(weights)) or set())
-        fn(SimpleNamespace(model_runner=SimpleNamespace(model=model)), *args)
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert method == "reload_weights"
+        self.loaded.append(dict(kwargs["weights_iterator"]))
         self.llm_engine.loads += 1
 
     def reset_prefix_cache(self):

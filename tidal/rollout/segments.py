@@ -55,17 +55,29 @@ class SegmentedRow:
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.tokens)
 
+    @property
+    def num_seen(self) -> int:
+        """Tokens of the current segment already taken in."""
+        return len(self.tokens) - self.segment_start
+
     def absorb(self, segment_token_ids: Sequence[int], segment_logprobs: Sequence[float], version: int,
                early_stop_run: int | None = None, early_stop_prob: float = 0.99) -> bool:
-        """Take the current segment's cumulative output; append the tokens not seen yet, tagged with
-        ``version``. Returns True if MiniMax-M1's early truncation fired (then the row is finished
-        with reason 'repetition' and the tokens after the triggering one are dropped)."""
-        seen = len(self.tokens) - self.segment_start
+        """Take the current segment's cumulative output (what vLLM reports per request): append the
+        tokens not seen yet (see ``extend``)."""
+        seen = self.num_seen
         assert len(segment_token_ids) >= seen, (
             f"request {self.request_id}: output shrank from {seen} to {len(segment_token_ids)} tokens")
-        assert len(segment_logprobs) == len(segment_token_ids), "one log-prob per token"
+        return self.extend(segment_token_ids[seen:], segment_logprobs[seen:], version, early_stop_run,
+                           early_stop_prob)
+
+    def extend(self, new_token_ids: Sequence[int], new_logprobs: Sequence[float], version: int,
+               early_stop_run: int | None = None, early_stop_prob: float = 0.99) -> bool:
+        """Append newly sampled tokens, tagged with ``version``. Returns True if MiniMax-M1's early
+        truncation fired (then the row is finished with reason 'repetition' and the tokens after the
+        triggering one are dropped)."""
+        assert len(new_logprobs) == len(new_token_ids), "one log-prob per token"
         threshold = math.log(early_stop_prob)
-        for tok, lp in zip(segment_token_ids[seen:], segment_logprobs[seen:]):
+        for tok, lp in zip(new_token_ids, new_logprobs):
             self.tokens.append(int(tok))
             self.logprobs.append(float(lp))
             self.versions.append(version)

