@@ -289,8 +289,9 @@ class Trainer:
             totals = self.dp.sum_floats({**totals, "train/loss": loss_total})
             loss_total = totals.pop("train/loss")
         ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
-        grad_norm = distributed.local_value(  # the global norm over every rank's shards
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        if self.dp.enabled:  # a DTensor: the global norm over every rank's shards
+            grad_norm = distributed.local_value(grad_norm)
         if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
             for group in self.optimizer.param_groups:
                 group["lr"] *= lr_scale
