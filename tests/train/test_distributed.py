@@ -24,6 +24,8 @@ from tidal.train.distributed import LOCAL, DataParallel, LeaderTrainer, follow, 
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.types import TrainBatch
 
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
 STEPS = 3
 CASES = {  # name: (algo, trainer[, optim]) settings
     # DAPO's token mean, one pass per minibatch
