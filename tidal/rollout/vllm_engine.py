@@ -221,10 +221,10 @@ class VllmDriver:
 
     def _submit(self, row: SegmentedRow, greedy: bool, outbox: deque, cfg) -> None:
         request_id = f"tidal-{next(self._ids)}"
-        prompt, max_tokens, seed = row.start_segment(request_id)
+        prompt, max_tokens = row.start_segment(request_id)
         params = self._params_cls(
             n=1, temperature=0.0 if greedy else cfg.temperature, top_p=1.0 if greedy else cfg.top_p,
-            max_tokens=max_tokens, logprobs=0, seed=seed, stop=list(cfg.stop) or None, detokenize=bool(cfg.stop))
+            max_tokens=max_tokens, logprobs=0, stop=list(cfg.stop) or None, detokenize=bool(cfg.stop))
         self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         self._rows[request_id] = (row, greedy, outbox, cfg)
 

@@ -180,10 +180,10 @@ class VllmServerEngine:
         with self._idle:
             self._active += 1
         try:
-            prompt, max_tokens, seed = row.start_segment(f"srv{i}")
+            prompt, max_tokens = row.start_segment(f"srv{i}")
             body = {"model": self.models[i], "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                     "temperature": 0.0 if greedy else self.cfg.temperature,
-                    "top_p": 1.0 if greedy else self.cfg.top_p, "seed": seed, "logprobs": 0,
+                    "top_p": 1.0 if greedy else self.cfg.top_p, "logprobs": 0,
                     "return_tokens_as_token_ids": True, "skip_special_tokens": False}
             if self.cfg.stop:
                 body["stop"] = list(self.cfg.stop)
