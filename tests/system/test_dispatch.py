@@ -1,4 +1,4 @@
-"""Request bookkeeping of the multi-worker engine, without Ray: placement, requeue, exactly-once."""
+"""Request bookkeeping of the multi-worker engine, without Ray: placement, requeue, exactly-once; weights as arrays."""
 
 import random
 
@@ -81,3 +81,13 @@ def test_random_deaths_lose_nothing_and_duplicate_nothing():
             assert d.complete(w, -1) is None
     assert sorted(map(id, delivered)) == sorted(map(id, reqs))
     assert d.num_delivered == len(reqs) and d.num_requeued > 0
+
+
+def test_weights_cross_the_object_store_as_arrays_and_come_back_exactly():
+    import torch
+
+    from tidal.system.ray_engine import from_arrays, to_arrays
+
+    state = {"w": torch.randn(3, 4), "b16": torch.randn(5).to(torch.bfloat16), "i": torch.arange(4)}
+    back = from_arrays(to_arrays(state))
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in state.items())

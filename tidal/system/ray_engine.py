@@ -10,11 +10,11 @@ with the backend:
 - ``stream(source, on_done)`` pulls requests from ``source`` whenever the workers have room,
   places each group on the least-loaded worker (``dispatch.py``) and hands every finished
   trajectory to ``on_done`` on the calling thread, exactly once.
-- ``request_weight_update`` puts the state dict into the object store once (``ray.put``) and every
-  worker stages it; the call returns only when every live worker holds the new version, so a
-  request admitted afterwards (at the new version) is never sampled with older weights. Each worker
-  applies it at its next interruption point, re-reading its unfinished rows, exactly as the local
-  engine does.
+- ``request_weight_update`` puts the state dict into the object store once (``ray.put``, as numpy
+  arrays: workers on a node read them from shared memory without copying) and every worker stages
+  it; the call returns only when every live worker holds the new version, so a request admitted
+  afterwards (at the new version) is never sampled with older weights. Each worker applies it at
+  its next interruption point, re-reading its unfinished rows, exactly as the local engine does.
 - A worker that dies (its poll raises ``RayActorError``) has its requests re-queued to the
   survivors and the run goes on with fewer workers (Gemini 2.5's lesson); with
   ``system.rollout_worker_restarts`` > 0 a replacement starts with the latest weights and joins once
@@ -29,6 +29,7 @@ import functools
 import logging
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,29 @@ def init_ray(address: str | None) -> bool:
     return True
 
 
+def to_arrays(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, str]]:
+    """Tensors as numpy arrays (dtypes numpy lacks, e.g. bfloat16, as raw bytes plus the dtype's name).
+    Ray stores numpy arrays once in the node's shared memory and every worker there reads them
+    without a copy; torch tensors would be pickled, i.e. copied on both sides."""
+    out = {}
+    for name, t in state_dict.items():
+        t = t.detach().cpu().contiguous()
+        try:
+            out[name] = (t.numpy(), "")
+        except TypeError:
+            out[name] = (t.view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."))
+    return out
+
+
+def from_arrays(arrays: Mapping[str, tuple[Any, str]]) -> dict[str, torch.Tensor]:
+    """Inverse of ``to_arrays``. The tensors share the (read-only) object-store memory; they are only
+    read, by ``load_state_dict``, which copies them into the model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(a).view(getattr(torch, dtype)) if dtype else torch.from_numpy(a)
+                for name, (a, dtype) in arrays.items()}
+
+
 def actor_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the actor is gone (as opposed to a bug raised inside it)."""
     ray = require_ray()
@@ -83,10 +107,10 @@ class RolloutWorker:
     with generation): one engine from ``ENGINES`` serving an inbox on its own thread."""
 
     def __init__(self, engine: str, model, tokenizer, cfg, seed: int, version: int,
-                 state_dict: Mapping[str, torch.Tensor] | None, num_threads: int):
+                 arrays: Mapping[str, tuple[Any, str]] | None, num_threads: int):
         torch.set_num_threads(num_threads)
-        if state_dict is not None:
-            model.load_state_dict(state_dict)
+        if arrays is not None:  # a replacement worker: start from the newest weights
+            model.load_state_dict(from_arrays(arrays))
         self.engine = ENGINES.get(engine)(model, tokenizer, cfg, seed, version)
         self._staged = version
         self._cond = threading.Condition()
@@ -114,12 +138,12 @@ class RolloutWorker:
             out, self._outbox = self._outbox, []
         return out, self.engine.stats()
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+    def update_weights(self, arrays: Mapping[str, tuple[Any, str]], version: int) -> int:
         """Stage ``version`` unless this worker already holds it or a newer one (calls may overlap)."""
         with self._cond:
             if version > self._staged:
                 self._staged = version
-                self.engine.request_weight_update(state_dict, version)
+                self.engine.request_weight_update(from_arrays(arrays), version)
             return self._staged
 
     # ---- the serving thread --------------------------------------------------------------------
@@ -277,7 +301,7 @@ class RayEngine:
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """One ``ray.put``; every live worker stages it before this returns (see module docstring)."""
         t0 = time.perf_counter()
-        ref = self._ray.put(dict(state_dict))
+        ref = self._ray.put(to_arrays(state_dict))
         with self._lock:
             self._weights = (ref, version)
             self.version = version
