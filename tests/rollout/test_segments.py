@@ -184,3 +184,24 @@ def test_rollout_and_eval_front_ends_share_the_driver(tokenizer):
     assert [t.prompt_uid for t in got_a] == ["a0", "a1"]
     assert [r.request.prompt.uid for r in got_b] == ["b0"] and len(got_b[0].tokens) == 4
     assert other.version == engine.version
+
+
+def test_a_failed_weight_load_stops_every_front_end(tokenizer, tmp_path):
+    """A bad checkpoint dir fails before anything is aborted; a load that fails midway (weights may be
+    half-loaded) makes every later step raise instead of spinning on aborted requests."""
+    cfg = SamplingConfig(max_new_tokens=4)
+    engine, driver = _fake_engine(tokenizer, cfg)
+    engine.request_weight_update_from_dir(tmp_path, version=1)  # no *.safetensors there
+    with pytest.raises(FileNotFoundError):
+        engine.generate([_request()])
+    assert driver._error is None and engine.version == 0
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("load failed")
+
+    driver.llm.collective_rpc = broken
+    engine.request_weight_update({"w": torch.ones(1)}, version=2)
+    with pytest.raises(RuntimeError, match="load failed"):
+        engine.generate([_request()])
+    with pytest.raises(RuntimeError, match="failed to load weights earlier"):
+        VllmEngine(driver, tokenizer, cfg).generate([_request("other")])

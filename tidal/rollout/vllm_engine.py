@@ -174,6 +174,12 @@ class VllmDriver:
         self.num_weight_updates = 0
         self.weight_update_seconds = 0.0
         self.last_weight_update_s = 0.0
+        self._error: BaseException | None = None
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the vLLM engine failed to load weights earlier; its requests were aborted") \
+                from self._error
 
     # ---- weights ---------------------------------------------------------------------------
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -193,17 +199,21 @@ class VllmDriver:
         if version == self.version:
             return  # a version names one set of weights: already loaded
         t0 = time.perf_counter()
+        state = read_checkpoint_dir(payload) if kind == "dir" else payload  # a bad path fails before any abort
         running = list(self._rows.values())
         if running:  # interrupt: abort, keep what each produced, continue after the load
             self.engine.abort_request([entry[0].request_id for entry in running])
             self._rows.clear()
             self.num_interruptions += 1
-        # vLLM's in-place reload (``Worker.reload_weights``): maps HF names onto its fused layers
-        # (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and redoes the post-load processing (CPU
-        # kernels repack weights; a plain ``model.load_weights`` after that fails).
-        state = read_checkpoint_dir(payload) if kind == "dir" else payload
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state.items()))})
-        self.llm.reset_prefix_cache()  # cached blocks hold keys/values of the old weights
+        try:
+            # vLLM's in-place reload (``Worker.reload_weights``): maps HF names onto its fused layers
+            # (q/k/v -> qkv_proj, gate/up -> gate_up_proj) and redoes the post-load processing (CPU
+            # kernels repack weights; a plain ``model.load_weights`` after that fails).
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state.items()))})
+            self.llm.reset_prefix_cache()  # cached blocks hold keys/values of the old weights
+        except BaseException as e:  # weights may be half-loaded: every front-end must stop, not spin
+            self._error = e
+            raise
         self.version = version
         self.num_weight_updates += 1
         for entry in running:
@@ -215,6 +225,7 @@ class VllmDriver:
     def submit(self, rows: Sequence[SegmentedRow], greedy: bool, outbox: deque, cfg) -> None:
         """Start ``rows`` (sampled per ``cfg``, a ``SamplingConfig``); finished rows go to ``outbox``."""
         with self._lock:
+            self._check()
             self._apply_pending()
             for row in rows:
                 self._submit(row, greedy, outbox, cfg)
@@ -231,6 +242,7 @@ class VllmDriver:
     def step(self) -> None:
         """Apply a pending weight update, then advance every running request by one engine step."""
         with self._lock:
+            self._check()
             self._apply_pending()
             if not self._rows:
                 return
