@@ -103,3 +103,26 @@ def test_ctrl_c_in_async_mode_then_resume_trains_every_group_once_without_regene
     assert not reused & set(generated), "journaled groups must not be generated again"
     assert result.history[-1]["async/reloaded_groups"] == len(journaled)
     assert max(r["async/staleness_max"] for r in result.history if "async/staleness_max" in r) <= 1
+
+
+def test_ctrl_c_before_the_first_step_resumes_without_a_second_base_eval(tmp_path):
+    out = tmp_path / "run"
+    opts = ("system.mode=async", "checkpoint_every=100", "max_steps=2")
+    controller = prepare(tiny_cfg(tmp_path, *opts), out)
+
+    def interrupt(batch):
+        raise KeyboardInterrupt
+
+    controller.trainer.step = interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.run()
+    finally:
+        close(controller)
+    resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)
+    try:
+        result = resumed.run()
+    finally:
+        close(resumed)
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert result.base_accuracy is not None and result.history[-1]["async/reloaded_groups"] > 0

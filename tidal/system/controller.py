@@ -205,8 +205,10 @@ class Controller:
     def run(self) -> RunResult:
         cfg = self.cfg
         if self.state.step == 0:
-            base = self._evaluate()
-            self.tracker.log(0, base)
+            base = self.state.extra.get("base_eval")  # set when resuming a Ctrl-C before step 1: logged already
+            if base is None:
+                base = self.state.extra["base_eval"] = self._evaluate()
+                self.tracker.log(0, base)
             self.history.append({"step": 0, **base})
         bar = tqdm(total=cfg.max_steps, initial=self.state.step, desc=f"RL ({cfg.system.mode})",
                    disable=not cfg.log.progress, dynamic_ncols=True)
