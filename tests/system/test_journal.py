@@ -126,3 +126,36 @@ def test_ctrl_c_before_the_first_step_resumes_without_a_second_base_eval(tmp_pat
         close(resumed)
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     assert result.base_accuracy is not None and result.history[-1]["async/reloaded_groups"] > 0
+
+
+def test_ctrl_c_after_a_step_trained_counts_that_step(tmp_path):
+    """Stopped between the optimizer step and the end of the step (here: while publishing weights):
+    the checkpoint counts the step, so its groups are not trained a second time after --resume."""
+    out = tmp_path / "run"
+    opts = ("system.mode=async", "checkpoint_every=100", "max_steps=4")
+    controller = prepare(tiny_cfg(tmp_path, *opts), out)
+    real_update = controller.engine.request_weight_update
+
+    def interrupt_publishing_version_2(state_dict, version):
+        if version == 2:
+            raise KeyboardInterrupt
+        return real_update(state_dict, version)
+
+    controller.engine.request_weight_update = interrupt_publishing_version_2
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.run()
+    finally:
+        close(controller)
+    p = controller.cfg.rollout.prompts_per_step
+    state = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)["state"]
+    assert (state["step"], state["version"], state["next_group"]) == (2, 2, 2 * p)
+    resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)
+    trained: list = []
+    _record_training(resumed, trained)
+    try:
+        resumed.run()
+    finally:
+        close(resumed)
+    uids = [u for _, groups in trained for u in groups]
+    assert uids == [resumed.task.train_prompt(i).uid for i in range(2 * p, 4 * p)]

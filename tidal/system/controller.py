@@ -220,6 +220,9 @@ class Controller:
             else:
                 stop = self._run_async(bar)
         except KeyboardInterrupt:
+            if self.trainer.version == self.state.version + 1:  # the step trained, then was stopped: it counts
+                self.state.step, self.state.version = self.state.step + 1, self.trainer.version
+                self.state.next_group = self._cursor
             self.checkpoint(self._elapsed_before + self._rl_seconds)
             raise
         finally:
