@@ -49,14 +49,17 @@ def _prompts(n: int) -> list[Prompt]:
 
 
 def _trainer_logprobs(model, trajs, temperature: float) -> list[list[float]]:
-    """The trainer's per-token log-probs of each trajectory's response (tidal.models.logprobs)."""
-    out = []
+    """The trainer's per-token log-probs of each trajectory's response (tidal.models.logprobs), in one
+    right-padded batch (causal attention: padding after a sequence does not change it)."""
+    seqs = [t.prompt_ids + t.token_ids for t in trajs]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, seq in enumerate(seqs):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = 1
     with torch.no_grad():
-        for t in trajs:
-            ids = torch.tensor([t.prompt_ids + t.token_ids])
-            logp, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)
-            out.append(logp[0, len(t.prompt_ids):].tolist())
-    return out
+        logp, _ = token_logprobs(model, ids, mask, temperature=temperature)
+    return [logp[i, len(t.prompt_ids):len(t.prompt_ids) + t.num_tokens].tolist() for i, t in enumerate(trajs)]
 
 
 def _max_gap(model, trajs, temperature: float, positions=None) -> float:
