@@ -39,7 +39,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,9 +65,10 @@ psutil are all it adds), so the benchmark's venv reuses tidal's torch and transf
 _SCRIPT = Path(__file__).with_name("trl_grpo.py")
 
 
-def _load_script():
-    """``trl_grpo.py`` as a module (it imports nothing heavy at module level): its clock and reward are shared."""
-    spec = importlib.util.spec_from_file_location("tidal_benchmark_trl_grpo", _SCRIPT)
+def _load_script(path: Path = _SCRIPT):
+    """A sibling file as a module (benchmarks are not a package). ``trl_grpo.py`` imports nothing heavy
+    at module level: its clock and reward are shared with the TRL subprocess."""
+    spec = importlib.util.spec_from_file_location(f"tidal_benchmark_{path.stem.lstrip('_')}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -76,6 +76,7 @@ def _load_script():
 
 
 grpo = _load_script()
+_venv = _load_script(Path(__file__).with_name("_venv.py"))
 
 
 @dataclass
@@ -172,29 +173,8 @@ def summarize(runs: dict[str, dict], report_at: list[float], max_time_s: float) 
 
 # ---- the TRL environment and run -----------------------------------------------------------------------
 def ensure_venv(path: str | Path, version: str = TRL_VERSION) -> Path:
-    """A venv that sees tidal's packages (a .pth adds tidal's site-packages) plus TRL; created once.
-
-    ``venv --system-site-packages`` would expose the base interpreter's packages, not tidal's venv, so
-    tidal's site directory is added by a ``.pth`` line instead (``site.addsitedir`` also runs tidal's own
-    .pth files). pip then installs only what TRL adds (``pip install --dry-run trl`` in tidal's env:
-    accelerate, psutil, trl).
-    """
-    path = Path(path).absolute()
-    python = path / "bin" / "python"
-    parent = sysconfig.get_paths()["purelib"]
-    stamp = path / "tidal-bench.json"
-    want = {"trl": version, "parent": parent}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
-        return python
-    print(f"bench trl: creating {path} (TRL {version}; once)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    Path(purelib, "tidal-parent-env.pth").write_text(f"import site; site.addsitedir({parent!r})\n")
-    subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
-                    f"trl=={version}"], check=True)
-    stamp.write_text(json.dumps(want))
-    return python
+    """A venv with tidal's packages plus TRL (``benchmarks/_venv.py``; pip adds accelerate, psutil, trl)."""
+    return _venv.bench_venv(path, [f"trl=={version}"], "trl")
 
 
 def export_prompts(task, count: int, path: Path) -> None:

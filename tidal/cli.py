@@ -148,6 +148,18 @@ def cmd_curate(args) -> int:
     """Run a curation recipe (docs/curate.md) and print its report's per-block counts."""
     from tidal.data.curate import curate
 
+    if args.recipe == "compare":
+        from tidal.data.proxy import main_compare
+
+        result = main_compare(args.set, args.out)
+        for block in result["by_lr"]:
+            print(f"lr {block['lr']:g}: " + " < ".join(
+                f"{r['dataset']} ({r['mean_loss']:.3f} +- {r['std_loss']:.3f})" for r in block["rows"])
+                + f"  [{block['seeds_agreeing_with_ranking']}/{block['seeds']} seeds agree]")
+        print(f"report: {args.out}")
+        return 0
+    if args.inp is None:
+        raise ConfigError(f"tidal curate {args.recipe} needs --in PATH")
     if args.recipe == "train-classifier":
         from tidal.data.classifier import TrainClassifierConfig, train_classifier
 
@@ -290,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems (docs/curate.md)")
     sp.add_argument("recipe", help="dedup | quality | decontaminate | rl-problems | a recipe .yaml | "
-                    "train-classifier (labeled rows in, a quality model directory out)")
-    sp.add_argument("--in", dest="inp", required=True, help="input: .jsonl(.gz), .parquet or a HF dataset directory")
+                    "train-classifier (labeled rows in, a quality model directory out) | "
+                    "compare (proxy models rank datasets: --set proxy.datasets=[A, B] --set proxy.eval=PATH)")
+    sp.add_argument("--in", dest="inp", default=None, help="input: .jsonl(.gz), .parquet or a HF dataset directory")
     sp.add_argument("--out", required=True, help="output for the kept rows (same formats); OUT.report.json beside it")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="eval=PATH, workers=N, near_dedup.threshold=0.8, ... (CurateConfig keys)")

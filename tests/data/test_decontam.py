@@ -24,8 +24,10 @@ def test_every_planted_contaminated_item_is_removed_and_reported(tmp_path):
         words = e["question"].split()
         k = rng.randrange(len(words) - 15)
         snippet = " ".join(words[k : k + 15]).upper()  # case and punctuation do not hide it
-        planted.append({"id": f"dirty{i}", "text": document(rng, vocab, 50) + " " + snippet + "! " + document(rng, vocab, 50)})
-    planted.append({"id": "dirty_short", "text": "Solve this: what is SEVEN plus five times two minus three? Show work."})
+        text = document(rng, vocab, 50) + " " + snippet + "! " + document(rng, vocab, 50)
+        planted.append({"id": f"dirty{i}", "text": text})
+    short = "Solve this: what is SEVEN plus five times two minus three? Show work."
+    planted.append({"id": "dirty_short", "text": short})
     planted.append({"id": "dirty_exact", "prompt": "compute 2 + 2"})
     near_miss = {"id": "clean_short", "prompt": "Compute 2+2 and then add 1."}  # contains the short item, not equal
     rows = clean + planted + [near_miss]

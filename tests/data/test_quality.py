@@ -4,9 +4,17 @@ import pytest
 
 from tests.data.corpus import document, vocabulary
 from tidal.data.pipeline import Pipeline
-from tidal.data.quality import (C4Filter, GopherQuality, GopherQualityConfig, GopherRepetition,
-                                GopherRepetitionConfig, LanguageConfig, LanguageFilter, dup_ngram_char_frac,
-                                top_ngram_char_frac)
+from tidal.data.quality import (
+    C4Filter,
+    GopherQuality,
+    GopherQualityConfig,
+    GopherRepetition,
+    GopherRepetitionConfig,
+    LanguageConfig,
+    LanguageFilter,
+    dup_ngram_char_frac,
+    top_ngram_char_frac,
+)
 
 GOOD = ("The committee met on Tuesday to review the budget and the plans that staff have prepared with care. "
         "Members of the public asked questions about the new library, and the chair promised a written answer. "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.data.dedup import text_of

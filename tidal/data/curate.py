@@ -18,13 +18,21 @@ from tqdm.auto import tqdm
 
 from tidal.config import ConfigError, apply_overrides
 from tidal.data.classifier import ClassifierConfig, QualityClassifier
-from tidal.data.difficulty import Difficulty, DifficultyConfig, difficulty_stages
 from tidal.data.decontam import DecontamConfig, Decontaminate
 from tidal.data.dedup import ExactDedup, NearDedup, NearDedupConfig
+from tidal.data.difficulty import Difficulty, DifficultyConfig, difficulty_stages
 from tidal.data.io import BadRows, read_rows, write_rows
 from tidal.data.pipeline import Block, Pipeline
-from tidal.data.quality import (C4Filter, GopherQuality, GopherQualityConfig, GopherRepetition,
-                                GopherRepetitionConfig, LanguageConfig, LanguageFilter)
+from tidal.data.quality import (
+    C4Filter,
+    GopherQuality,
+    GopherQualityConfig,
+    GopherRepetition,
+    GopherRepetitionConfig,
+    LanguageConfig,
+    LanguageFilter,
+)
+from tidal.data.rephrase import Rephrase, RephraseConfig
 from tidal.data.verify import Verifiable
 
 
@@ -47,6 +55,7 @@ class CurateConfig:
     decontaminate: DecontamConfig = field(default_factory=DecontamConfig)
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
     difficulty: DifficultyConfig = field(default_factory=DifficultyConfig)
+    rephrase: RephraseConfig = field(default_factory=RephraseConfig)
 
 
 BLOCKS = {
@@ -60,6 +69,7 @@ BLOCKS = {
     "verifiable": lambda c: Verifiable(c.text_key),
     "quality_classifier": lambda c: QualityClassifier(c.classifier, c.text_key),
     "difficulty": None,  # one block per model: build_blocks
+    "rephrase": lambda c: Rephrase(c.rephrase, c.text_key),
 }
 
 RECIPES = {
@@ -69,6 +79,7 @@ RECIPES = {
     "rl-problems": dict(blocks=["verifiable", "exact_dedup"], text_key="prompt"),
     # verifiable problems in the pass-rate band of difficulty.model (one or two stages)
     "rl-difficulty": dict(blocks=["verifiable", "exact_dedup", "difficulty"], text_key="prompt"),
+    "rephrase": dict(blocks=["rephrase"]),  # needs rephrase.model=DIR
 }
 
 

@@ -56,7 +56,8 @@ def read_rows(path: str | Path, bad: BadRows | None = None) -> Iterator[Row]:
                     row, err = None, str(e)
                 if not isinstance(row, dict):
                     if bad is None:
-                        raise ValueError(f"{path}:{lineno}: not a JSON object ({err if row is None else type(row).__name__})")
+                        why = err if row is None else type(row).__name__
+                        raise ValueError(f"{path}:{lineno}: not a JSON object ({why})")
                     bad.add(f"{path}:{lineno}")
                     continue
                 yield row

@@ -9,7 +9,8 @@ A block splits its work in two so the pipeline can use every core without giving
   filter just returns what ``prepare`` computed; a dedup block checks the signature against what it
   has kept so far. So the output is the same for any number of workers.
 
-Rows are never modified: what comes out is a subset of what went in, in input order.
+Filters never modify rows: what comes out is a subset of what went in, in input order. A mapper
+(rephrasing) returns a new row from ``transform`` that names its source row.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Block:
     def decide(self, row: Row, prepared: Any) -> str | None:
         """The drop reason for ``row`` (None: keep), given what ``prepare`` returned."""
         return prepared
+
+    def transform(self, row: Row, prepared: Any) -> Row:
+        """The row to pass on when kept: the row itself for filters; mappers (rephrasing) return a new one."""
+        return row
 
     def summary(self) -> dict[str, Any]:
         """Extra numbers for the report (e.g. clusters found)."""
@@ -135,7 +140,7 @@ class Pipeline:
         for row, pos, prep in zip(chunk, positions, prepared):
             reason = block.decide(row, prep)
             if reason is None:
-                kept.append(row)
+                kept.append(block.transform(row, prep))
                 kept_pos.append(pos)
             else:
                 stats.dropped[reason] += 1

@@ -38,7 +38,8 @@ class Verifiable(Block):
 
                 self._code = CodeReward()
             try:
-                reward, _ = self._code(f"```python\n{solution}\n```", Prompt("curate", prompt, "", {"tests": row["tests"]}))
+                problem = Prompt("curate", prompt, "", {"tests": row["tests"]})
+                reward, _ = self._code(f"```python\n{solution}\n```", problem)
             except Exception:  # malformed tests: the problem cannot be verified
                 return "bad_tests"
             return None if reward >= 1.0 else "reference_fails_tests"
