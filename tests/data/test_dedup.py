@@ -52,3 +52,30 @@ def test_near_dedup_estimates_jaccard_and_respects_the_threshold():
 def test_the_output_does_not_depend_on_the_number_of_workers():
     rows, _, _ = corpus_with_duplicates(seed=3, originals=100, exact=10, near=20)
     assert _kept_ids([NearDedup(NearDedupConfig())], rows, 1) == _kept_ids([NearDedup(NearDedupConfig())], rows, 2)
+
+
+def test_ray_executor_gives_the_local_output():
+    ray = pytest.importorskip("ray", reason="executor=ray needs Ray (pip install 'tidal[ray]')")
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tidal.data.quality import GopherQuality, GopherQualityConfig
+
+    rows, _, _ = corpus_with_duplicates(seed=4, originals=60, exact=5, near=10)
+    blocks = lambda: [GopherQuality(GopherQualityConfig()), NearDedup(NearDedupConfig())]  # noqa: E731
+    local, remote = Pipeline(blocks(), chunk_size=32), Pipeline(blocks(), chunk_size=32, executor="ray")
+    leftovers = [p for p in (Path("/tmp/ray"), Path.home() / ".ray") if not p.exists()]
+    tmp = tempfile.mkdtemp(prefix="tidal-ray-", dir="/tmp")  # Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp)
+    try:
+        assert list(remote.run(rows)) == list(local.run(rows))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in leftovers:
+            shutil.rmtree(p, ignore_errors=True)
+    drop_times = lambda rep: [{k: v for k, v in b.items() if k not in ("seconds", "rows_per_s")}  # noqa: E731
+                              for b in rep["blocks"]]
+    assert drop_times(remote.report()) == drop_times(local.report())
+    assert remote.report()["workers"] == 2

@@ -46,6 +46,11 @@ class CurateConfig:
     """Evaluation sets for ``decontaminate`` (paths: JSONL, Parquet, or HF dataset directories)."""
     workers: int = 0
     """Processes for the per-row work; 0: every core."""
+    executor: str = "local"
+    """``local`` (a process pool) or ``ray`` (Ray tasks on a cluster: ``ray start --head`` first, or a
+    local instance is started)."""
+    ray_address: str | None = None
+    """``executor=ray``: the cluster to join (e.g. ``auto`` or ``10.0.0.1:6379``); None starts one."""
     chunk_size: int = 1024
     near_dedup: NearDedupConfig = field(default_factory=NearDedupConfig)
     gopher_quality: GopherQualityConfig = field(default_factory=GopherQualityConfig)
@@ -130,7 +135,8 @@ def curate(recipe: str, in_path: str | Path, out_path: str | Path, overrides: li
            progress: bool = True) -> dict:
     """Run ``recipe`` on ``in_path``; write the kept rows to ``out_path`` and the report beside it."""
     cfg = load_recipe(recipe, list(overrides))
-    pipeline = Pipeline(build_blocks(cfg), workers=cfg.workers or os.cpu_count() or 1, chunk_size=cfg.chunk_size)
+    pipeline = Pipeline(build_blocks(cfg), workers=cfg.workers or os.cpu_count() or 1, chunk_size=cfg.chunk_size,
+                        executor=cfg.executor, ray_address=cfg.ray_address)
     bad = BadRows()
     rows = tqdm(read_rows(in_path, bad), desc=f"curate {recipe}", unit=" rows", disable=not progress)
     kept = pipeline.run(rows)

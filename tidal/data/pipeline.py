@@ -89,16 +89,66 @@ def _prepare_chunk(args: tuple[int, list[Row]]) -> list[Any]:
     return [block.prepare(row) for row in rows]
 
 
+class _ProcessPool:
+    """Local worker processes; each gets the blocks once, at start."""
+
+    def __init__(self, blocks: list[Block], workers: int):
+        self.workers = workers
+        self.pool = mp.get_context().Pool(workers, initializer=_init_worker, initargs=(blocks,))
+
+    def map(self, index: int, parts: list[list[Row]]) -> list[list[Any]]:
+        return self.pool.map(_prepare_chunk, [(index, part) for part in parts])
+
+    def close(self) -> None:
+        self.pool.terminate()
+
+
+def _ray_prepare(blocks: list[Block | None], index: int, rows: list[Row]) -> list[Any]:
+    return [blocks[index].prepare(row) for row in rows]
+
+
+class _RayPool:
+    """Ray tasks across a cluster (``ray start --head`` / ``--address``, or a local instance). The
+    parallel blocks go to the object store once; blocks that run in the main process (they hold a
+    model) are not shipped."""
+
+    def __init__(self, blocks: list[Block], address: str | None):
+        try:
+            import ray
+        except ImportError:
+            from tidal.config import ConfigError
+
+            raise ConfigError("executor=ray needs Ray: pip install 'tidal[ray]'") from None
+        self.ray = ray
+        self.started = not ray.is_initialized()
+        if self.started:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        self.blocks_ref = ray.put([b if b.parallel else None for b in blocks])
+        self.fn = ray.remote(_ray_prepare)
+
+    def map(self, index: int, parts: list[list[Row]]) -> list[list[Any]]:
+        return self.ray.get([self.fn.remote(self.blocks_ref, index, part) for part in parts])
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+
+
 class Pipeline:
     """Run ``blocks`` over rows. ``workers > 1`` runs every block's ``prepare`` in a process pool
-    (blocks are sent to each worker once, so a big n-gram index is not re-pickled per chunk)."""
+    (blocks are sent to each worker once, so a big n-gram index is not re-pickled per chunk);
+    ``executor="ray"`` runs it as Ray tasks on every CPU of a Ray cluster instead."""
 
-    def __init__(self, blocks: list[Block], workers: int = 1, chunk_size: int = 1024, max_examples: int = 5):
+    def __init__(self, blocks: list[Block], workers: int = 1, chunk_size: int = 1024, max_examples: int = 5,
+                 executor: str = "local", ray_address: str | None = None):
         assert blocks, "a pipeline needs at least one block"
         names = [b.name for b in blocks]
         assert len(set(names)) == len(names), f"block names must be unique, got {names}"
+        assert executor in ("local", "ray"), f"executor must be 'local' or 'ray', got {executor!r}"
         self.blocks = blocks
         self.workers = max(1, workers)
+        self.executor, self.ray_address = executor, ray_address
         self.chunk_size = chunk_size
         self.max_examples = max_examples
         self.stats = [BlockStats(b.name) for b in blocks]
@@ -108,8 +158,11 @@ class Pipeline:
     def run(self, rows: Iterable[Row]) -> Iterator[Row]:
         """The kept rows, in input order, streamed chunk by chunk."""
         pool = None
-        if self.workers > 1:
-            pool = mp.get_context().Pool(self.workers, initializer=_init_worker, initargs=(self.blocks,))
+        if self.executor == "ray":
+            pool = _RayPool(self.blocks, self.ray_address)
+            self.workers = pool.workers
+        elif self.workers > 1:
+            pool = _ProcessPool(self.blocks, self.workers)
         start = time.perf_counter()
         try:
             it = iter(rows)
@@ -126,15 +179,15 @@ class Pipeline:
         finally:
             self.seconds = time.perf_counter() - start
             if pool is not None:
-                pool.terminate()
+                pool.close()
 
     def _apply(self, i: int, block: Block, stats: BlockStats, chunk: list[Row], positions: list[int], pool):
         t0 = time.perf_counter()
         if pool is None or not block.parallel:
             prepared = block.prepare_chunk(chunk)
         else:
-            step = -(-len(chunk) // self.workers)
-            parts = pool.map(_prepare_chunk, [(i, chunk[k : k + step]) for k in range(0, len(chunk), step)])
+            step = -(-len(chunk) // pool.workers)
+            parts = pool.map(i, [chunk[k : k + step] for k in range(0, len(chunk), step)])
             prepared = [p for part in parts for p in part]
         kept, kept_pos = [], []
         for row, pos, prep in zip(chunk, positions, prepared):
