@@ -16,7 +16,8 @@ def test_compare_ranks_in_distribution_text_above_noise(tmp_path, capsys):
     write_rows(tmp_path / "noise.jsonl", noise)
     out = tmp_path / "compare.json"
     args = ["curate", "compare", "--out", str(out), "--set", f"proxy.datasets=[{tmp_path / 'noise.jsonl'}, "
-            f"{tmp_path / 'clean.jsonl'}]", "--set", f"proxy.eval={tmp_path / 'eval.jsonl'}", "--set", "proxy.steps=15", "--set", "proxy.batch_size=8",
+            f"{tmp_path / 'clean.jsonl'}]", "--set", f"proxy.eval={tmp_path / 'eval.jsonl'}",
+            "--set", "proxy.steps=15", "--set", "proxy.batch_size=8",
             "--set", "proxy.seeds=[0, 1]", "--set", "proxy.hidden_size=32", "--set", "proxy.lr=3e-3",
             "--set", "proxy.compare_lrs=[1e-3]", "--set", "proxy.seq_len=32", "--set", "proxy.eval_windows=8"]
     assert main(args) == 0
