@@ -72,20 +72,11 @@ def _lead(cfg: RunConfig, out_dir: Path, resume: bool, dp: DataParallel) -> RunR
         return controller.run()
     finally:
         leader.close()
-        _close(controller)
+        run_lib.close(controller)
         if cfg.log.report:
             from tidal.utils.report import write_report
 
             write_report(out_dir)
-
-
-def _close(controller) -> None:
-    close = getattr(run_lib, "close", None)
-    if close is not None:
-        close(controller)
-    else:
-        controller.tracker.close()
-        controller.reward_pool.close()
 
 
 def _follow(cfg: RunConfig, dp: DataParallel) -> None:
