@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,4 +146,5 @@ def test_server_inflight_weight_update_through_a_checkpoint_dir(engine, base, to
     assert _max_gap(new_model, mixed, TEMPERATURE, lambda t, i: t.versions[i] == 1) < LOGPROB_TOL
     after = engine.generate(group_requests(tokenizer, _prompts(4), 2))  # both servers now serve version 1
     assert all(set(t.versions) == {1} for t in after)
+    assert sorted(p.name for p in Path(engine.options.weights_dir).iterdir()) == ["v1"]
     assert _max_gap(new_model, after, TEMPERATURE) < LOGPROB_TOL

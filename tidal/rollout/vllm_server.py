@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -111,6 +112,7 @@ class VllmServerEngine:
         self.num_weight_updates = 0
         self.weight_update_seconds = 0.0
         self.last_weight_update_s = 0.0
+        self._last_weights_path: Path | None = None
 
     # ---- weights ---------------------------------------------------------------------------
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -158,6 +160,9 @@ class VllmServerEngine:
         for s in self.servers:  # vLLM's in-place reload from a directory (Worker.reload_weights)
             _post(s + "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
             _post(s + "/reset_prefix_cache")
+        if self._last_weights_path is not None:  # every server has moved on: keep one copy on disk
+            shutil.rmtree(self._last_weights_path, ignore_errors=True)
+        self._last_weights_path = path
         self.version = version
         self.num_weight_updates += 1
         self.last_weight_update_s = time.perf_counter() - t0
