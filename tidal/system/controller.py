@@ -152,6 +152,7 @@ class Controller:
         t0 = time.perf_counter()
         self.engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
         metrics["perf/weight_sync_s"] = time.perf_counter() - t0
+        metrics.update(self.trainer.weight_sync_metrics)  # bytes handed over, time to build them
         metrics["reward/errors"] = float(self.reward_pool.num_errors)
         metrics["reward/timeouts"] = float(self.reward_pool.num_timeouts)
         self._trained_samples += len(trajs)
