@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from tidal.api import GenRequest
+from tidal.rollout.requests import generate_by_stream
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache
 from tidal.types import Trajectory
@@ -122,19 +123,7 @@ class LocalEngine:
     @torch.no_grad()
     def generate(self, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]:
         """Generate one trajectory per request, in request order."""
-        pending = list(requests)
-        done: dict[int, Trajectory] = {}
-        order = {id(r): i for i, r in enumerate(requests)}
-        assert len(order) == len(requests), "pass distinct request objects (one per sample)"
-
-        def source(n: int, block: bool) -> list[GenRequest] | None:
-            if not pending:
-                return None
-            taken, pending[:] = pending[:n], pending[n:]
-            return taken
-
-        self.stream(source, lambda r, t: done.__setitem__(order[id(r)], t), greedy=greedy)
-        return [done[i] for i in range(len(requests))]
+        return generate_by_stream(self.stream, requests, greedy)
 
     @torch.no_grad()
     def stream(self, source: RequestSource, on_done: Callable[[GenRequest, Trajectory], None],

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from tidal.api import GenRequest
-from tidal.types import Prompt
+from tidal.types import Prompt, Trajectory
 
 
 def prompt_ids(tokenizer, prompt: Prompt) -> tuple[int, ...]:
@@ -15,3 +17,21 @@ def group_requests(
 ) -> list[GenRequest]:
     """``group_size`` adjacent requests per prompt (adjacency lets the engine share the prefill)."""
     return [GenRequest(p, prompt_ids(tokenizer, p), j, max_new_tokens) for p in prompts for j in range(group_size)]
+
+
+def generate_by_stream(stream: Callable, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]:
+    """An engine's ``generate`` through its ``stream``: every request is offered as slots free up, and
+    the trajectories come back in request order (one implementation for every engine)."""
+    pending = list(requests)
+    done: dict[int, Trajectory] = {}
+    order = {id(r): i for i, r in enumerate(requests)}
+    assert len(order) == len(requests), "pass distinct request objects (one per sample)"
+
+    def source(n: int, block: bool) -> list[GenRequest] | None:
+        if not pending:
+            return None
+        taken, pending[:] = pending[:n], pending[n:]
+        return taken
+
+    stream(source, lambda r, t: done.__setitem__(order[id(r)], t), greedy=greedy)
+    return [done[i] for i in range(len(requests))]

@@ -39,6 +39,7 @@ import torch
 
 from tidal.api import GenRequest
 from tidal.rollout import ENGINES
+from tidal.rollout.requests import generate_by_stream
 from tidal.system.dispatch import Dispatch
 from tidal.types import Trajectory
 
@@ -317,19 +318,7 @@ class RayEngine:
 
     # ---- generation ----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]:
-        pending = list(requests)
-        done: dict[int, Trajectory] = {}
-        order = {id(r): i for i, r in enumerate(requests)}
-        assert len(order) == len(requests), "pass distinct request objects (one per sample)"
-
-        def source(n: int, block: bool) -> list[GenRequest] | None:
-            if not pending:
-                return None
-            taken, pending[:] = pending[:n], pending[n:]
-            return taken
-
-        self.stream(source, lambda r, t: done.__setitem__(order[id(r)], t), greedy=greedy)
-        return [done[i] for i in range(len(requests))]
+        return generate_by_stream(self.stream, requests, greedy)
 
     def stream(self, source: Callable[[int, bool], list[GenRequest] | None],
                on_done: Callable[[GenRequest, Trajectory], None], greedy: bool = False) -> None:
