@@ -1,3 +1,4 @@
+import os
 import random
 
 import pytest
@@ -67,6 +68,7 @@ def test_ray_executor_gives_the_local_output():
     local, remote = Pipeline(blocks(), chunk_size=32), Pipeline(blocks(), chunk_size=32, executor="ray")
     leftovers = [p for p in (Path("/tmp/ray"), Path.home() / ".ray") if not p.exists()]
     tmp = tempfile.mkdtemp(prefix="tidal-ray-", dir="/tmp")  # Ray's socket paths must fit 107 bytes
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # busy machines start GCS slowly
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp)
     try:
         assert list(remote.run(rows)) == list(local.run(rows))

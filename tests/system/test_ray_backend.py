@@ -2,6 +2,7 @@
 and a killed rollout or reward actor loses no sample."""
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -26,6 +27,7 @@ def ray_cluster():
     """One local Ray instance for the module; its files go to a temporary directory removed after."""
     leftovers = [p for p in (Path("/tmp/ray"), Path.home() / ".ray") if not p.exists()]
     tmp = tempfile.mkdtemp(prefix="tidal-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # busy machines start GCS slowly
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level=logging.WARNING)
     yield
     ray.shutdown()

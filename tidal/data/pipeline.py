@@ -122,6 +122,9 @@ class _RayPool:
         self.ray = ray
         self.started = not ray.is_initialized()
         if self.started:
+            import os
+
+            os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # slow GCS start on a busy machine
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self.blocks_ref = ray.put([b if b.parallel else None for b in blocks])

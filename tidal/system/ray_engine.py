@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -67,6 +68,8 @@ def init_ray(address: str | None) -> bool:
     ray = require_ray()
     if ray.is_initialized():
         return False
+    # A busy machine starts Ray's GCS slowly; Ray's default ~20-30 s wait for it failed in CI here.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     return True
 
