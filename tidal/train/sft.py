@@ -48,15 +48,26 @@ def _encode(tokenizer, prompt_text: str, answer: str) -> tuple[list[int], int]:
     return prompt_ids + answer_ids, len(prompt_ids)
 
 
-def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig) -> Path:
+FINGERPRINT_PROMPTS = 4096
+
+
+def data_fingerprint(task: Task) -> int:
+    """A hash of the training prompts the warm start can draw (up to the first 4,096): a data file
+    rewritten in place under the same path must not reuse a base trained on its old contents."""
+    n = min(task.num_train, FINGERPRINT_PROMPTS)
+    return stable_hash(task.num_train, *((p.text, p.answer) for p in map(task.train_prompt, range(n))))
+
+
+def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task) -> Path:
     key = json.dumps([dataclasses.asdict(model_cfg), dataclasses.asdict(task_cfg),
-                      {k: v for k, v in dataclasses.asdict(sft_cfg).items() if k != "cache_dir"}], sort_keys=True)
+                      {k: v for k, v in dataclasses.asdict(sft_cfg).items() if k != "cache_dir"},
+                      data_fingerprint(task)], sort_keys=True)
     return Path(sft_cfg.cache_dir) / f"base-{stable_hash(key):016x}"
 
 
 def warm_start(model_cfg: ModelConfig, task: Task, task_cfg, sft_cfg: SFTConfig, progress: bool = True) -> Path:
     """Return a directory with the warm-started base model, training it only if not cached."""
-    out = cache_path(model_cfg, task_cfg, sft_cfg)
+    out = cache_path(model_cfg, task_cfg, sft_cfg, task)
     if (out / "config.json").exists():
         return out
     tokenizer = tiny.build_tokenizer()
