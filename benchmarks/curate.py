@@ -25,7 +25,9 @@ from pathlib import Path
 from tidal.config import apply_overrides
 
 DESCRIPTION = "tidal curate vs datatrove: near-dedup and Gopher-quality documents/s per core"
-DATATROVE = "datatrove==0.6.0"
+DATATROVE = ["datatrove==0.6.0", "orjson", "spacy", "xxhash<4"]
+"""datatrove's extras: orjson for its JsonlReader, spaCy for its word tokenizer; xxhash 4 (tidal's env)
+rejects the str its MinHash hashes."""
 
 
 @dataclass
@@ -89,7 +91,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     rows.append({"framework": "tidal", "stage": "gopher-quality", "docs_per_s": s.docs / t_gopher,
                  "seconds": t_gopher, "kept": len(kept)})
     if s.datatrove:
-        python = _load("_venv.py").bench_venv(s.venv, [DATATROVE], "curate")
+        python = _load("_venv.py").bench_venv(s.venv, DATATROVE, "curate")
         dt_work = work / "datatrove"
         proc = subprocess.run([str(python), str(Path(__file__).with_name("curate_datatrove.py")), str(src),
                                str(dt_work)], capture_output=True, text=True, check=True)

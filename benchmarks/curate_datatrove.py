@@ -1,5 +1,5 @@
 """datatrove's side of ``tidal bench curate``: run in the benchmark's own venv (datatrove is no tidal
-dependency). Times, on one task and one worker, (1) datatrove's full MinHash dedup (its four stages:
+dependency). Times, on one worker, (1) datatrove's full MinHash dedup (its four stages:
 signatures, buckets, clusters, filter) with FineWeb's settings (5-grams, 14 buckets x 8 hashes), and
 (2) its Gopher quality filter, each from reading the JSONL to writing the kept rows. Prints JSON.
 
@@ -33,9 +33,9 @@ def main(corpus: str, work: str) -> dict:
     reader = lambda: JsonlReader(str(src.parent), glob_pattern=src.name, text_key="text", id_key="id")  # noqa: E731
     cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8)
 
-    def run(name, pipeline):
+    def run(name, pipeline, tasks=1):
         t = time.perf_counter()
-        LocalPipelineExecutor(pipeline=pipeline, tasks=1, workers=1, logging_dir=str(work / "logs" / name)).run()
+        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=str(work / "logs" / name)).run()
         return time.perf_counter() - t
 
     out = {"docs": n}
@@ -48,7 +48,10 @@ def main(corpus: str, work: str) -> dict:
         "filter": [reader(), MinhashDedupFilter(input_folder=str(work / "remove")),
                    JsonlWriter(str(work / "deduped"))],
     }
-    out["minhash_stage_s"] = {name: run(f"minhash_{name}", p) for name, p in stages.items()}
+    # the buckets stage runs one task per bucket (datatrove requires tasks divisible by num_buckets),
+    # still one worker: the same single core
+    out["minhash_stage_s"] = {name: run(f"minhash_{name}", p, cfg.num_buckets if name == "buckets" else 1)
+                              for name, p in stages.items()}
     out["minhash_s"] = sum(out["minhash_stage_s"].values())
     out["minhash_kept"] = sum(1 for f in (work / "deduped").glob("*.jsonl*") for _ in _lines(f))
     out["gopher_s"] = run("gopher", [reader(), GopherQualityFilter(), JsonlWriter(str(work / "gopher"))])
