@@ -111,6 +111,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         f"difficulty.max_pass_rate={s.max_pass_rate}", "workers=1"], progress=False)
     block = report["blocks"][0]
     kept = [json.loads(line) for line in curated.read_text().splitlines()]
+    if not kept:
+        raise RuntimeError(f"the policy's pass rate put no problem in [{s.min_pass_rate}, {s.max_pass_rate}] "
+                           f"({block['dropped']}): warm it up longer (sft_steps) or widen the band")
 
     runs = {}
     for name, path in (("raw", raw), ("curated", curated)):
