@@ -1,5 +1,11 @@
 """Shared fixtures: a tiny random model + tokenizer (no training), built once per session."""
 
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,3 +26,22 @@ def tokenizer():
 def small_model(tokenizer):
     cfg = tiny.ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128)
     return tiny.build_model(cfg, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local 2-CPU Ray instance for the whole session (every Ray test shares it); its files go
+    to a temporary directory, and what it created under /tmp/ray and ~/.ray is removed at the end.
+    Token authentication is off: Ray caches the token in the driver, so a second ``ray.init`` in
+    the same process after ~/.ray was cleaned up left the GCS without its token (a CI failure)."""
+    ray = pytest.importorskip("ray", reason="needs Ray: pip install 'tidal[ray]'")
+    leftovers = [p for p in (Path("/tmp/ray"), Path.home() / ".ray") if not p.exists()]
+    tmp = tempfile.mkdtemp(prefix="tidal-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # busy machines start GCS slowly
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True)

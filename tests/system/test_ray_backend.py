@@ -1,12 +1,7 @@
 """The Ray backend on a local 2-CPU Ray instance: same trajectories and semantics as the local backend,
 and a killed rollout or reward actor loses no sample."""
 
-import logging
-import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,17 +18,9 @@ RAY = ("system.backend=ray", "system.rollout_workers=2", "reward.num_workers=0",
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray instance for the module; its files go to a temporary directory removed after."""
-    leftovers = [p for p in (Path("/tmp/ray"), Path.home() / ".ray") if not p.exists()]
-    tmp = tempfile.mkdtemp(prefix="tidal-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # busy machines start GCS slowly
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
-    for p in leftovers:  # only what this module created
-        shutil.rmtree(p, ignore_errors=True)
+def ray_cluster(local_ray):
+    """The session's local Ray instance (tests/conftest.py)."""
+    return local_ray
 
 
 def _record_training(controller, trained: list):
