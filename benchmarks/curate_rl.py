@@ -28,12 +28,10 @@ from tidal.config import apply_overrides
 
 DESCRIPTION = "RL on a difficulty-curated reasoning-gym set vs the raw set: steps to a held-out accuracy"
 
-PLAIN = dict(operators=("+",), allow_parentheses=False, allow_negation=False)
-LEVELS = {  # reasoning-gym basic_arithmetic configs: easy, medium, hard (no negation or parentheses:
-    # with them a 1M-parameter model stays near 2% after 1,000 warm-start steps)
-    "easy": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, **PLAIN),
-    "medium": dict(min_terms=2, max_terms=2, min_digits=2, max_digits=2, **PLAIN),
-    "hard": dict(min_terms=3, max_terms=3, min_digits=2, max_digits=3, **PLAIN),
+LEVELS = {  # reasoning-gym basic_arithmetic configs: easy, medium, hard
+    "easy": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",)),
+    "medium": dict(min_terms=2, max_terms=2, min_digits=2, max_digits=2, operators=("+",)),
+    "hard": dict(min_terms=3, max_terms=3, min_digits=2, max_digits=3, operators=("+",)),
 }
 
 
@@ -48,8 +46,9 @@ class Settings:
     max_pass_rate: float = 0.9
     rl_steps: int = 60
     eval_every: int = 5
-    sft_steps: int = 600
-    """Warm start to a partial policy on the mix."""
+    sft_steps: int = 1000
+    """Warm start to a partial policy (300, the addition quickstart's, left it at ~2% held-out accuracy
+    on this mix: the prompts are longer and the answers vary in width)."""
     seed: int = 0
     run: list[str] = field(default_factory=list)
     """Extra run-config overrides for both RL runs."""
