@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.data.dedup import text_of
-from tidal.data.io import Row, read_rows
-from tidal.data.pipeline import Block
+from tidal.data.io import read_rows
+from tidal.data.pipeline import TextFilter
 from tidal.data.text import words
 
 
@@ -127,7 +127,7 @@ def train_classifier(in_path: str | Path, out_dir: str | Path, cfg: TrainClassif
     return metrics
 
 
-class QualityClassifier(Block):
+class QualityClassifier(TextFilter):
     """Keeps rows whose predicted quality score is >= ``threshold``; the model loads lazily in each
     worker process (torch is never touched before the pool forks)."""
 
@@ -158,8 +158,5 @@ class QualityClassifier(Block):
             ids, offsets = _batch([features(text, self.meta["buckets"], self.meta["max_words"])])
             return float(self._model(ids, offsets)[0])
 
-    def prepare(self, row: Row) -> str | None:
-        text = text_of(row, self.text_key)
-        if text is None:
-            return f"no_{self.text_key}"
+    def check(self, text: str) -> str | None:
         return None if self.score(text) >= self.cfg.threshold else "low_quality_score"

@@ -59,6 +59,20 @@ class Block:
         return {}
 
 
+class TextFilter(Block):
+    """A stateless filter of one text field: rows without it are dropped as ``no_<key>``; subclasses
+    implement ``check(text) -> reason | None``."""
+
+    text_key = "text"
+
+    def prepare(self, row: Row) -> str | None:
+        text = row.get(self.text_key)
+        return self.check(text) if isinstance(text, str) else f"no_{self.text_key}"
+
+    def check(self, text: str) -> str | None:
+        raise NotImplementedError
+
+
 @dataclass
 class BlockStats:
     name: str

@@ -22,9 +22,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tidal.data.dedup import text_of
-from tidal.data.io import Row
-from tidal.data.pipeline import Block
+from tidal.data.pipeline import TextFilter
 
 STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
 _BULLETS = ("•", "●", "○", "■", "□", "▪", "▫", "–", "-", "*", "·")
@@ -45,16 +43,13 @@ class GopherQualityConfig:
     min_stop_words: int = 2
 
 
-class GopherQuality(Block):
+class GopherQuality(TextFilter):
     name = "gopher_quality"
 
     def __init__(self, cfg: GopherQualityConfig, text_key: str = "text"):
         self.cfg, self.text_key = cfg, text_key
 
-    def prepare(self, row: Row) -> str | None:
-        text = text_of(row, self.text_key)
-        if text is None:
-            return f"no_{self.text_key}"
+    def check(self, text: str) -> str | None:
         c = self.cfg
         tokens = _WORD.findall(text)
         n = len(tokens)
@@ -125,16 +120,13 @@ def dup_ngram_char_frac(tokens: list[str], n: int) -> float:
     return sum(len(t) for t, c in zip(tokens, covered) if c) / max(sum(map(len, tokens)), 1)
 
 
-class GopherRepetition(Block):
+class GopherRepetition(TextFilter):
     name = "gopher_repetition"
 
     def __init__(self, cfg: GopherRepetitionConfig, text_key: str = "text"):
         self.cfg, self.text_key = cfg, text_key
 
-    def prepare(self, row: Row) -> str | None:
-        text = text_of(row, self.text_key)
-        if text is None:
-            return f"no_{self.text_key}"
+    def check(self, text: str) -> str | None:
         c = self.cfg
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         frac, chars = _dup_fracs(lines)
@@ -158,16 +150,13 @@ class GopherRepetition(Block):
         return None
 
 
-class C4Filter(Block):
+class C4Filter(TextFilter):
     name = "c4"
 
     def __init__(self, min_sentences: int = 3, text_key: str = "text"):
         self.min_sentences, self.text_key = min_sentences, text_key
 
-    def prepare(self, row: Row) -> str | None:
-        text = text_of(row, self.text_key)
-        if text is None:
-            return f"no_{self.text_key}"
+    def check(self, text: str) -> str | None:
         if "lorem ipsum" in text.lower():
             return "lorem_ipsum"
         if "{" in text or "}" in text:
@@ -183,7 +172,7 @@ class LanguageConfig:
     min_prob: float = 0.65
 
 
-class LanguageFilter(Block):
+class LanguageFilter(TextFilter):
     name = "language"
 
     def __init__(self, cfg: LanguageConfig, text_key: str = "text"):
@@ -193,10 +182,7 @@ class LanguageFilter(Block):
     def __getstate__(self):  # the identifier is rebuilt in each worker, not pickled
         return {**self.__dict__, "_ident": None}
 
-    def prepare(self, row: Row) -> str | None:
-        text = text_of(row, self.text_key)
-        if text is None:
-            return f"no_{self.text_key}"
+    def check(self, text: str) -> str | None:
         if self._ident is None:
             from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
