@@ -21,11 +21,8 @@ if "test_even_length" not in REWARDS.names():
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, small_model, tokenizer):
-    path = tmp_path_factory.mktemp("policy")
-    small_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def policy_dir(small_model_dir):
+    return small_model_dir
 
 
 def cfg(**kw):

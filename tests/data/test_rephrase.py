@@ -8,11 +8,8 @@ from tidal.data.rephrase import Rephrase, RephraseConfig
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, small_model, tokenizer):
-    path = tmp_path_factory.mktemp("rephraser")
-    small_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def model_dir(small_model_dir):
+    return small_model_dir
 
 
 ROWS = [{"id": "a", "text": "one plus one"}, {"id": "b", "text": "two"}, {"id": "c"}, {"id": "d", "text": "four"}]

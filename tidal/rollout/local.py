@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from tidal.api import GenRequest
-from tidal.rollout.requests import generate_by_stream
+from tidal.rollout.requests import finished_trajectory, generate_by_stream
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache
 from tidal.types import Trajectory
@@ -238,14 +238,5 @@ class LocalEngine:
         return any(s in tail for s in self.cfg.stop)
 
     def _to_trajectory(self, row: _Row) -> Trajectory:
-        req = row.request
-        return Trajectory(
-            prompt_uid=req.prompt.uid,
-            sample_index=req.sample_index,
-            prompt_ids=list(req.prompt_ids),
-            token_ids=row.tokens,
-            logprobs=row.logprobs,
-            versions=row.versions,
-            finish_reason=row.finish_reason or "length",
-            text=self.tokenizer.decode(row.tokens, skip_special_tokens=True),
-        )
+        return finished_trajectory(row.request, row.tokens, row.logprobs, row.versions, row.finish_reason,
+                                   self.tokenizer)

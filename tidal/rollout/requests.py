@@ -35,3 +35,18 @@ def generate_by_stream(stream: Callable, requests: Sequence[GenRequest], greedy:
 
     stream(source, lambda r, t: done.__setitem__(order[id(r)], t), greedy=greedy)
     return [done[i] for i in range(len(requests))]
+
+
+def finished_trajectory(request: GenRequest, tokens: list[int], logprobs: list[float], versions: list[int],
+                        finish_reason: str | None, tokenizer) -> Trajectory:
+    """A finished sample as a Trajectory (every engine builds them the same way; no reason: ``length``)."""
+    return Trajectory(
+        prompt_uid=request.prompt.uid,
+        sample_index=request.sample_index,
+        prompt_ids=list(request.prompt_ids),
+        token_ids=tokens,
+        logprobs=logprobs,
+        versions=versions,
+        finish_reason=finish_reason or "length",
+        text=tokenizer.decode(tokens, skip_special_tokens=True),
+    )

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tidal.api import GenRequest
+from tidal.rollout.requests import finished_trajectory
 from tidal.types import Trajectory
 from tidal.utils.seeding import stable_hash
 
@@ -95,17 +96,8 @@ class SegmentedRow:
             self.finish_reason = "stop" if engine_reason == "stop" else "length"
 
     def to_trajectory(self, tokenizer) -> Trajectory:
-        req = self.request
-        return Trajectory(
-            prompt_uid=req.prompt.uid,
-            sample_index=req.sample_index,
-            prompt_ids=list(req.prompt_ids),
-            token_ids=self.tokens,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            finish_reason=self.finish_reason or "length",
-            text=tokenizer.decode(self.tokens, skip_special_tokens=True),
-        )
+        return finished_trajectory(self.request, self.tokens, self.logprobs, self.versions, self.finish_reason,
+                                   tokenizer)
 
 
 def new_row(request: GenRequest, seed: int, default_max_new_tokens: int) -> SegmentedRow:
