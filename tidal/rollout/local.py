@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from tidal.api import GenRequest
+from tidal.models.quant import dequantize_state_dict
 from tidal.rollout.requests import finished_trajectory, generate_by_stream
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache
@@ -106,6 +107,7 @@ class LocalEngine:
         if pending is None:
             return False
         state_dict, version = pending
+        state_dict = dequantize_state_dict(state_dict, next(self.model.parameters()).dtype)  # fp8_block sync
         self.model.load_state_dict(state_dict)  # strict: a mismatched checkpoint must fail loudly
         self.version = version
         self.num_weight_updates += 1

@@ -40,6 +40,12 @@ class RolloutConfig(SamplingConfig):
     length_schedule: list[list[int]] = field(default_factory=list)
     """Staged length scaling: ``[[from_step, max_new_tokens], ...]`` raises the response budget as
     training goes on (the staged context growth of DeepScaleR, MiniMax-M1 sec. 4); empty: fixed."""
+    weight_quant: Literal["none", "fp8_block"] = "none"
+    """Weights sent to the rollout engine: ``none`` (the trainer's dtype) or ``fp8_block``
+    (DeepSeek-V3's 128 x 128 e4m3 tiles, one float32 scale each: ~1/4 of float32's bytes per linear
+    layer). The engine samples with the dequantized weights; the trainer keeps full precision and
+    the off-policy correction (engine log-probs as behaviour log-probs) absorbs the gap. ``local``
+    engine (and Ray rollout workers) only; docs/quantization.md."""
 
 
 @dataclass

@@ -128,7 +128,8 @@ class Controller:
         assert max(staleness) <= eta, f"staleness bound violated at step {step}: {max(staleness)} > {eta}"
         if not trajs:  # dynamic sampling found no informative group within its draw limit
             self.trainer.skip_step()
-            self.engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
+            self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
+                                           self.trainer.version)
             return {"algo/empty_step": 1.0}
         rewards = [t.reward for t in trajs]
         metrics: dict[str, float] = {
@@ -150,7 +151,8 @@ class Controller:
         else:
             self.trainer.skip_step()
         t0 = time.perf_counter()
-        self.engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
+        self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
+                                           self.trainer.version)
         metrics["perf/weight_sync_s"] = time.perf_counter() - t0
         metrics.update(self.trainer.weight_sync_metrics)  # bytes handed over, time to build them
         metrics["reward/errors"] = float(self.reward_pool.num_errors)

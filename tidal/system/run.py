@@ -10,11 +10,13 @@ actors (``ray``). The evaluation engine and the trainer stay in this process eit
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
 from tidal import config as config_lib
 from tidal.models import tiny
+from tidal.models.quant import dequantize_state_dict
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
@@ -36,6 +38,19 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
     return warm_start(cfg.model, task, cfg.task, cfg.sft, progress=progress)
 
 
+def _rollout_model(cfg: RunConfig, trainer: Trainer):
+    """The model the rollout engine starts from: the trainer's, or with ``rollout.weight_quant`` a copy
+    holding the weights the engine will be sent (quantized, then dequantized), so version 0 is
+    sampled the way every later version is. The evaluation engine keeps full precision: it measures
+    the policy being trained."""
+    quant = cfg.rollout.weight_quant
+    if quant == "none":
+        return trainer.model
+    model = copy.deepcopy(trainer.model)
+    model.load_state_dict(dequantize_state_dict(trainer.state_dict_for_engine(quant)))
+    return model
+
+
 def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Controller:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -43,6 +58,11 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
         raise config_lib.ConfigError(
             f"trainer.temperature={cfg.trainer.temperature} must equal rollout.temperature="
             f"{cfg.rollout.temperature}: the importance ratio compares the same distribution")
+    if cfg.rollout.weight_quant != "none" and cfg.rollout.engine != "local":
+        raise config_lib.ConfigError(
+            f"rollout.weight_quant={cfg.rollout.weight_quant} needs rollout.engine=local (got "
+            f"{cfg.rollout.engine!r}): vLLM loads block-FP8 weights from a checkpoint written by `tidal quantize` "
+            "(docs/quantization.md)")
     config_lib.save_yaml(cfg, out_dir / "config.yaml")
     seed_everything(cfg.seed)
     task = TASKS.get(cfg.task.name)(cfg.task)
@@ -62,12 +82,13 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     make_engine = ENGINES.get(cfg.rollout.engine)
     eval_engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
     reward_fn = build_reward(cfg.reward.name, cfg.reward.params)
+    rollout_model = _rollout_model(cfg, trainer)
     if cfg.system.backend == "ray":
         from tidal.system.ray_backend import start_ray_backend
 
-        engine, reward_pool = start_ray_backend(cfg, trainer.model, tokenizer, trainer.version, reward_fn)
+        engine, reward_pool = start_ray_backend(cfg, rollout_model, tokenizer, trainer.version, reward_fn)
     else:
-        engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
+        engine = make_engine(rollout_model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
         reward_pool = RewardPool(reward_fn, cfg.reward)
     journal = GroupJournal(out_dir / "journal.jsonl", fresh=not resume) if cfg.system.journal else None
 

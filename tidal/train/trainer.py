@@ -47,6 +47,7 @@ from tidal.algo.config import AlgoConfig
 from tidal.algo.losses import masked_mean
 from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
+from tidal.models.quant import linear_weight_names, quantize_state_dict
 from tidal.optim import OptimConfig, build_optimizer
 from tidal.train import distributed
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
@@ -329,14 +330,20 @@ class Trainer:
         unchanged as the next version, so version numbers keep counting training steps."""
         self.version += 1
 
-    def state_dict_for_engine(self) -> dict[str, torch.Tensor]:
+    def state_dict_for_engine(self, quant: str = "none") -> dict[str, torch.Tensor]:
         """A detached copy of the weights to ship to the rollout engine. With data parallel: the full
-        weights gathered on rank 0 (an empty dict elsewhere; every rank must call it)."""
+        weights gathered on rank 0 (an empty dict elsewhere; every rank must call it). ``quant``
+        ``fp8_block``: linear weights as e4m3 plus a ``weight_scale`` per 128 x 128 tile
+        (``models/quant.py``); the engine dequantizes them."""
         start = time.perf_counter()
         if self.dp.enabled:
             sd = distributed.full_state_dict(distributed.root_of(self.model))
         else:
             sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if quant == "fp8_block":
+            sd = quantize_state_dict(sd, [n for n in linear_weight_names(self.model) if n in sd])
+        elif quant != "none":
+            raise ValueError(f"rollout.weight_quant={quant!r}: use none or fp8_block")
         self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
                                     "perf/weight_sync_bytes": float(distributed.state_dict_bytes(sd))}
         return sd
