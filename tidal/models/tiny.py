@@ -10,6 +10,7 @@ parameters, which learns 2-digit addition from scratch in a couple of CPU minute
 
 from __future__ import annotations
 
+import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,12 +80,31 @@ def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str |
     tokenizer.save_pretrained(path)
 
 
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    """The checkpoint's tokenizer, as its ``tokenizer.json`` defines it.
+
+    transformers 5's ``AutoTokenizer`` picks the class from the model type (qwen2 -> ``Qwen2Tokenizer``)
+    and rebuilds the pre-tokenizer in code, so a generic fast tokenizer saved next to a Qwen2 model (the
+    tiny model's character tokenizer) comes back with Qwen2's byte-level regex: spaces and newlines
+    vanish from every prompt. A checkpoint that declares the generic class is loaded as that class;
+    real checkpoints (``Qwen2Tokenizer``, ...) still go through ``AutoTokenizer``.
+    """
+    config = path / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+    if declared in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Load a causal LM and tokenizer from a local directory (never the hub)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model, tokenizer
