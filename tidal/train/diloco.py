@@ -1,0 +1,255 @@
+"""Low-communication data parallelism (DiLoCo family): workers sync every H steps, not every step.
+
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105): every worker starts a round from the same global
+parameters theta, takes H inner AdamW steps on its own data, and sends its *pseudo-gradient*
+delta_w = theta - theta_w (how far it moved, sign chosen so it points like a gradient). The average
+delta = (1/|live|) sum_w delta_w over the workers alive this round is fed to an outer Nesterov SGD
+(lr 0.7, momentum 0.9):
+
+    m <- mu m + delta            (m = delta on the first round, as torch's SGD does)
+    theta <- theta - lr (delta + mu m)
+
+Communication is one all-reduce of the parameters every H steps instead of one of the gradients
+every step: H times fewer bytes (the paper's 500x at H = 500). Streaming DiLoCo (arXiv 2501.18512)
+splits the model into F fragments and syncs fragment f at step f*H/F of the round, so the peak
+bandwidth drops F-fold and the exchange can overlap compute.
+
+The transport and fault tolerance are torchft's (``torchft.Manager`` + ``torchft.local_sgd.DiLoCo``,
+gloo on CPU): each worker is its own replica group; a lighthouse forms a quorum of the live workers at
+every sync. A worker that dies makes that round's all-reduce fail on the others, who discard the round
+(back to the last global parameters) and go on with whoever is left; a worker that (re)joins is behind
+the quorum's step, so torchft sends it the current global parameters, outer-optimizer state and a
+peer's inner state before it contributes. ``init_sync=False``: all workers build the same initial
+weights from a seed (torchft's default ``init_sync=True`` overwrites one replica's first round).
+
+AdLoCo (Kutuzov et al. 2025, arXiv 2508.18182) adds per-worker adaptive batch sizes: the next batch
+is the one the *norm test* (Byrd et al. 2012, as in AdAdaGrad, which AdLoCo builds on) asks for,
+
+    b_next = ceil( sigma^2 / (eta^2 ||g||^2) ),   sigma^2 = per-example gradient variance,
+
+so the batch grows as the gradient's signal ||g||^2 shrinks relative to its noise. When b exceeds what
+one pass can hold (``max_micro_batch``) the step switches to gradient accumulation ("switch mode").
+sigma^2 is estimated from the micro-batch gradients g_j of sizes s_j (a step always makes at least two):
+sigma^2 = sum_j s_j ||g_j - g||^2 / (m - 1), an unbiased estimate for equal s_j.
+
+``outer_step_reference`` is the outer update written out; the tests check torchft's run against it.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+
+@dataclass
+class DiLoCoConfig:
+    """Outer loop of DiLoCo / Streaming DiLoCo. Defaults are the DiLoCo paper's (arXiv 2311.08105, Sec. 3)."""
+
+    sync_every: int = 500
+    """H, inner steps per round. DiLoCo: 500 (communication 500x lower than per-step data parallel)."""
+    outer_lr: float = 0.7
+    """Outer Nesterov learning rate. DiLoCo: 0.7 (their sweep's best)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum. DiLoCo: 0.9."""
+    num_fragments: int = 1
+    """Streaming DiLoCo's F (arXiv 2501.18512): the model's decoder layers are split into F contiguous
+    fragments synced at staggered steps (embeddings/head go with the first and last). 1 = plain DiLoCo.
+    ``sync_every`` must be a multiple of F."""
+    fragment_sync_delay: int = 0
+    """Streaming DiLoCo's tau: inner steps a fragment's all-reduce may overlap before it is needed."""
+    fragment_update_alpha: float = 0.0
+    """Streaming DiLoCo's alpha: mix of local (alpha) and new global (1 - alpha) parameters after a sync."""
+    min_replicas: int = 1
+    """Fewest live workers a round needs; 1 lets a lone survivor keep training while others are away."""
+    timeout_s: float = 30.0
+    """All-reduce / recovery timeout (torchft ``Manager(timeout=...)``)."""
+    quorum_timeout_s: float = 600.0
+    """How long a sync waits for a quorum; must exceed the time of H inner steps (torchft's advice)."""
+
+    def __post_init__(self):
+        for key in ("sync_every", "num_fragments", "min_replicas"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"diloco.{key} must be >= 1, got {getattr(self, key)}")
+        if self.sync_every % self.num_fragments:
+            raise ValueError(f"diloco.sync_every ({self.sync_every}) must be a multiple of "
+                             f"diloco.num_fragments ({self.num_fragments})")
+        if not 0 <= self.fragment_sync_delay < self.sync_every // self.num_fragments:
+            raise ValueError(f"diloco.fragment_sync_delay must be in [0, sync_every/num_fragments), "
+                             f"got {self.fragment_sync_delay}")
+        if not 0.0 <= self.fragment_update_alpha <= 1.0:
+            raise ValueError(f"diloco.fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
+
+
+@dataclass
+class AdaptiveBatchConfig:
+    """AdLoCo's adaptive local batch (arXiv 2508.18182, Sec. 3.2) and switch to accumulation (Sec. 3.3)."""
+
+    initial_batch: int = 8
+    """Batch the first step uses; the norm test grows it from there."""
+    max_batch: int = 512
+    """Cap on the batch the norm test may ask for."""
+    max_micro_batch: int = 64
+    """Largest batch one forward/backward holds; beyond it the step accumulates ("switch mode")."""
+    eta: float = 1.0
+    """Norm-test tolerance: the batch grows until the mean gradient's standard error is below eta ||g||.
+    Smaller eta, bigger batches. AdAdaGrad's experiments use values around 0.1-1; 1.0 is the mildest."""
+
+    def __post_init__(self):
+        if not 1 <= self.initial_batch <= self.max_batch:
+            raise ValueError(f"adaptive.initial_batch must be in [1, max_batch={self.max_batch}], "
+                             f"got {self.initial_batch}")
+        if self.max_micro_batch < 1 or self.eta <= 0:
+            raise ValueError(f"adaptive.max_micro_batch must be >= 1 and adaptive.eta > 0, "
+                             f"got {self.max_micro_batch} and {self.eta}")
+
+
+# ---- pure math ------------------------------------------------------------------------------------
+def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """delta_w = theta_global - theta_w: the worker's round, signed like a gradient."""
+    return [g - w for g, w in zip(global_params, local_params, strict=True)]
+
+
+def outer_step_reference(global_params: Sequence[torch.Tensor], deltas_by_worker: Sequence[Sequence[torch.Tensor]],
+                         momentum: Sequence[torch.Tensor] | None, lr: float = 0.7, mu: float = 0.9
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One outer Nesterov step on the live workers' average pseudo-gradient; returns (theta, momentum).
+
+    ``momentum`` None is the first round (torch SGD seeds the buffer with the first gradient)."""
+    assert deltas_by_worker, "a round needs at least one live worker"
+    avg = [torch.stack(ds).mean(0) for ds in zip(*deltas_by_worker, strict=True)]
+    new_m = list(avg) if momentum is None else [mu * m + d for m, d in zip(momentum, avg, strict=True)]
+    new_theta = [t - lr * (d + mu * m) for t, d, m in zip(global_params, avg, new_m, strict=True)]
+    return new_theta, new_m
+
+
+def norm_test_batch_size(micro_grads: Sequence[torch.Tensor], micro_sizes: Sequence[int], cfg: AdaptiveBatchConfig,
+                         current: int) -> int:
+    """AdLoCo's next local batch from this step's micro-batch gradients (flattened, each a mean over s_j
+    examples): ceil(sigma^2 / (eta^2 ||g||^2)), never below ``current`` (batches only grow), at most
+    ``cfg.max_batch``. g is the size-weighted mean; sigma^2 = sum_j s_j ||g_j - g||^2 / (m - 1)."""
+    m = len(micro_grads)
+    assert m >= 2 and m == len(micro_sizes), f"the norm test needs >= 2 micro-batch gradients, got {m}"
+    sizes = torch.tensor(micro_sizes, dtype=torch.float64)
+    g_mj = torch.stack([g.double() for g in micro_grads])
+    mean = (sizes[:, None] * g_mj).sum(0) / sizes.sum()
+    var = float((sizes * ((g_mj - mean) ** 2).sum(1)).sum()) / (m - 1)
+    signal = float(mean.pow(2).sum())
+    wanted = cfg.max_batch if signal == 0.0 else math.ceil(var / (cfg.eta**2 * signal))
+    return max(current, min(cfg.max_batch, wanted))
+
+
+def micro_batch_sizes(batch: int, max_micro_batch: int, min_splits: int = 2) -> list[int]:
+    """Split ``batch`` examples into the fewest near-equal micro-batches of at most ``max_micro_batch``
+    (AdLoCo's switch mode: accumulate once the batch outgrows one pass), and at least ``min_splits`` so
+    the norm test has a variance to measure."""
+    n = min(batch, max(min_splits, math.ceil(batch / max_micro_batch)))
+    return [batch // n + (i < batch % n) for i in range(n)]
+
+
+def accumulate_gradients(model: torch.nn.Module, loss_of: Callable[[int, int], torch.Tensor],
+                         sizes: Sequence[int]) -> tuple[float, list[torch.Tensor]]:
+    """Backward over micro-batches ``sizes`` (``loss_of(start, stop)`` is the mean loss of those examples),
+    leaving the whole batch's mean gradient in ``.grad``. Returns (mean loss, each micro-batch's own
+    flattened mean gradient) for the norm test."""
+    total = sum(sizes)
+    params = [p for p in model.parameters() if p.requires_grad]
+    prev = torch.zeros(sum(p.numel() for p in params))
+    loss_sum, micro_grads, start = 0.0, [], 0
+    for s in sizes:
+        loss = loss_of(start, start + s)
+        (loss * (s / total)).backward()
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        micro_grads.append((flat - prev) * (total / s))
+        prev, start, loss_sum = flat, start + s, loss_sum + float(loss.detach()) * s
+    return loss_sum / total, micro_grads
+
+
+def fragments(model: torch.nn.Module, num_fragments: int) -> list[torch.nn.Module]:
+    """Streaming DiLoCo's fragments: contiguous runs of decoder layers (a Hugging Face causal LM's
+    ``model.layers``); the first fragment also holds the embeddings, the last the final norm (and an
+    untied head). One fragment is the whole model."""
+    if num_fragments == 1:
+        return [model]
+    layers = model.model.layers
+    if len(layers) < num_fragments:
+        raise ValueError(f"diloco.num_fragments ({num_fragments}) exceeds the model's {len(layers)} layers")
+    bounds = [round(i * len(layers) / num_fragments) for i in range(num_fragments + 1)]
+    parts = [torch.nn.ModuleList(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    covered = {id(p) for part in parts for p in part.parameters()}
+    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in covered]
+    head = [p for n, p in rest if not n.startswith("model.embed_tokens")]
+    parts[0].append(model.model.embed_tokens)
+    parts[-1].append(_ParamBag(head))
+    return parts
+
+
+class _ParamBag(torch.nn.Module):
+    def __init__(self, params: list[torch.nn.Parameter]):
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
+
+
+# ---- torchft runtime -------------------------------------------------------------------------------
+def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 60_000, heartbeat_timeout_ms: int = 5000):
+    """A torchft lighthouse in this process (``torchft_lighthouse`` is the standalone binary; the defaults
+    are its own). A quorum waits up to ``join_timeout_ms`` for every worker that still heartbeats, so a
+    worker a few steps behind is not left out of a round; a dead one stops heartbeating and is dropped
+    after ``heartbeat_timeout_ms``."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                            heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+
+@dataclass
+class SyncStats:
+    """What this worker sent: payload bytes handed to all-reduce and the number of all-reduce calls."""
+
+    bytes_sent: int = 0
+    num_allreduce: int = 0
+
+
+@contextmanager
+def diloco_worker(model: torch.nn.Module, inner_opt: torch.optim.Optimizer, cfg: DiLoCoConfig,
+                  lighthouse_addr: str, replica_id: str) -> Iterator[tuple[object, SyncStats]]:
+    """Run ``inner_opt.step()`` calls inside this block as one DiLoCo worker (its own torchft replica
+    group of one process). Every ``sync_every`` steps the optimizer's post-step hook syncs (one fragment
+    every H/F steps with Streaming DiLoCo). Yields (torchft Manager, SyncStats)."""
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    parts = fragments(model, cfg.num_fragments)
+    outer = [torch.optim.SGD(p.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+             for p in parts]
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.min_replicas, use_async_quorum=False,
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner_opt.load_state_dict(sd["opt"])),
+        state_dict=lambda: {"model": model.state_dict(), "opt": inner_opt.state_dict()},
+        replica_id=replica_id, store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=lighthouse_addr, hostname=socket.gethostname(), timeout=timeout,
+        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout, init_sync=False)
+    stats = SyncStats()
+    allreduce = manager.allreduce
+
+    def counted(tensor, *args, **kwargs):
+        stats.bytes_sent += tensor.numel() * tensor.element_size()
+        stats.num_allreduce += 1
+        return allreduce(tensor, *args, **kwargs)
+
+    manager.allreduce = counted
+    try:
+        with DiLoCo(manager, parts, inner_opt, outer, sync_every=cfg.sync_every,
+                    fragment_sync_delay=cfg.fragment_sync_delay, fragment_update_alpha=cfg.fragment_update_alpha,
+                    use_bucketization=True):
+            yield manager, stats
+    finally:
+        manager.shutdown(wait=False)
