@@ -8,7 +8,7 @@ from tidal.bench import load
 
 @pytest.mark.slow
 def test_curate_rl_runs_curates_and_compares(tmp_path):
-    out = load("curate_rl").run(["problems=60", "eval_problems=15", "samples=4", "rl_steps=2", "eval_every=1",
+    out = load("curate_rl").run(["problems=60", "eval_problems=15", "samples=4", "sft_pool=300", "rl_steps=2", "eval_every=1",
                                  "sft_steps=20", "min_pass_rate=0.0",  # a toy policy solves nothing: keep all
                                  "run=[rollout.prompts_per_step=4, model.hidden_size=32]"],
                                 tmp_path / "bench")
