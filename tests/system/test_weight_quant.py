@@ -86,3 +86,23 @@ def test_vllm_engine_refuses_fp8_rollouts(tmp_path):
 def test_unknown_weight_quant_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="weight_quant"):
         tiny_cfg(tmp_path, "rollout.weight_quant=int3")
+
+
+@pytest.mark.slow  # a Ray worker imports torch and transformers: ~20 s here
+def test_ray_workers_sample_with_the_same_fp8_weights(local_ray, tmp_path):
+    """Ray's object store carries the e4m3 tensors as raw bytes (``ray_engine.to_arrays``); the
+    workers' local engines dequantize them: the same gaps as the local backend, step by step."""
+    from tidal.system.run import close
+
+    quant = ("system.mode=async", "rollout.max_staleness=0", "max_steps=3", "rollout.weight_quant=fp8_block")
+    _, local = run(tiny_cfg(tmp_path, *quant), tmp_path / "local")
+    controller = prepare(tiny_cfg(tmp_path, *quant, "system.backend=ray", "system.rollout_workers=1",
+                                  "reward.num_workers=0"), tmp_path / "ray")
+    try:
+        ray = controller.run()
+    finally:
+        close(controller)
+    gaps = [[h.get("train/logp_mismatch_mean") for h in r.history[1:]] for r in (local, ray)]
+    assert any(g is not None and g > 1e-4 for g in gaps[1])
+    assert gaps[0] == pytest.approx(gaps[1], abs=1e-5)
+    assert ray.history[-1]["perf/weight_sync_bytes"] == local.history[-1]["perf/weight_sync_bytes"]
