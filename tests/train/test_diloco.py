@@ -202,7 +202,7 @@ def _crash_rejoin_worker(worker: int, life: int, addr: str, tmp: str, rounds: in
     tmp = Path(tmp)
     model, opt = _model()
     participants = {}
-    cfg = DiLoCoConfig(sync_every=2, timeout_s=5)
+    cfg = DiLoCoConfig(sync_every=2, timeout_s=10)
     with diloco_worker(model, opt, cfg, addr, f"w{worker}") as (mgr, _):
         if life == 1:  # both first lives start together, so the first quorum has both
             (tmp / f"w{worker}_up").touch()

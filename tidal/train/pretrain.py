@@ -113,13 +113,15 @@ def allreduce_grads(model: torch.nn.Module, world: int) -> int:
     return flat.numel() * flat.element_size()
 
 
-def _lighthouse_addr(rank: int):
-    """rank 0 hosts a lighthouse unless TORCHFT_LIGHTHOUSE is set; the address travels in torchrun's store."""
+def _lighthouse_addr(rank: int, world: int):
+    """rank 0 hosts a lighthouse unless TORCHFT_LIGHTHOUSE is set; the address travels in torchrun's store.
+    Its quorum needs all ``world`` workers (a torchrun job is all or nothing anyway), so a rank that starts
+    a little late is not left out of the first round."""
     if os.environ.get("TORCHFT_LIGHTHOUSE"):
         return os.environ["TORCHFT_LIGHTHOUSE"], None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     if rank == 0:
-        server = start_lighthouse()
+        server = start_lighthouse(min_replicas=world)
         store.set("tidal/lighthouse", server.address())
         return server.address(), server
     return store.get("tidal/lighthouse").decode(), None
@@ -138,7 +140,7 @@ def train(cfg: PretrainConfig) -> dict:
         dist.init_process_group("gloo")
         ctx = nullcontext((None, None))
     elif cfg.sync == "diloco":
-        addr, lighthouse = _lighthouse_addr(rank)
+        addr, lighthouse = _lighthouse_addr(rank, world)
         ctx = diloco_worker(model, opt, cfg.diloco, addr, f"worker{rank}")
     else:
         ctx = nullcontext((None, None))
