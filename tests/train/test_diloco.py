@@ -1,5 +1,8 @@
 """DiLoCo: the outer step, AdLoCo's norm test and micro-batching by hand; torchft's run against them with
-two gloo processes; a worker that crashes and rejoins while the other keeps training."""
+two gloo processes; a worker that crashes and rejoins while the other keeps training.
+
+The worker functions run in spawned processes, which import this module: heavy imports (transformers via
+tidal.models) stay inside the functions that need them, so a linear-model worker starts faster."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tidal.models import tiny
 from tidal.train.diloco import (
     AdaptiveBatchConfig,
     DiLoCoConfig,
@@ -103,6 +105,8 @@ def test_config_errors_name_the_key():
 
 
 def test_fragments_cover_every_parameter_once():
+    from tidal.models import tiny
+
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tiny.ModelConfig(hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=2,
                                               intermediate_size=32), tok)
@@ -227,7 +231,6 @@ def _crash_rejoin_worker(worker: int, life: int, addr: str, tmp: str, rounds: in
                 "participants": participants}, tmp / f"w{worker}_life{life}.pt")
 
 
-@pytest.mark.slow
 def test_a_worker_crashes_and_rejoins_while_training_goes_on(tmp_path):
     from tidal.train.diloco import start_lighthouse
 
@@ -258,6 +261,7 @@ def test_a_worker_crashes_and_rejoins_while_training_goes_on(tmp_path):
 # ---- the RL trainer's step as DiLoCo's inner step ---------------------------------------------------
 def _rl_trainer():
     from tidal.algo.config import AlgoConfig
+    from tidal.models import tiny
     from tidal.optim import OptimConfig
     from tidal.train.trainer import Trainer, TrainerConfig
 
