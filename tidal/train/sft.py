@@ -48,6 +48,21 @@ def _encode(tokenizer, prompt_text: str, answer: str) -> tuple[list[int], int]:
     return prompt_ids + answer_ids, len(prompt_ids)
 
 
+def sft_batch(tokenizer, task: Task, prompts: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask, labels) of "<bos>prompt answer<eos>" rows, right-padded, with labels
+    (-100 elsewhere) on the answer tokens only."""
+    examples = [_encode(tokenizer, p.text, task.sft_example(p)) for p in prompts]
+    width = max(len(ids) for ids, _ in examples)
+    ids_bt = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full_like(ids_bt, -100)
+    attn = torch.zeros_like(ids_bt)
+    for r, (ids, start) in enumerate(examples):
+        ids_bt[r, : len(ids)] = torch.tensor(ids)
+        attn[r, : len(ids)] = 1
+        labels[r, start : len(ids)] = ids_bt[r, start : len(ids)]
+    return ids_bt, attn, labels
+
+
 FINGERPRINT_PROMPTS = 4096
 
 
@@ -76,15 +91,7 @@ def warm_start(model_cfg: ModelConfig, task: Task, task_cfg, sft_cfg: SFTConfig,
     gen = torch.Generator().manual_seed(sft_cfg.seed)
     for _ in tqdm(range(sft_cfg.steps), desc="warm start (SFT)", disable=not progress, leave=False):
         idx = torch.randint(0, task.num_train, (sft_cfg.batch_size,), generator=gen).tolist()
-        examples = [_encode(tokenizer, (p := task.train_prompt(i)).text, task.sft_example(p)) for i in idx]
-        width = max(len(ids) for ids, _ in examples)
-        ids_bt = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full_like(ids_bt, -100)
-        attn = torch.zeros_like(ids_bt)
-        for r, (ids, start) in enumerate(examples):
-            ids_bt[r, : len(ids)] = torch.tensor(ids)
-            attn[r, : len(ids)] = 1
-            labels[r, start : len(ids)] = ids_bt[r, start : len(ids)]
+        ids_bt, attn, labels = sft_batch(tokenizer, task, [task.train_prompt(i) for i in idx])
         loss = model(input_ids=ids_bt, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
