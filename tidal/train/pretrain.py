@@ -1,4 +1,4 @@
-"""A small next-token pre-training loop, one process per worker, synced one of three ways.
+"""A small pre-training (or supervised) loop, one process per worker, synced one of three ways.
 
 - ``sync="none"``: one process, no communication.
 - ``sync="dp"``: plain data parallel over ``torch.distributed`` (gloo): every step the gradients are
@@ -7,9 +7,11 @@
   pseudo-gradient all-reduce every H steps (P bytes per H steps); ``adaptive=True`` adds AdLoCo's
   per-worker norm-test batch growth with gradient accumulation past ``max_micro_batch``.
 
-The text is generated locally (no downloads): lines ``a+b=c`` with a, b uniform in 0..999, joined into
-one stream; each worker draws windows of ``seq_len`` characters from its own stream (seeded by rank),
-and the held-out loss is measured on a stream from a seed no worker trains on.
+``objective="lm"`` (pre-training): the text is generated locally (no downloads): lines ``a+b=c`` with a,
+b uniform in 0..999, joined into one stream; each worker draws windows of ``seq_len`` characters from
+its own stream (seeded by rank), and the held-out loss is measured on a stream from a seed no worker
+trains on. ``objective="sft"``: the supervised warm start's examples and loss (``train/sft.py``) on a
+task's reference answers, held out on the task's eval prompts.
 
 Launch (each process is one worker; rank 0 starts a torchft lighthouse in-process unless
 ``TORCHFT_LIGHTHOUSE`` names one, which a fault-tolerant run should: a torchrun job dies with any rank)::
@@ -23,6 +25,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -31,6 +34,8 @@ import torch.distributed as dist
 
 from tidal.config import apply_overrides
 from tidal.models import tiny
+from tidal.tasks import TASKS
+from tidal.tasks.config import TaskConfig
 from tidal.train.diloco import (
     AdaptiveBatchConfig,
     DiLoCoConfig,
@@ -40,12 +45,18 @@ from tidal.train.diloco import (
     norm_test_batch_size,
     start_lighthouse,
 )
+from tidal.train.sft import sft_batch
 
 
 @dataclass
 class PretrainConfig:
     """One pre-training run; every worker gets the same config."""
 
+    objective: str = "lm"
+    """lm: next-token loss on generated ``a+b=c`` text (pre-training); sft: the supervised warm start's
+    loss (``train/sft.py``: reference answers of ``task``, answer tokens only)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task ``objective=sft`` trains on."""
     sync: str = "diloco"
     """none | dp (all-reduce gradients every step) | diloco (pseudo-gradients every H steps, torchft)."""
     steps: int = 500
@@ -69,6 +80,8 @@ class PretrainConfig:
     adaptive_batch: AdaptiveBatchConfig = field(default_factory=AdaptiveBatchConfig)
 
     def __post_init__(self):
+        if self.objective not in ("lm", "sft"):
+            raise ValueError(f"objective must be lm or sft, got {self.objective!r}")
         if self.sync not in ("none", "dp", "diloco"):
             raise ValueError(f"sync must be none, dp or diloco, got {self.sync!r}")
         if self.adaptive and self.sync != "diloco":
@@ -89,15 +102,47 @@ def windows(stream: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) ->
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
-def lm_loss(model: torch.nn.Module, ids_bt: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids_bt, labels=ids_bt).loss
+Batch = dict[str, torch.Tensor]
+"""Keyword arguments of the model's forward, every tensor with the batch first; ``labels`` included."""
+
+
+def lm_data(cfg: PretrainConfig, rank: int) -> tuple[Callable[[int], Batch], Batch]:
+    """(draw n windows of this worker's stream, the held-out windows): next-token loss on every token."""
+    stream = text_stream(cfg.seed * 1000 + rank, 400_000)
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+
+    def sample(n: int) -> Batch:
+        ids = windows(stream, n, cfg.seq_len, gen)
+        return {"input_ids": ids, "labels": ids}
+
+    held = windows(text_stream(10_000 + cfg.seed, 200_000), cfg.eval_windows, cfg.seq_len,
+                   torch.Generator().manual_seed(1))
+    return sample, {"input_ids": held, "labels": held}
+
+
+def sft_data(cfg: PretrainConfig, rank: int) -> tuple[Callable[[int], Batch], Batch]:
+    """The supervised warm start's examples (``train/sft.py``: answer tokens only) of ``cfg.task``; each
+    worker draws its own prompts; held out: the task's first ``eval_windows`` eval prompts."""
+    tok = tiny.build_tokenizer()
+    task = TASKS.get(cfg.task.name)(cfg.task)
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+
+    def sample(n: int) -> Batch:
+        idx = torch.randint(0, task.num_train, (n,), generator=gen).tolist()
+        ids, attn, labels = sft_batch(tok, task, [task.train_prompt(i) for i in idx])
+        return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+    ids, attn, labels = sft_batch(tok, task, task.eval_prompts()[: cfg.eval_windows])
+    return sample, {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def loss_of(model: torch.nn.Module, batch: Batch, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    return model(**{k: v[start:stop] for k, v in batch.items()}).loss
 
 
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, cfg: PretrainConfig) -> float:
-    ids = windows(text_stream(10_000 + cfg.seed, 200_000), cfg.eval_windows, cfg.seq_len,
-                  torch.Generator().manual_seed(1))
-    return float(sum(lm_loss(model, chunk) for chunk in ids.split(64)) / len(ids.split(64)))
+def eval_loss(model: torch.nn.Module, held_out: Batch) -> float:
+    return float(loss_of(model, held_out))
 
 
 def allreduce_grads(model: torch.nn.Module, world: int) -> int:
@@ -133,8 +178,7 @@ def train(cfg: PretrainConfig) -> dict:
         raise ValueError(f"steps ({cfg.steps}) must be a multiple of diloco.sync_every ({cfg.diloco.sync_every})")
     model = tiny.build_model(cfg.model, tiny.build_tokenizer()).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    stream = text_stream(cfg.seed * 1000 + rank, 400_000)
-    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    sample, held_out = (lm_data if cfg.objective == "lm" else sft_data)(cfg, rank)
     lighthouse, bytes_sent = None, 0
     if cfg.sync == "dp":
         dist.init_process_group("gloo")
@@ -148,16 +192,16 @@ def train(cfg: PretrainConfig) -> dict:
     examples, batches, start = 0, [], time.perf_counter()
     with ctx as (manager, stats):
         for _ in range(cfg.steps):
-            ids = windows(stream, batch, cfg.seq_len, gen)
+            rows = sample(batch)
             opt.zero_grad(set_to_none=True)
             if cfg.adaptive:
                 sizes = micro_batch_sizes(batch, cfg.adaptive_batch.max_micro_batch)
-                _, micro = accumulate_gradients(model, lambda a, b, ids=ids: lm_loss(model, ids[a:b]), sizes)
+                _, micro = accumulate_gradients(model, lambda a, b, rows=rows: loss_of(model, rows, a, b), sizes)
                 batch = norm_test_batch_size(micro, sizes, cfg.adaptive_batch, batch)
             else:
-                lm_loss(model, ids).backward()
-            examples += len(ids)
-            batches.append(len(ids))
+                loss_of(model, rows).backward()
+            examples += len(rows["input_ids"])
+            batches.append(len(rows["input_ids"]))
             if cfg.sync == "dp":
                 bytes_sent += allreduce_grads(model, world)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -166,10 +210,10 @@ def train(cfg: PretrainConfig) -> dict:
     seconds = time.perf_counter() - start
     if stats is not None:
         bytes_sent = stats.bytes_sent
-    result = {"sync": cfg.sync, "adaptive": cfg.adaptive, "rank": rank, "world": world, "steps": cfg.steps,
-              "eval_loss": eval_loss(model.eval(), cfg), "bytes_sent": bytes_sent, "examples": examples,
-              "final_batch": batches[-1], "rounds": rounds, "train_s": seconds,
-              "params": sum(p.numel() for p in model.parameters())}
+    result = {"objective": cfg.objective, "sync": cfg.sync, "adaptive": cfg.adaptive, "rank": rank,
+              "world": world, "steps": cfg.steps, "eval_loss": eval_loss(model.eval(), held_out),
+              "bytes_sent": bytes_sent, "examples": examples, "final_batch": batches[-1], "rounds": rounds,
+              "train_s": seconds, "params": sum(p.numel() for p in model.parameters())}
     if cfg.sync == "dp":
         dist.destroy_process_group()
     if lighthouse is not None:
