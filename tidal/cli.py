@@ -79,7 +79,7 @@ def show_recipe(name: str) -> str:
 def cmd_train(args) -> int:
     from tidal.system.run import train
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP data-parallel trainer
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP or DiLoCo data-parallel trainer
         from tidal.system.data_parallel import train
 
     out = Path(args.out or f"runs/{args.recipe}")

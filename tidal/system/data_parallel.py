@@ -12,6 +12,13 @@ Every rank starts from rank 0's weights (broadcast after sharding) or, with ``--
 checkpoint rank 0 reads; checkpoints have the 1-process layout, so a run may resume with a different
 number of processes. torch threads: rank 0 follows ``system.num_threads`` / ``system.async_threads``
 as in one process, the other ranks use ``system.num_threads``; keep the total within the cores.
+
+With ``trainer.data_parallel=diloco`` the ranks are DiLoCo workers instead (``train/diloco_trainer.py``):
+no sharding, each rank trains a full replica on its own groups and the replicas meet every
+``trainer.diloco.sync_every`` optimizer steps through torchft; rank 0 hosts the torchft lighthouse::
+
+    torchrun --nproc_per_node 2 -m tidal.cli train quickstart --set trainer.data_parallel=diloco \
+        --set trainer.diloco.sync_every=10 --set system.num_threads=1 --out runs/dp-diloco
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from tidal.system.config import RunConfig
 from tidal.system.controller import RunResult
 from tidal.train import distributed
 from tidal.train.checkpoint import latest_checkpoint
-from tidal.train.distributed import DataParallel, LeaderTrainer, follow
+from tidal.train.diloco import start_lighthouse
+from tidal.train.diloco_trainer import DiLoCoTrainer, broadcast_weights
+from tidal.train.distributed import LOCAL, DataParallel, LeaderTrainer, follow
 from tidal.train.trainer import Trainer
 from tidal.utils.seeding import seed_everything
 
@@ -45,8 +54,16 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
 
 
 def _trainer(cfg: RunConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None, dp: DataParallel,
-             ckpt: str | None) -> Trainer:
-    """The sharded trainer, built alike on every rank, starting from the checkpoint or rank 0's weights."""
+             ckpt: str | None, lighthouse: str | None) -> Trainer | DiLoCoTrainer:
+    """The sharded trainer (or, with a lighthouse, the DiLoCo worker), built alike on every rank, starting
+    from the checkpoint or rank 0's weights."""
+    if lighthouse is not None:
+        trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, dp=LOCAL)
+        if ckpt is not None:  # every rank reads rank 0's files: same weights, inner optimizer, schedule
+            trainer.load_checkpoint(ckpt)
+        else:
+            broadcast_weights(model)
+        return DiLoCoTrainer(trainer, cfg.trainer.diloco, dp, lighthouse)
     start = model.state_dict() if dp.rank == 0 and ckpt is None else {}
     trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, dp=dp)
     if ckpt is not None:
@@ -61,17 +78,24 @@ def _lead(cfg: RunConfig, out_dir: Path, resume: bool, dp: DataParallel) -> RunR
         controller = run_lib.prepare(cfg, out_dir, resume)
         base = run_lib.base_model_path(cfg, controller.task, progress=False)  # cached by prepare
         ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
+        # every rank's quorum: a torchrun job is all or nothing, and the first round should have them all
+        lighthouse = start_lighthouse(min_replicas=dp.world_size) if cfg.trainer.data_parallel == "diloco" else None
     except BaseException:
         dp.broadcast(None)  # let the other ranks exit instead of waiting out the timeout
         raise
-    dp.broadcast((str(base), str(ckpt) if ckpt is not None else None))
+    addr = lighthouse.address() if lighthouse is not None else None
+    dp.broadcast((str(base), str(ckpt) if ckpt is not None else None, addr))
     single = controller.trainer  # its engines were copied from this model: now shard it in place
-    leader = LeaderTrainer(_trainer(cfg, single.model, single.ref_model, dp, str(ckpt) if ckpt else None))
+    trainer = _trainer(cfg, single.model, single.ref_model, dp, str(ckpt) if ckpt else None, addr)
+    leader = LeaderTrainer(trainer)
     controller.trainer = leader
     try:
         return controller.run()
     finally:
         leader.close()
+        if lighthouse is not None:
+            trainer.close()
+            lighthouse.shutdown()
         run_lib.close(controller)
         if cfg.log.report:
             from tidal.utils.report import write_report
@@ -85,7 +109,12 @@ def _follow(cfg: RunConfig, dp: DataParallel) -> None:
     paths = dp.broadcast(None)
     if paths is None:  # rank 0 failed before training; it reports why
         return
-    base, ckpt = paths
+    base, ckpt, lighthouse = paths
     model, _ = tiny.load(base)
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None
-    follow(_trainer(cfg, model, ref_model, dp, ckpt))
+    trainer = _trainer(cfg, model, ref_model, dp, ckpt, lighthouse)
+    try:
+        follow(trainer)
+    finally:
+        if lighthouse is not None:
+            trainer.close()

@@ -27,6 +27,7 @@ from tidal.tasks import TASKS
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint
 from tidal.train.sft import warm_start
 from tidal.train.trainer import Trainer
+from tidal.train.trainer import validate as validate_trainer
 from tidal.utils.metrics import JsonlTracker, MlflowTracker, MultiTracker, TensorBoardTracker, WandbTracker
 from tidal.utils.seeding import seed_everything
 
@@ -52,6 +53,7 @@ def _rollout_model(cfg: RunConfig, trainer: Trainer):
 
 
 def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Controller:
+    validate_trainer(cfg.trainer)  # a bad trainer key fails before the warm start, naming the key
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.trainer.temperature != cfg.rollout.temperature:

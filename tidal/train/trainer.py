@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,12 +45,14 @@ from tidal.algo import (
 )
 from tidal.algo.config import AlgoConfig
 from tidal.algo.losses import masked_mean
+from tidal.config import ConfigError
 from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.models.quant import linear_weight_names, quantize_state_dict
 from tidal.optim import OptimConfig, build_optimizer
 from tidal.train import distributed
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from tidal.train.diloco import DiLoCoConfig
 from tidal.train.distributed import LOCAL, DataParallel
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, unpack
@@ -81,6 +83,23 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass: same gradients, far less activation memory,
     about one extra forward of compute."""
+    data_parallel: str = "fsdp"
+    """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
+    ``train/distributed.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
+    every ``diloco.sync_every`` optimizer steps, ``train/diloco_trainer.py``). Ignored in one process."""
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    """The outer loop with ``data_parallel=diloco``. ``sync_every`` counts optimizer steps
+    (``num_minibatches`` per trainer step); the default H=500 is the paper's, far apart for an RL run."""
+
+
+def validate(cfg: TrainerConfig) -> None:
+    """Raise a ConfigError naming the key when the trainer config cannot run (overrides bypass __init__)."""
+    if cfg.data_parallel not in ("fsdp", "diloco"):
+        raise ConfigError(f"trainer.data_parallel must be fsdp or diloco, got {cfg.data_parallel!r}")
+    try:
+        cfg.diloco.__post_init__()
+    except ValueError as e:
+        raise ConfigError(f"trainer.{e}") from None
 
 
 def _accepts(fn, name: str) -> bool:
@@ -115,7 +134,9 @@ class Trainer:
         self.cfg = cfg
         self.optim_cfg = optim
         self.dp = dp
+        validate(cfg)
         if dp.enabled:
+            assert cfg.data_parallel == "fsdp", "a DiLoCo rank's Trainer has no data parallel (DiLoCoTrainer)"
             if optim.name == "muon":
                 raise ValueError("optim.name=muon is not supported with data parallel FSDP: Newton-Schulz needs each "
                                  "whole matrix, and FSDP shards them (use adamw or ademamix)")

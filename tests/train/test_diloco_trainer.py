@@ -1,0 +1,154 @@
+"""``trainer.data_parallel=diloco``: the RL trainer's ranks as DiLoCo workers (``train/diloco_trainer.py``).
+
+- The config switch is validated with an error naming the key (fast, default suite).
+- Two gloo processes run the run's protocol (rank 0 a ``LeaderTrainer``, rank 1 ``follow``) with
+  ``DiLoCoTrainer``: after each sync both ranks hold the same parameters, equal to the hand-written outer
+  step (``outer_step_reference``) applied to two plain 1-process trainers that each trained on their own
+  share of the groups (own denominators), including a batch with one group, where rank 1 has nothing.
+- ``tidal train quickstart`` under torchrun with DiLoCo finishes and logs the bytes and sync count (slow).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.test_distributed import _free_port, make_batch, spawn
+from tidal.cli import main
+from tidal.config import ConfigError
+from tidal.train.diloco import outer_step_reference, pseudo_gradient
+from tidal.train.trainer import TrainerConfig, validate
+
+needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                   reason="torchft not installed (pip install -e '.[dev]')")
+
+
+def test_config_errors_name_the_key(tmp_path):
+    bad = TrainerConfig()
+    bad.data_parallel = "ddp"  # as an override sets it: no __init__
+    with pytest.raises(ConfigError, match="trainer.data_parallel must be fsdp or diloco, got 'ddp'"):
+        validate(bad)
+    bad = TrainerConfig(data_parallel="diloco")
+    bad.diloco.sync_every = 0
+    with pytest.raises(ConfigError, match=r"trainer\.diloco\.sync_every must be >= 1"):
+        validate(bad)
+    validate(TrainerConfig(data_parallel="diloco"))
+    # the command line stops before any work, naming the key
+    assert main(["train", "quickstart", "--out", str(tmp_path / "run"), "--set", "trainer.data_parallel=ddp"]) == 2
+
+
+# ---- two processes, the run's protocol ------------------------------------------------------------
+H = 2
+BATCHES = [dict(seed=1), dict(seed=2), dict(seed=3, group_sizes=(4,)), dict(seed=4)]
+"""Two rounds of H=2; the third batch has one group, so rank 1 takes an empty inner step."""
+
+
+def _trainer():
+    from tidal.algo.config import AlgoConfig
+    from tidal.models import tiny
+    from tidal.optim import OptimConfig
+    from tidal.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    cfg = tiny.ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    return Trainer(tiny.build_model(cfg, tiny.build_tokenizer()), AlgoConfig(),
+                   OptimConfig(lr=3e-3, warmup_steps=0), TrainerConfig())
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    from tidal.train.diloco import DiLoCoConfig, start_lighthouse
+    from tidal.train.diloco_trainer import DiLoCoTrainer, broadcast_weights
+    from tidal.train.distributed import LeaderTrainer, follow, init_distributed, teardown
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dp = init_distributed(timeout_s=120)
+    lighthouse = start_lighthouse(min_replicas=world) if rank == 0 else None
+    addr = dp.broadcast(lighthouse.address() if lighthouse else None)
+    trainer = _trainer()
+    broadcast_weights(trainer.model)
+    worker = DiLoCoTrainer(trainer, DiLoCoConfig(sync_every=H, timeout_s=30), dp, addr)
+    metrics = []
+    try:
+        if rank == 0:
+            lead = LeaderTrainer(worker)
+            metrics = [lead.step(make_batch(**kw)) for kw in BATCHES]
+            lead.close()
+        else:
+            follow(worker)
+    finally:
+        worker.close()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+        teardown()
+    torch.save({"params": [p.detach() for p in trainer.model.parameters()], "metrics": metrics,
+                "version": trainer.version}, Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+@needs_torchft
+def test_two_ranks_match_the_reference_outer_step(tmp_path):
+    from tidal.train.diloco_trainer import rows_of
+    from tidal.train.distributed import split_groups
+
+    spawn(_worker, 2, (_free_port(), str(tmp_path)), timeout_s=180)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # two independent 1-process trainers, each on its own groups, then the outer step by hand
+        replicas = [_trainer() for _ in (0, 1)]
+        theta = [p.detach().clone() for p in replicas[0].model.parameters()]
+        start, momentum = [t.clone() for t in theta], None
+        for r in range(len(BATCHES) // H):
+            for kw in BATCHES[r * H : (r + 1) * H]:
+                batch = make_batch(**kw)
+                parts = split_groups(batch.group_index_b.tolist(), batch.attention_mask_bt.sum(-1).tolist(), 2)
+                for part, replica in zip(parts, replicas):
+                    if part:  # an empty share moves nothing (AdamW skips parameters without a gradient)
+                        replica.step(rows_of(batch, part))
+            deltas = [pseudo_gradient(theta, [p.detach() for p in rep.model.parameters()]) for rep in replicas]
+            theta, momentum = outer_step_reference(theta, deltas, momentum)
+            for rep in replicas:
+                with torch.no_grad():
+                    for p, t in zip(rep.model.parameters(), theta):
+                        p.copy_(t)
+    finally:
+        torch.set_num_threads(threads)
+    assert max((t - s).abs().max() for t, s in zip(theta, start)) > 1e-3, "the run should move the weights"
+    for g in got:
+        assert g["version"] == len(BATCHES)
+        for have, want in zip(g["params"], theta):
+            assert torch.allclose(have, want, atol=1e-5), (have - want).abs().max()
+    num_params = sum(t.numel() for t in theta)
+    syncs = [m["perf/diloco_syncs"] for m in got[0]["metrics"]]
+    assert syncs == [0.0, 1.0, 1.0, 2.0]
+    assert got[0]["metrics"][-1]["perf/diloco_bytes"] == 2 * num_params * 4, "one fp32 all-reduce per round"
+
+
+# ---- the command line under torchrun ---------------------------------------------------------------
+@pytest.mark.slow
+@needs_torchft
+def test_tidal_train_under_torchrun_with_diloco(tmp_path):
+    from tests.system.test_controller import TINY_OVERRIDES
+    from tests.system.test_data_parallel import _torchrun
+    from tidal.models import tiny
+
+    settings = [*TINY_OVERRIDES(tmp_path), "model.num_layers=2", "max_steps=4", "trainer.data_parallel=diloco",
+                "trainer.diloco.sync_every=2", "system.mode=sync", "rollout.max_staleness=0"]
+    out = tmp_path / "run"
+    done = _torchrun("quickstart", "--out", str(out), *[x for s in settings for x in ("--set", s)])
+    assert done.stdout.count('"steps": 4') == 1  # rank 0 alone reports
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "perf/diloco_bytes" in r]
+    assert trained, "rank 0 logs the DiLoCo metrics with every trained step"
+    last = trained[-1]
+    model = tiny.load(out / "checkpoints" / "step_4")[0]  # rank 0's replica, 1-process layout
+    num_params = sum(p.numel() for p in model.parameters())
+    assert last["perf/diloco_syncs"] >= 1
+    assert last["perf/diloco_bytes"] == last["perf/diloco_syncs"] * num_params * 4
