@@ -60,7 +60,7 @@ def _trainer():
                    OptimConfig(lr=3e-3, warmup_steps=0), TrainerConfig())
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, outer: tuple[float, float]) -> None:
     from tidal.train.diloco import DiLoCoConfig, start_lighthouse
     from tidal.train.diloco_trainer import DiLoCoTrainer, broadcast_weights
     from tidal.train.distributed import LeaderTrainer, follow, init_distributed, teardown
@@ -72,7 +72,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     addr = dp.broadcast(lighthouse.address() if lighthouse else None)
     trainer = _trainer()
     broadcast_weights(trainer.model)
-    worker = DiLoCoTrainer(trainer, DiLoCoConfig(sync_every=H, timeout_s=30), dp, addr)
+    cfg = DiLoCoConfig(sync_every=H, outer_lr=outer[0], outer_momentum=outer[1], timeout_s=30)
+    worker = DiLoCoTrainer(trainer, cfg, dp, addr)
     metrics = []
     try:
         if rank == 0:
@@ -92,11 +93,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 @needs_torchft
-def test_two_ranks_match_the_reference_outer_step(tmp_path):
+@pytest.mark.parametrize("outer", [(0.7, 0.9), (1.0, 0.0)], ids=["nesterov", "averaging"])
+def test_two_ranks_match_the_reference_outer_step(tmp_path, outer):
+    """The paper's outer Nesterov step, and plain model averaging (outer lr 1, no momentum)."""
     from tidal.train.diloco_trainer import rows_of
     from tidal.train.distributed import split_groups
 
-    spawn(_worker, 2, (_free_port(), str(tmp_path)), timeout_s=180)
+    spawn(_worker, 2, (_free_port(), str(tmp_path), outer), timeout_s=180)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
     threads = torch.get_num_threads()
@@ -113,7 +116,7 @@ def test_two_ranks_match_the_reference_outer_step(tmp_path):
                     if part:  # an empty share moves nothing (AdamW skips parameters without a gradient)
                         replica.step(rows_of(batch, part))
             deltas = [pseudo_gradient(theta, [p.detach() for p in rep.model.parameters()]) for rep in replicas]
-            theta, momentum = outer_step_reference(theta, deltas, momentum)
+            theta, momentum = outer_step_reference(theta, deltas, momentum, lr=outer[0], mu=outer[1])
             for rep in replicas:
                 with torch.no_grad():
                     for p, t in zip(rep.model.parameters(), theta):

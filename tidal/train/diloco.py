@@ -228,8 +228,9 @@ def diloco_worker(model: torch.nn.Module, inner_opt: torch.optim.Optimizer, cfg:
     timeout = timedelta(seconds=cfg.timeout_s)
     store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     parts = fragments(model, cfg.num_fragments)
-    outer = [torch.optim.SGD(p.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
-             for p in parts]
+    # momentum 0 is plain SGD (outer_lr 1: model averaging); torch refuses nesterov=True without momentum
+    outer = [torch.optim.SGD(p.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                             nesterov=cfg.outer_momentum > 0) for p in parts]
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.min_replicas, use_async_quorum=False,
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner_opt.load_state_dict(sd["opt"])),
