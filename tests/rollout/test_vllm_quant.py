@@ -47,16 +47,21 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 @pytest.fixture
 def vllm_context():
-    """A 1-process vLLM config and tensor-parallel group: vLLM's parameter classes ask for their rank."""
+    """A 1-process vLLM config and tensor-parallel group: vLLM's parameter classes ask for their rank.
+    An ``LLM`` started earlier in this process (the engine tests) leaves its groups set up; reuse them."""
     import socket
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with set_current_vllm_config(VllmConfig()):
+        if model_parallel_is_initialized():
+            yield
+            return
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                      local_rank=0, backend="gloo")
         initialize_model_parallel(1, 1)
