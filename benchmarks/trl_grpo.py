@@ -142,9 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(s["seed"])
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(s["model_dir"], local_files_only=True)
+    # not AutoTokenizer: transformers 5 would rebuild the character tokenizer as Qwen2Tokenizer and drop
+    # spaces (FACTS.md; tidal's tiny.load_tokenizer does the same; the quickstart's prompts have none)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(s["model_dir"], local_files_only=True)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(s["model_dir"], local_files_only=True, dtype=torch.float32)
     rows = with_bos(read_rows(s["prompts_path"]), tokenizer.bos_token)
