@@ -160,19 +160,32 @@ def _spawn(target, *args):
     return p
 
 
-@needs_torchft
-def test_torchft_diloco_matches_the_hand_written_outer_step(tmp_path):
+def _run_two_workers(target, tmp_path) -> list[dict]:
+    """``target(worker, lighthouse_addr, out_path)`` in two processes under one lighthouse that waits for
+    both; returns what each saved."""
     from tidal.train.diloco import start_lighthouse
 
     lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=20000)
     try:
-        procs = [_spawn(_equal_rounds_worker, w, lighthouse.address(), str(tmp_path / f"w{w}.pt")) for w in (0, 1)]
+        procs = [_spawn(target, w, lighthouse.address(), str(tmp_path / f"w{w}.pt")) for w in (0, 1)]
         for p in procs:
             p.join(120)
         assert [p.exitcode for p in procs] == [0, 0]
     finally:
         lighthouse.shutdown()
-    results = [torch.load(tmp_path / f"w{w}.pt") for w in (0, 1)]
+    return [torch.load(tmp_path / f"w{w}.pt") for w in (0, 1)]
+
+
+def load_params(model: torch.nn.Module, theta: list[torch.Tensor]) -> None:
+    """Start a replica's next round from the global parameters."""
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), theta, strict=True):
+            p.copy_(t)
+
+
+@needs_torchft
+def test_torchft_diloco_matches_the_hand_written_outer_step(tmp_path):
+    results = _run_two_workers(_equal_rounds_worker, tmp_path)
 
     # the same run in one process: each worker's inner AdamW (state kept across rounds), then the outer step
     workers = [_model() for _ in (0, 1)]
@@ -186,9 +199,7 @@ def test_torchft_diloco_matches_the_hand_written_outer_step(tmp_path):
             deltas.append(pseudo_gradient(theta, [p.detach() for p in model.parameters()]))
         theta, momentum = outer_step_reference(theta, deltas, momentum)
         for model, _ in workers:
-            with torch.no_grad():
-                for p, t in zip(model.parameters(), theta):
-                    p.copy_(t)
+            load_params(model, theta)
     num_params = sum(t.numel() for t in theta)
     for res in results:
         assert res["step"] == ROUNDS
@@ -293,16 +304,8 @@ def test_rl_trainer_ranks_run_diloco(tmp_path):
     """Each rank's ``Trainer.step`` (its own RL batches) is an inner step; two rounds of H=2 match the
     one-process reference of two trainers plus the hand-written outer step."""
     from tests.train.test_distributed import make_batch
-    from tidal.train.diloco import start_lighthouse
 
-    lighthouse = start_lighthouse(min_replicas=2, join_timeout_ms=20000)
-    try:
-        procs = [_spawn(_rl_worker, w, lighthouse.address(), str(tmp_path / f"w{w}.pt")) for w in (0, 1)]
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0, 0]
-    finally:
-        lighthouse.shutdown()
+    _run_two_workers(_rl_worker, tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -317,9 +320,7 @@ def test_rl_trainer_ranks_run_diloco(tmp_path):
                 deltas.append(pseudo_gradient(theta, [p.detach() for p in trainer.model.parameters()]))
             theta, momentum = outer_step_reference(theta, deltas, momentum)
             for trainer in trainers:
-                with torch.no_grad():
-                    for p, t in zip(trainer.model.parameters(), theta):
-                        p.copy_(t)
+                load_params(trainer.model, theta)
     finally:
         torch.set_num_threads(threads)
     assert max((t - s).abs().max() for t, s in zip(theta, start)) > 1e-3, "the run should move the weights"

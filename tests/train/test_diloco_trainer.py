@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.train.test_diloco import load_params
 from tests.train.test_distributed import _free_port, make_batch, spawn
 from tidal.cli import main
 from tidal.config import ConfigError
@@ -118,9 +119,7 @@ def test_two_ranks_match_the_reference_outer_step(tmp_path, outer):
             deltas = [pseudo_gradient(theta, [p.detach() for p in rep.model.parameters()]) for rep in replicas]
             theta, momentum = outer_step_reference(theta, deltas, momentum, lr=outer[0], mu=outer[1])
             for rep in replicas:
-                with torch.no_grad():
-                    for p, t in zip(rep.model.parameters(), theta):
-                        p.copy_(t)
+                load_params(rep.model, theta)
     finally:
         torch.set_num_threads(threads)
     assert max((t - s).abs().max() for t, s in zip(theta, start)) > 1e-3, "the run should move the weights"
