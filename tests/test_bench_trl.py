@@ -15,7 +15,7 @@ from tidal.tasks.config import TaskConfig
 trl_bench = bench.load("trl")
 grpo = trl_bench.grpo
 TOY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
-       "model.intermediate_size=64", "sft.steps=2", "sft.batch_size=8", "num_eval=8",
+       "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null", "sft.batch_size=8", "num_eval=8",
        "rollout.prompts_per_step=2", "rollout.group_size=2", "snapshot_every_s=0.05", "report_at=[0.1]"]
 
 

@@ -20,8 +20,10 @@ from tidal.models.quant import dequantize_state_dict
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
+from tidal.rollout.local import LocalEngine
 from tidal.system.config import RunConfig
 from tidal.system.controller import Controller, RunResult
+from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
 from tidal.tasks import TASKS
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint
@@ -33,10 +35,23 @@ from tidal.utils.seeding import seed_everything
 
 
 def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
-    """``model.path`` if given, else the cached warm-started tiny model (trained on first use)."""
+    """``model.path`` if given, else the cached warm-started tiny model (trained on first use until its
+    held-out accuracy is in ``sft.accuracy_band``, read exactly as RL's evaluations read it)."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    return warm_start(cfg.model, task, cfg.task, cfg.sft, progress=progress)
+    if cfg.sft.accuracy_band is None:
+        return warm_start(cfg.model, task, cfg.task, cfg.sft, progress=progress)
+    prompts = task.eval_prompts()[: cfg.num_eval]
+    pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
+
+    def evaluate(model, tokenizer) -> float:
+        engine = LocalEngine(model, tokenizer, cfg.rollout, cfg.seed, 0)
+        return greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]
+
+    try:
+        return warm_start(cfg.model, task, cfg.task, cfg.sft, evaluate=evaluate, progress=progress)
+    finally:
+        pool.close()
 
 
 def _rollout_model(cfg: RunConfig, trainer: Trainer):
