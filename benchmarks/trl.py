@@ -37,6 +37,7 @@ import importlib.util
 import inspect
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -96,6 +97,10 @@ class Settings:
     vs 1.3 s with 1 while another job held a core; FACTS.md saw the same 21x on a training step)."""
     venv: str = ".tidal_cache/bench-trl-venv"
     """The benchmark's own environment for TRL, created on first use and reused."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """One base model per seed (``seed``, ``model.init_seed``, ``sft.seed``): each is warm-started into
+    ``sft.accuracy_band`` from its own init and data order, the way another CPU's rounding moves a base
+    (issue 15), and both frameworks train from it. Results are reported per base and as medians."""
 
 
 RUN = [  # the quickstart recipe as is, except what makes the comparison exact
@@ -104,11 +109,13 @@ RUN = [  # the quickstart recipe as is, except what makes the comparison exact
 ]
 
 
-def resolve(overrides: list[str]) -> tuple[Settings, RunConfig]:
+def resolve(overrides: list[str], seed: int | None = None) -> tuple[Settings, RunConfig]:
+    """This benchmark's settings and the run config of the base ``seed`` (None: the recipe's own seeds)."""
     own = {f.name for f in dataclasses.fields(Settings)}
     mine = [o for o in overrides if o.partition("=")[0].strip() in own]
     s = apply_overrides(Settings(), mine)
-    cfg = apply_overrides(RECIPES.get("quickstart")(), [*RUN, f"system.num_threads={s.threads}",
+    seeded = [] if seed is None else [f"seed={seed}", f"model.init_seed={seed}", f"sft.seed={seed}"]
+    cfg = apply_overrides(RECIPES.get("quickstart")(), [*RUN, f"system.num_threads={s.threads}", *seeded,
                                                        *(o for o in overrides if o not in mine)])
     return s, cfg
 
@@ -148,6 +155,8 @@ def summarize(runs: dict[str, dict], report_at: list[float], max_time_s: float) 
         row = {"framework": name, "steps": last["step"], "train_s": last["elapsed_s"], "steps_per_s": per_s,
                "samples_per_s": per_s * r["samples_per_step"], "base_accuracy": r["curve"][0][1]}
         row.update({f"acc_at_{t:g}s": accuracy_at(r["curve"], t) for t in report_at})
+        row["best_accuracy"] = max((a for t, a in r["curve"] if t <= max_time_s), default=None)
+        row["late_swing"] = late_swing(r["curve"])
         rows.append(row)
     out = {"table": rows}
     if "trl" in runs and "tidal" in runs:
@@ -161,13 +170,48 @@ def summarize(runs: dict[str, dict], report_at: list[float], max_time_s: float) 
         # One snapshot's accuracy is noisy (500 prompts: +-2 points, and runs swing more): also say
         # when tidal reaches the best accuracy TRL showed at any snapshot, a target TRL cannot miss by luck.
         best = max((a for t, a in runs["trl"]["curve"] if t <= max_time_s), default=None)
+        trl_to_best = None if best is None else time_to_reach(runs["trl"]["curve"], best)
+        tidal_to_best = None if best is None else time_to_reach(runs["tidal"]["curve"], best)
+        for row in rows:
+            row["s_to_trl_best"] = None if best is None else time_to_reach(runs[row["framework"]]["curve"], best)
         out.update({
-            "trl_best_accuracy": best,
-            "tidal_time_to_trl_best_s": None if best is None else time_to_reach(runs["tidal"]["curve"], best),
+            "trl_best_accuracy": best, "trl_time_to_best_s": trl_to_best,
+            "tidal_time_to_trl_best_s": tidal_to_best,
+            "speedup_to_trl_best": trl_to_best / tidal_to_best if trl_to_best and tidal_to_best else None,
             "target_accuracy": target, "tidal_time_to_target_s": reach, "speedup": speedup,
             "goal_3x_sooner": speedup is not None and speedup >= 3.0,
             "goal_higher_at_end": tidal_at_end is not None and target is not None and tidal_at_end > target,
         })
+    return out
+
+
+def late_swing(curve: Curve, after: float = 0.8) -> float:
+    """Largest drop between consecutive snapshots from the first at or above ``after`` on (0 if none)."""
+    start = next((i for i, (_, a) in enumerate(curve) if a >= after), None)
+    tail = [] if start is None else [a for _, a in curve[start:]]
+    return max([0.0, *(a0 - a1 for a0, a1 in zip(tail, tail[1:]))])
+
+
+def across_bases(per_base: list[dict], report_at: list[float]) -> dict:
+    """Medians and ranges over bases of each framework's figures, and how many bases met each goal."""
+    def med(values, missing=float("inf")):
+        """Median where a base that never got there counts as worst: an infinite time, a zero speedup."""
+        vals = sorted(missing if v is None else v for v in values)
+        m = statistics.median(vals) if vals else None
+        return None if m is None or m == float("inf") else m
+
+    out: dict = {"num_bases": len(per_base)}
+    keys = [*(f"acc_at_{t:g}s" for t in report_at), "best_accuracy", "late_swing", "s_to_trl_best",
+            "samples_per_s", "base_accuracy"]
+    for fw in ("trl", "tidal"):
+        rows = [r for b in per_base for r in b["table"] if r["framework"] == fw]
+        for k in keys:
+            if rows:
+                out[f"{fw}_median_{k}"] = med([r.get(k) for r in rows])
+    if all("speedup_to_trl_best" in b for b in per_base):
+        out["median_speedup_to_trl_best"] = med([b["speedup_to_trl_best"] for b in per_base], missing=0.0)
+        out["bases_3x_sooner_to_trl_best"] = sum((b["speedup_to_trl_best"] or 0) >= 3.0 for b in per_base)
+        out["bases_higher_at_end"] = sum(bool(b["goal_higher_at_end"]) for b in per_base)
     return out
 
 
@@ -287,36 +331,32 @@ def score_snapshots(cfg: RunConfig, task, model_dir: Path, snapshots: list[dict]
     return curve
 
 
-def plot(runs: dict[str, dict], summary: dict, max_time_s: float, path: Path) -> None:
+def plot(per_base: list[dict], max_time_s: float, path: Path) -> None:
+    """Accuracy vs training time, one panel per base."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in runs.items():
-        ax.plot(*zip(*r["curve"]), marker=".", label=f"{name} ({r['label']})")
-    if summary.get("target_accuracy") is not None:
-        ax.axhline(summary["target_accuracy"], color="gray", linestyle="--", linewidth=0.8,
-                   label=f"TRL at {max_time_s:g} s")
-    if summary.get("tidal_time_to_target_s"):
-        ax.axvline(summary["tidal_time_to_target_s"], color="gray", linestyle=":", linewidth=0.8,
-                   label=f"tidal reaches it ({summary['speedup']:.1f}x sooner)")
-    ax.set_xlabel("training time (s; evaluation excluded)")
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title("2-digit addition, same base model, same settings")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(per_base), figsize=(5 * len(per_base), 4), squeeze=False, sharey=True)
+    for ax, b in zip(axes[0], per_base):
+        for name, r in b["runs"].items():
+            ax.plot(*zip(*r["curve"]), marker=".", label=f"{name} ({r['label']})")
+        if b.get("trl_best_accuracy") is not None:
+            ax.axhline(b["trl_best_accuracy"], color="gray", linestyle="--", linewidth=0.8, label="TRL's best")
+        ax.set_title(f"base seed {b['seed']} ({b['table'][0]['base_accuracy']:.2f})")
+        ax.set_xlabel("training time (s; evaluation excluded)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out greedy accuracy")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("2-digit addition, same base model and settings for both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def run(overrides: list[str], out_dir: Path) -> dict:
-    s, cfg = resolve(overrides)
-    assert set(s.frameworks) <= {"trl", "tidal"}, f"frameworks must be among trl, tidal: {s.frameworks}"
-    assert cfg.max_time_s is not None, "max_time_s sets the comparison's time budget; it cannot be null"
-    out_dir.mkdir(parents=True, exist_ok=True)
+def run_base(s: Settings, cfg: RunConfig, out_dir: Path) -> dict:
+    """Both frameworks from one base: their runs (curves, steps) and the summary."""
     task = TASKS.get(cfg.task.name)(cfg.task)
     model_dir = base_model_path(cfg, task, progress=False)  # the warm start, off both clocks (cached)
     samples_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -339,15 +379,41 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     summary = summarize(runs, s.report_at, cfg.max_time_s)
     for row in summary["table"]:  # > 0: other jobs shared the cores during this framework's run
         row["others_cpu_cores"] = runs[row["framework"]]["others_cores"]
+        row["base_seed"] = cfg.seed
+    return {"seed": cfg.seed, "runs": runs, "trl_script": trl_cfg, "num_eval": len(task.eval_prompts()[: cfg.num_eval]),
+            **summary}
+
+
+def run(overrides: list[str], out_dir: Path) -> dict:
+    s, cfg = resolve(overrides)
+    assert set(s.frameworks) <= {"trl", "tidal"}, f"frameworks must be among trl, tidal: {s.frameworks}"
+    assert cfg.max_time_s is not None, "max_time_s sets the comparison's time budget; it cannot be null"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_base = []
+    for seed in s.seeds:
+        b = run_base(s, resolve(overrides, seed)[1], out_dir / f"seed{seed}")
+        per_base.append(b)
+        print(format_rows(b["table"]), flush=True)
     png = out_dir.parent / "trl.png"  # next to trl.json (the run directories are not kept)
-    plot(runs, summary, cfg.max_time_s, png)
+    plot(per_base, cfg.max_time_s, png)
+    headline_keys = ("trl_best_accuracy", "trl_time_to_best_s", "tidal_time_to_trl_best_s", "speedup_to_trl_best",
+                     "target_accuracy", "tidal_time_to_target_s", "speedup", "goal_3x_sooner", "goal_higher_at_end")
     return {
-        "benchmark": "trl", "description": DESCRIPTION, **summary, "plot": str(png), "trl_version": TRL_VERSION,
-        "settings": {"benchmark": dataclasses.asdict(s), "trl_script": trl_cfg, "tidal_overrides": [*RUN, *overrides],
-                     "task": cfg.task.name, "num_eval": len(task.eval_prompts()[: cfg.num_eval]),
+        "benchmark": "trl", "description": DESCRIPTION, "table": [r for b in per_base for r in b["table"]],
+        **across_bases(per_base, s.report_at), "plot": str(png), "trl_version": TRL_VERSION,
+        "bases": [{"seed": b["seed"], **{k: b.get(k) for k in headline_keys}} for b in per_base],
+        "settings": {"benchmark": dataclasses.asdict(s), "trl_script": per_base[0]["trl_script"],
+                     "tidal_overrides": [*RUN, *overrides], "task": cfg.task.name, "num_eval": per_base[0]["num_eval"],
                      "mode": cfg.system.mode, "max_staleness": cfg.rollout.max_staleness},
-        "curves": {name: {"elapsed_s": [t for t, _ in r["curve"]], "accuracy": [a for _, a in r["curve"]],
-                          "step": r["snapshot_steps"],
-                          "wall_s_with_setup": r["wall_s"]} for name, r in runs.items()},
+        "curves": {f"seed{b['seed']}/{name}": {"elapsed_s": [t for t, _ in r["curve"]],
+                                               "accuracy": [a for _, a in r["curve"]], "step": r["snapshot_steps"],
+                                               "wall_s_with_setup": r["wall_s"]}
+                   for b in per_base for name, r in b["runs"].items()},
         "cpus": os.cpu_count(),
     }
+
+
+def format_rows(rows: list[dict]) -> str:
+    from tidal.bench import format_table
+
+    return format_table(rows)

@@ -52,6 +52,9 @@ def test_summary_reports_the_speedup_and_both_goals():
     assert out["target_accuracy"] == 0.6 and out["tidal_time_to_target_s"] == pytest.approx(50.0)
     assert out["speedup"] == pytest.approx(6.0) and out["goal_3x_sooner"] and out["goal_higher_at_end"]
     assert out["trl_best_accuracy"] == 0.6 and out["tidal_time_to_trl_best_s"] == pytest.approx(50.0)
+    assert out["trl_time_to_best_s"] == pytest.approx(300.0) and out["speedup_to_trl_best"] == pytest.approx(6.0)
+    assert [r["best_accuracy"] for r in out["table"]] == [0.6, 0.9]
+    assert [r["s_to_trl_best"] for r in out["table"]] == [pytest.approx(300.0), pytest.approx(50.0)]
     trl_row, tidal_row = out["table"]
     assert trl_row["framework"] == "trl" and trl_row["steps"] == 600 and trl_row["steps_per_s"] == pytest.approx(2.0)
     assert trl_row["samples_per_s"] == pytest.approx(512.0) and trl_row["base_accuracy"] == 0.4
@@ -69,10 +72,27 @@ def test_summary_says_when_the_goal_is_missed():
     assert not out["goal_3x_sooner"] and not out["goal_higher_at_end"]
 
 
+def test_late_swing_is_the_largest_drop_once_at_0_8():
+    assert trl_bench.late_swing([(0, 0.5), (10, 0.3), (20, 0.85), (30, 0.7), (40, 0.9), (50, 0.88)]) == pytest.approx(0.15)
+    assert trl_bench.late_swing([(0, 0.5), (10, 0.3)]) == 0.0  # never at 0.8: the early dip does not count
+    assert trl_bench.late_swing([(0, 0.8), (10, 0.9)]) == 0.0
+
+
+def test_across_bases_takes_medians_and_counts_goals():
+    def base(speedup, higher, tidal_best):
+        return {"speedup_to_trl_best": speedup, "goal_higher_at_end": higher,
+                "table": [{"framework": "trl", "best_accuracy": 0.9, "acc_at_60s": 0.5, "late_swing": 0.1},
+                          {"framework": "tidal", "best_accuracy": tidal_best, "acc_at_60s": 0.7, "late_swing": 0.0}]}
+    out = trl_bench.across_bases([base(4.0, True, 0.95), base(None, False, 0.85), base(2.0, True, 0.92)], [60.0])
+    assert out["num_bases"] == 3 and out["bases_3x_sooner_to_trl_best"] == 1 and out["bases_higher_at_end"] == 2
+    assert out["median_speedup_to_trl_best"] == 2.0  # a base that never got there ranks lowest
+    assert out["tidal_median_best_accuracy"] == 0.92 and out["trl_median_acc_at_60s"] == 0.5
+
+
 def test_others_cores_is_machine_cpu_minus_ours():
     assert trl_bench.others_cores((100.0, 10.0, 0.0), (130.0, 25.0, 10.0)) == pytest.approx(1.5)
     start = trl_bench.cpu_clock()
-    sum(i * i for i in range(200_000))
+    sum(i * i for i in range(3_000_000))  # ~0.2 s of CPU: well above the clock tick of 10 ms
     end = trl_bench.cpu_clock()
     assert end[1] > start[1] and end[2] > start[2]
 
@@ -155,15 +175,21 @@ def test_run_on_a_toy_size_writes_the_table_curves_and_plot(tmp_path, monkeypatc
         return snaps, [{"step": 1, "elapsed_s": 0.1}, {"step": 2, "elapsed_s": 0.2}], {"lr": cfg.optim.lr, "threads": 1}
 
     monkeypatch.setattr(trl_bench, "run_trl", fake_trl)
-    result = trl_bench.run([*TOY, "max_time_s=0.2"], tmp_path / "results" / "trl")
-    trl_row, tidal_row = result["table"]
-    assert (trl_row["framework"], tidal_row["framework"]) == ("trl", "tidal")
-    assert tidal_row["steps"] >= 1 and tidal_row["train_s"] >= 0.2 and "others_cpu_cores" in tidal_row
-    curves = result["curves"]["tidal"]
-    assert curves["elapsed_s"][0] == 0.0 and curves["elapsed_s"][-1] == tidal_row["train_s"]
-    assert curves["step"][0] == 0 and curves["step"][-1] == tidal_row["steps"]
-    assert trl_row["base_accuracy"] == tidal_row["base_accuracy"]  # same base, same evaluator
-    assert result["target_accuracy"] == trl_row["base_accuracy"] and "speedup" in result
+    result = trl_bench.run([*TOY, "max_time_s=0.2", "seeds=[0,1]"], tmp_path / "results" / "trl")
+    assert result["num_bases"] == 2 and [b["seed"] for b in result["bases"]] == [0, 1]
+    assert [(r["base_seed"], r["framework"]) for r in result["table"]] == [
+        (0, "trl"), (0, "tidal"), (1, "trl"), (1, "tidal")]
+    for seed in (0, 1):
+        trl_row, tidal_row = (r for r in result["table"] if r["base_seed"] == seed)
+        assert tidal_row["steps"] >= 1 and tidal_row["train_s"] >= 0.2 and "others_cpu_cores" in tidal_row
+        curves = result["curves"][f"seed{seed}/tidal"]
+        assert curves["elapsed_s"][0] == 0.0 and curves["elapsed_s"][-1] == tidal_row["train_s"]
+        assert curves["step"][0] == 0 and curves["step"][-1] == tidal_row["steps"]
+        assert trl_row["base_accuracy"] == tidal_row["base_accuracy"]  # same base, same evaluator
+        base = next(b for b in result["bases"] if b["seed"] == seed)
+        assert base["target_accuracy"] == trl_row["base_accuracy"] and "speedup_to_trl_best" in base
+    assert "trl_median_acc_at_0.1s" in result and "tidal_median_late_swing" in result
+    assert "median_speedup_to_trl_best" in result and "bases_3x_sooner_to_trl_best" in result
     assert Path(result["plot"]) == tmp_path / "results" / "trl.png" and Path(result["plot"]).stat().st_size > 0
     json.dumps(result)  # the JSON tidal bench writes
 
@@ -176,9 +202,9 @@ def test_two_trl_steps(tmp_path, monkeypatch):
         pytest.skip(f"no TRL environment at {s.venv}: run `tidal bench trl` once")
     venv = Path(s.venv).absolute()
     monkeypatch.chdir(tmp_path)
-    result = trl_bench.run([*TOY, "frameworks=[trl]", f"venv={venv}", "max_steps=2", "max_time_s=600"],
+    result = trl_bench.run([*TOY, "frameworks=[trl]", "seeds=[0]", f"venv={venv}", "max_steps=2", "max_time_s=600"],
                            tmp_path / "results" / "trl")
     (row,) = result["table"]
-    assert row["steps"] == 2 and len(result["curves"]["trl"]["accuracy"]) == 3
-    snapshots = torch.load(tmp_path / "results" / "trl" / "trl" / "snapshots.pt", weights_only=True)
+    assert row["steps"] == 2 and len(result["curves"]["seed0/trl"]["accuracy"]) == 3
+    snapshots = torch.load(tmp_path / "results" / "trl" / "seed0" / "trl" / "snapshots.pt", weights_only=True)
     assert [s["step"] for s in snapshots] == [0, 1, 2]  # the base, then every step (snapshot_every_s=0.05)

@@ -1,0 +1,46 @@
+"""``tidal bench quickstart``: the per-seed summary on synthetic curves, and the harness on a toy size."""
+
+import json
+
+import pytest
+
+from tidal import bench
+
+qs = bench.load("quickstart")
+TOY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
+       "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null", "sft.batch_size=8", "num_eval=8",
+       "rollout.prompts_per_step=2", "rollout.group_size=2", "eval_every=1", "reward.num_workers=0"]
+
+
+def test_summary_of_one_curve():
+    curve = [(0, 0.0, 0.3), (10, 5.0, 0.6), (20, 10.0, 0.82), (30, 15.0, 0.7), (40, 20.0, 0.86), (50, 25.0, 0.84)]
+    row = qs.summarize_seed(curve, [0.8, 0.85])
+    assert row == {"base": 0.3, "steps_to_0.8": 20, "s_to_0.8": 10.0, "steps_to_0.85": 40, "s_to_0.85": 20.0,
+                   "final": 0.84, "best": 0.86, "late_swing": pytest.approx(0.12)}
+    assert qs.late_swing([(0, 0.0, 0.5), (10, 1.0, 0.2)]) == 0.0  # an early dip is not a late swing
+    assert qs.first_reaching(curve, 0.9) == (None, None)
+
+
+def test_headline_counts_seeds_and_ranks_a_seed_that_never_got_there_last():
+    rows = [{"base": b, "steps_to_0.8": s8, "s_to_0.8": s8, "steps_to_0.85": s85, "s_to_0.85": s85,
+             "final": 0.9, "best": 0.9, "late_swing": 0.02}
+            for b, s8, s85 in [(0.3, 20, 40), (0.35, 30, None), (0.4, None, None)]]
+    out = qs.headline(rows, [0.8, 0.85], 0.85)
+    assert out["num_seeds"] == 3 and out["seeds_reaching_target"] == 1
+    assert out["median_steps_to_0.8"] == 30 and out["median_steps_to_0.85"] is None
+    assert out["range_base"] == [0.3, 0.4] and out["median_base"] == 0.35
+
+
+def test_each_seed_moves_the_init_the_data_order_and_the_sampling():
+    s, cfg = qs.resolve(["seeds=[3]", "optim.lr=1e-4", "steps=7"], 3)
+    assert s.seeds == [3] and (cfg.seed, cfg.model.init_seed, cfg.sft.seed) == (3, 3, 3)
+    assert cfg.max_steps == 7 and cfg.target_accuracy is None and cfg.optim.lr == 1e-4
+
+
+def test_run_on_a_toy_size(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the warm start caches under ./.tidal_cache
+    result = qs.run([*TOY, "seeds=[0,1]", "steps=2"], tmp_path / "results" / "quickstart")
+    assert [r["seed"] for r in result["table"]] == [0, 1]
+    assert {"num_seeds", "seeds_reaching_target", "median_steps_to_0.8"} <= set(result)
+    assert result["num_seeds"] == 2 and [s for s, _, _ in result["curves"]["0"]] == [0, 1, 2]
+    json.dumps(result)
