@@ -62,6 +62,26 @@ def test_jsonl_all_rows_bad_is_one_clear_error(tmp_path):
         _task(name="jsonl", path=path, num_eval=2)
 
 
+@pytest.mark.parametrize("gz", [False, True])
+def test_jsonl_line_that_is_not_utf8_is_skipped_and_counted_by_line(tmp_path, gz):
+    raw = b"".join(json.dumps(r).encode() + b"\n" for r in ROWS[:5])
+    raw += b'{"question": "caf\xe9", "answer": 1}\n' + json.dumps(ROWS[5]).encode() + b"\n"  # Latin-1 on line 6
+    path = tmp_path / ("d.jsonl.gz" if gz else "d.jsonl")
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    with pytest.warns(UserWarning, match=r"skipped 1 of 7 rows \(row 6: not UTF-8 \(byte 0xe9 at column 18\)"):
+        task = _task(name="jsonl", path=path, num_eval=2, **{"fields.prompt": "question"})
+    assert task.num_skipped == 1 and task.num_train + len(task.eval_prompts()) == 6
+
+
+def test_unreadable_parquet_or_gzip_is_one_clear_error(tmp_path):
+    (tmp_path / "d.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match=r"d.parquet: not a readable Parquet file"):
+        _task(name="parquet", path=tmp_path / "d.parquet")
+    (tmp_path / "d.jsonl.gz").write_bytes(b"\x1f\x8b" + b"garbage" * 10)
+    with pytest.raises(ConfigError, match=r"d.jsonl.gz: not a readable gzip file"):
+        _task(name="jsonl", path=tmp_path / "d.jsonl.gz")
+
+
 def test_jsonl_separate_eval_file_is_decontaminated(tmp_path):
     train_path = _write_jsonl(tmp_path / "train.jsonl", ROWS)
     eval_path = _write_jsonl(tmp_path / "eval.jsonl", ROWS[:3] + [{"question": "x", "answer": 0}])

@@ -54,30 +54,45 @@ def _label(files: list[Path], f: Path) -> str:
 
 
 def read_jsonl(files: list[Path]) -> Iterator[tuple[str, Any]]:
-    """(line label, parsed object or a BadRow if the line is not JSON) per non-blank line; gzip by magic bytes."""
+    """(line label, parsed object or a BadRow if the line is not UTF-8 or not JSON) per non-blank line;
+    gzip by magic bytes. Lines are read as bytes and decoded one by one: a stray byte costs its line."""
     for f in files:
         with open(f, "rb") as raw:
             gz = raw.read(2) == b"\x1f\x8b"
-        with (gzip.open(f, "rt", encoding="utf-8") if gz else open(f, encoding="utf-8")) as fh:
-            for n, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{_label(files, f)}{n}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{_label(files, f)}{n}", BadRow(None, f"invalid JSON ({e.msg} at column {e.colno})")
+        with (gzip.open(f, "rb") if gz else open(f, "rb")) as fh:
+            try:
+                for n, line in enumerate(fh, start=1):
+                    if line.strip():
+                        yield f"{_label(files, f)}{n}", _decode(line)
+            except (gzip.BadGzipFile, EOFError) as e:
+                raise ConfigError(f"{f}: not a readable gzip file ({e})") from None
+
+
+def _decode(line: bytes) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRow(None, f"not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(None, f"invalid JSON ({e.msg} at column {e.colno})")
 
 
 def read_parquet(files: list[Path]) -> Iterator[tuple[str, Any]]:
     """Rows as Python dicts, a record batch at a time (a large file never sits in memory as objects)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     for f in files:
         n = 0
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                n += 1
-                yield f"{_label(files, f)}{n}", row
+        try:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield f"{_label(files, f)}{n}", row
+        except pa.ArrowException as e:
+            raise ConfigError(f"{f}: not a readable Parquet file ({e})") from None
 
 
 def _parse(rows: Iterator[tuple[str, Any]], cfg: TaskConfig, source: str) -> Loaded:
