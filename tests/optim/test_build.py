@@ -106,3 +106,31 @@ def test_checkpoint_round_trip(name, small_model, tokenizer, tmp_path):
     for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), n
     assert fresh_sched.get_last_lr() == sched.get_last_lr()
+
+
+def test_lr_factor_warm_up_then_each_schedule_by_hand():
+    from tidal.optim import lr_factor
+
+    const = OptimConfig(warmup_steps=4)
+    assert [lr_factor(s, const) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = OptimConfig(warmup_steps=2, schedule="cosine", decay_steps=4, min_lr_ratio=0.1)
+    # after warm-up (steps 0, 1): 0.1 + 0.9 * (1 + cos(pi * k / 4)) / 2 for k = 0..4, then held at 0.1
+    want = [0.5, 1.0, 1.0, 0.1 + 0.9 * (1 + 2 ** -0.5) / 2, 0.55, 0.1 + 0.9 * (1 - 2 ** -0.5) / 2, 0.1, 0.1]
+    assert [lr_factor(s, cos) for s in range(8)] == pytest.approx(want)
+    lin = OptimConfig(schedule="linear", decay_steps=4, min_lr_ratio=0.0)
+    assert [lr_factor(s, lin) for s in range(6)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
+
+
+def test_the_decay_drives_the_optimizer_and_survives_a_state_dict_round_trip(small_model):
+    cfg = OptimConfig(lr=1e-3, schedule="cosine", decay_steps=10, min_lr_ratio=0.1)
+    opt, sched = build_optimizer(small_model, cfg)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.55)  # halfway down the cosine
+    opt2, sched2 = build_optimizer(small_model, cfg)
+    sched2.load_state_dict(sched.state_dict())
+    opt2.step()
+    sched2.step()
+    sched.step()
+    assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())

@@ -11,13 +11,15 @@
   one optimizer (``muon.py``, ``combined.py``). It needs the model, not just its parameters, to tell the
   two sets apart.
 
-Every builder returns a plain ``torch.optim.Optimizer``; the schedule (linear warm-up, then constant) is
+Every builder returns a plain ``torch.optim.Optimizer``; the schedule (linear warm-up, then constant or a cosine/linear decay) is
 one ``LambdaLR`` that rescales every parameter group from its own base lr, so Muon's matrices and AdamW's
 vectors move together.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -76,8 +78,20 @@ def muon(target: ModelOrParams, cfg: OptimConfig) -> torch.optim.Optimizer:
 def build_optimizer(target: ModelOrParams, cfg: OptimConfig) -> tuple[torch.optim.Optimizer,
                                                                         torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer named by ``cfg.name`` over ``target`` (a model, or an iterable of parameters for the
-    optimizers that need no names), and its warm-up-then-constant LR schedule."""
+    optimizers that need no names), and its LR schedule (``lr_factor``)."""
     opt = OPTIMIZERS.get(cfg.name)(target, cfg)
-    warm = max(cfg.warmup_steps, 0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg=cfg))
     return opt, sched
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """The multiplier of every group's base lr at optimizer step ``step`` (0-based): linear warm-up over
+    ``warmup_steps``, then ``cfg.schedule`` (constant, or a cosine / linear decay to ``min_lr_ratio``)."""
+    warm = max(cfg.warmup_steps, 0)
+    if step < warm:
+        return (step + 1) / warm
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warm) / max(cfg.decay_steps, 1))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape

@@ -80,6 +80,16 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Global grad-norm clip (DAPO/verl default 1.0)."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up steps, then constant (scales every parameter group alike)."""
+    """Linear learning-rate warm-up steps (scales every parameter group alike), then ``schedule``."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: ``constant``; or decay from ``lr`` to ``min_lr_ratio * lr`` over ``decay_steps``
+    optimizer steps, along a half cosine (Loshchilov & Hutter 2017, SGDR) or a straight line, then hold.
+    RL recipes mostly keep the lr constant (DAPO, Magistral); a decay trades late progress for a stable
+    end, which matters when a run is read by its last evaluations."""
+    decay_steps: int = 1000
+    """Optimizer steps (``max_steps`` x ``trainer.num_minibatches`` for RL) from the end of warm-up to
+    the end of the decay; unused with ``constant``."""
+    min_lr_ratio: float = 0.1
+    """Where the decay ends, as a fraction of ``lr`` (0.1: the common cosine-to-10% of LLM training)."""
     ademamix: AdEMAMixConfig = field(default_factory=AdEMAMixConfig)
     muon: MuonConfig = field(default_factory=MuonConfig)
