@@ -53,7 +53,9 @@ def grpo(rewards_b: torch.Tensor, group_ids_b: torch.Tensor, *, adv_eps: float =
     """GRPO (DeepSeekMath, arXiv 2402.03300, sec. 4.1.2): A_i = (r_i - mean_g) / (std_g + eps).
 
     std_g is the unbiased sample std of the group (N - 1 in the denominator), as in TRL and verl
-    (``torch.std``); eps = 1e-6 is theirs too. A group with zero std (all rewards equal) gets 0."""
+    (``torch.std``). eps = 1e-6 is verl's and slime's (TRL uses 1e-4, AReaL 1e-5); with binary rewards
+    the smallest non-zero std of a group of 8 is ~0.35, so the choice moves advantages by < 3e-4.
+    A group with zero std (all rewards equal) gets 0."""
     centred_b, inverse_b, count_g = _centred(rewards_b, group_ids_b)
     sq_g = _group_sum(centred_b**2, inverse_b, len(count_g))
     std_g = (sq_g / (count_g - 1).clamp(min=1)).sqrt()

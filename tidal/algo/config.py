@@ -47,8 +47,9 @@ class AlgoConfig:
 
     # --- advantages ---
     adv_eps: float = 1e-6
-    """Added to the std before dividing (``grpo``, ``reinforce_pp``, ``magistral``): TRL/verl's 1e-6 epsilon
-    (the papers divide by the bare std); a group or batch with zero std gets advantage 0, never NaN."""
+    """Added to the std before dividing (``grpo``, ``reinforce_pp``, ``magistral``): verl's and slime's 1e-6
+    (TRL's is 1e-4, AReaL's 1e-5; the papers divide by the bare std); a group or batch with zero std gets
+    advantage 0, never NaN."""
     overlong_filter: bool = False
     """DAPO's overlong filtering (arXiv 2503.14476, sec. 3.4): truncated samples (finish_reason 'length')
     get no loss, so a cut-off answer is not punished for its length; they still count in the baseline."""
