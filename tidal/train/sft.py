@@ -223,8 +223,7 @@ def _train(model, tokenizer, task: Task, cfg: SFTConfig, evaluate: Evaluate | No
                 bar.close()
                 raise WarmStartError(
                     f"warm start: held-out accuracy jumped over sft.accuracy_band={band} in one step "
-                    f"(step {step}: {acc:.3f}, step {step - 1}: {history[-2][1] if len(history) > 1 else 'unchecked'}); "
-                    "widen the band or lower sft.lr")
+                    f"(from {history[-2][1]:.3f} to {acc:.3f} at step {step}); widen the band or lower sft.lr")
             step = _restore(last_check, model, opt, gen)  # replay the interval, checking every step
             bar.n = step
             check_every = 1
