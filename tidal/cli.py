@@ -145,9 +145,27 @@ def cmd_bench(args) -> int:
     return run_benchmark(args.name, args.set, args.out)
 
 
+def _one_line_errors(fn):
+    """Bad input to ``fn`` (a ValueError or OSError: a malformed file, a missing or unwritable path) is
+    one ``error:`` line on stderr and exit code 2, never a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(args) -> int:
+        try:
+            return fn(args)
+        except (ValueError, OSError) as e:
+            print("error: " + " ".join(str(e).split()), file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+@_one_line_errors
 def cmd_curate(args) -> int:
     """Run a curation recipe (docs/curate.md) and print its report's per-block counts."""
     from tidal.data.curate import curate
+    from tidal.data.io import refuse_overwrite
 
     if args.recipe == "compare":
         from tidal.data.proxy import main_compare
@@ -161,15 +179,18 @@ def cmd_curate(args) -> int:
         return 0
     if args.inp is None:
         raise ConfigError(f"tidal curate {args.recipe} needs --in PATH")
+    refuse_overwrite(args.out, {"--in": args.inp})
     if args.recipe == "train-classifier":
         from tidal.data.classifier import TrainClassifierConfig, train_classifier
 
         metrics = train_classifier(args.inp, args.out, apply_overrides(TrainClassifierConfig(), args.set))
         print(f"classifier written to {args.out}: {json.dumps(metrics)}")
         return 0
-    report = curate(args.recipe, args.inp, args.out, args.set, progress=True)
-    print(f"{report['rows_in']} rows in, {report['rows_out']} kept ({report['rows_per_s'] or 0:.0f} rows/s, "
-          f"{report['workers']} workers); report: {args.out}.report.json")
+    report = curate(args.recipe, args.inp, args.out, args.set, progress=sys.stderr.isatty())
+    print(f"{report['rows_in']} rows in, {report['malformed_lines']} malformed lines skipped, {report['rows_out']} "
+          f"kept ({report['rows_per_s'] or 0:.0f} rows/s, {report['workers']} workers); report: {args.out}.report.json")
+    for where in report["malformed_examples"]:
+        print(f"  malformed: {where}")
     for b in report["blocks"]:
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(b["dropped"].items())) or "none"
         print(f"  {b['name']:<18} seen {b['seen']:>8}  kept {b['kept']:>8}  dropped: {dropped}")
@@ -319,8 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     sp.set_defaults(fn=cmd_bench)
 
-    sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems (docs/curate.md)")
-    sp.add_argument("recipe", help="dedup | quality | decontaminate | rl-problems | a recipe .yaml | "
+    sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems, rl-difficulty, "
+                        "rephrase, train-classifier, compare (docs/curate.md)")
+    sp.add_argument("recipe", help="dedup | quality | decontaminate | rl-problems | rl-difficulty (verifiable "
+                    "problems a policy solves sometimes: --set difficulty.model=DIR) | rephrase (a model rewrites "
+                    "each row: --set rephrase.model=DIR) | a recipe .yaml | "
                     "train-classifier (labeled rows in, a quality model directory out) | "
                     "compare (proxy models rank datasets: --set proxy.datasets=[A, B] --set proxy.eval=PATH)")
     sp.add_argument("--in", dest="inp", default=None, help="input: .jsonl(.gz), .parquet or a HF dataset directory")

@@ -28,7 +28,8 @@ def test_bad_jsonl_lines_are_skipped_and_counted_or_named(tmp_path):
         f.write('{"text": "ok"}\nnot json\n[1, 2]\n\n{"text": "ok2"}\n')
     bad = BadRows()
     assert [r["text"] for r in read_rows(path, bad)] == ["ok", "ok2"]
-    assert bad.count == 2 and bad.examples == [f"{path}:2", f"{path}:3"]
+    assert bad.count == 2 and bad.examples == [f"{path}:2: invalid JSON (Expecting value at column 1)",
+                                               f"{path}:3: not a JSON object (list)"]
     with pytest.raises(ValueError, match=r"x.jsonl.gz:2"):
         list(read_rows(path))
 

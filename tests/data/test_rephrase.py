@@ -20,7 +20,7 @@ def test_rewrites_name_their_source_and_are_reproducible(model_dir):
                          keep_original=True)
     p = Pipeline([Rephrase(cfg)])
     out = list(p.run(ROWS))
-    assert [o["source"] for o in out] == [{"row": 0, "id": "a"}, {"row": 1, "id": "b"}, {"row": 3, "id": "d"}]
+    assert [o["source"] for o in out] == [{"row": 1, "id": "a"}, {"row": 2, "id": "b"}, {"row": 4, "id": "d"}]
     assert all(o["template"] == "custom" and isinstance(o["text"], str) for o in out)
     assert [o["original"] for o in out] == ["one plus one", "two", "four"]
     assert p.report()["blocks"][0]["dropped"] == {"no_text": 1}

@@ -21,7 +21,7 @@ from tidal.data.classifier import ClassifierConfig, QualityClassifier
 from tidal.data.decontam import DecontamConfig, Decontaminate
 from tidal.data.dedup import ExactDedup, NearDedup, NearDedupConfig
 from tidal.data.difficulty import Difficulty, DifficultyConfig, difficulty_stages
-from tidal.data.io import BadRows, read_rows, write_rows
+from tidal.data.io import BadRows, read_numbered, refuse_overwrite, write_rows
 from tidal.data.pipeline import Block, Pipeline
 from tidal.data.quality import (
     C4Filter,
@@ -90,12 +90,10 @@ RECIPES = {
 
 def load_recipe(recipe: str, overrides: list[str]) -> CurateConfig:
     """A built-in recipe by name, or a YAML file with ``CurateConfig``'s keys; then the overrides."""
-    import yaml
-
     if recipe in RECIPES:
         base = RECIPES[recipe]
-    elif recipe.endswith((".yaml", ".yml")) and Path(recipe).exists():
-        base = yaml.safe_load(Path(recipe).read_text()) or {}
+    elif recipe.endswith((".yaml", ".yml")) and Path(recipe).is_file():
+        base = _read_yaml(Path(recipe))
         if not isinstance(base, dict):
             raise ConfigError(f"{recipe}: a recipe file is a mapping of CurateConfig keys")
     else:
@@ -107,6 +105,19 @@ def load_recipe(recipe: str, overrides: list[str]) -> CurateConfig:
     if unknown or not cfg.blocks:
         raise ConfigError(f"blocks {unknown or '[]'}: choose from {', '.join(BLOCKS)}")
     return cfg
+
+
+def _read_yaml(path: Path):
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start + 1})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -135,20 +146,35 @@ def curate(recipe: str, in_path: str | Path, out_path: str | Path, overrides: li
            progress: bool = True) -> dict:
     """Run ``recipe`` on ``in_path``; write the kept rows to ``out_path`` and the report beside it."""
     cfg = load_recipe(recipe, list(overrides))
+    evals = [cfg.eval] if isinstance(cfg.eval, str) else cfg.eval
+    refuse_overwrite(out_path, {"--in": in_path, **{f"eval={e}": e for e in evals if "decontaminate" in cfg.blocks}})
+    refuse_overwrite(str(out_path) + ".report.json", {"--in": in_path})
     pipeline = Pipeline(build_blocks(cfg), workers=cfg.workers or os.cpu_count() or 1, chunk_size=cfg.chunk_size,
                         executor=cfg.executor, ray_address=cfg.ray_address)
     bad = BadRows()
-    rows = tqdm(read_rows(in_path, bad), desc=f"curate {recipe}", unit=" rows", disable=not progress)
-    kept = pipeline.run(rows)
+    rows = tqdm(read_numbered(in_path, bad), desc=f"curate {recipe}", unit=" rows", disable=not progress)
+    kept = _nonempty(pipeline.run_numbered(rows), pipeline, bad, in_path)
     if cfg.difficulty.curriculum:
         last = [b for b in pipeline.blocks if isinstance(b, Difficulty)]
         if not last:
             raise ConfigError("difficulty.curriculum=true needs the difficulty block in the recipe")
         kept = sorted(kept, key=lambda row: -last[-1].pass_rates[id(row)])  # easiest first (stable)
-    written = write_rows(out_path, kept)
+    written = write_rows(out_path, kept)  # a failure above leaves --out as it was
     assert written == pipeline.rows_out
     report = {"recipe": recipe, "input": str(in_path), "output": str(out_path),
-              "skipped_bad_rows": bad.count, "bad_row_examples": bad.examples, **pipeline.report(),
+              "malformed_lines": bad.count, "malformed_examples": bad.examples, **pipeline.report(),
               "config": asdict(cfg)}
-    Path(str(out_path) + ".report.json").write_text(json.dumps(report, indent=2, default=str))
+    report_path = Path(str(out_path) + ".report.json")
+    tmp = report_path.with_name(report_path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(report_path)
     return report
+
+
+def _nonempty(kept, pipeline: Pipeline, bad: BadRows, in_path):
+    """``kept``, but an error (before anything is written) if the input held no valid row at all: an
+    empty or binary file is a wrong ``--in``, not an empty dataset."""
+    yield from kept
+    if pipeline.rows_in == 0:
+        first = f"; first: {bad.examples[0]}" if bad.examples else ""
+        raise ValueError(f"{in_path}: no valid rows ({bad.count} malformed lines{first})")

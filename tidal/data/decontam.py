@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tidal.config import ConfigError
-from tidal.data.io import Row, read_rows
+from tidal.data.io import Row, read_numbered
 from tidal.data.pipeline import Block
 from tidal.data.text import words
 
@@ -47,10 +47,10 @@ class Decontaminate(Block):
         self.exact: dict[str, str] = {}
         self.num_eval_items = 0
         for path in eval_paths:
-            for i, row in enumerate(read_rows(path)):
+            for i, row in read_numbered(path):
                 texts = _texts(row, cfg.fields)
                 if not texts:
-                    raise ValueError(f"{path}: row {i} has none of the fields {cfg.fields}")
+                    raise ValueError(f"{path}:{i}: the evaluation row has none of the fields {cfg.fields}")
                 self.num_eval_items += 1
                 for text in texts:
                     self._index(text, f"{Path(path).name}:{i}")

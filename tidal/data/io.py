@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ Row = dict[str, Any]
 
 
 class BadRows:
-    """Lines of the input that are not JSON objects: skipped, counted, the first few kept for the report."""
+    """Input lines that are not UTF-8 or not JSON objects: skipped, counted, the first few kept for the
+    report as ``file:line: why`` (lines are numbered from 1, as an editor does)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -23,6 +25,22 @@ class BadRows:
         self.count += 1
         if len(self.examples) < 5:
             self.examples.append(where)
+
+
+def parse_line(raw: bytes) -> tuple[Any, str | None]:
+    """One JSONL line as (a JSON object, None) or (None, why not); decoded on its own, so one bad byte
+    costs one line, not the file."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e.msg} at column {e.colno})"
+    if not isinstance(row, dict):
+        return None, f"not a JSON object ({type(row).__name__})"
+    return row, None
 
 
 def _kind(path: Path) -> str:
@@ -38,52 +56,99 @@ def _kind(path: Path) -> str:
 
 
 def read_rows(path: str | Path, bad: BadRows | None = None) -> Iterator[Row]:
-    """Stream the rows of ``path``. A JSONL line that is not a JSON object is skipped and counted in
-    ``bad`` (a curation run over millions of lines should not die on one)."""
+    """Stream the rows of ``path`` (see ``read_numbered``)."""
+    for _, row in read_numbered(path, bad):
+        yield row
+
+
+def read_numbered(path: str | Path, bad: BadRows | None = None) -> Iterator[tuple[int, Row]]:
+    """Stream ``(number, row)`` for ``path``: the 1-based line number in JSONL (blank lines keep their
+    number), the 1-based row number otherwise. A JSONL line that is not UTF-8 or not a JSON object is
+    skipped and counted in ``bad`` (a curation run over millions of lines should not die on one);
+    without ``bad`` it is an error naming the line."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     kind = _kind(path)
     if kind.startswith("jsonl"):
         opener = gzip.open if kind.endswith("gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    row, err = None, str(e)
-                if not isinstance(row, dict):
-                    if bad is None:
-                        why = err if row is None else type(row).__name__
-                        raise ValueError(f"{path}:{lineno}: not a JSON object ({why})")
-                    bad.add(f"{path}:{lineno}")
-                    continue
-                yield row
+        with opener(path, "rb") as f:
+            try:
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    row, why = parse_line(raw)
+                    if why is None:
+                        yield lineno, row
+                    elif bad is None:
+                        raise ValueError(f"{path}:{lineno}: {why}")
+                    else:
+                        bad.add(f"{path}:{lineno}: {why}")
+            except (gzip.BadGzipFile, EOFError) as e:
+                raise ValueError(f"{path}: not a readable gzip file ({e})") from None
     elif kind == "parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-            yield from batch.to_pylist()
+        try:
+            batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+            n = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    n += 1
+                    yield n, row
+        except pa.ArrowException as e:
+            raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
     else:
         from datasets import load_from_disk
 
-        ds = load_from_disk(str(path))
-        if hasattr(ds, "keys"):  # a DatasetDict: its splits one after another
-            for split in ds:
-                yield from ds[split]
-        else:
-            yield from ds
+        try:
+            ds = load_from_disk(str(path))
+        except FileNotFoundError as e:
+            raise ValueError(f"{path}: not a Hugging Face dataset directory (save_to_disk): {e}") from None
+        splits = [ds[split] for split in ds] if hasattr(ds, "keys") else [ds]  # a DatasetDict: one after another
+        n = 0
+        for split in splits:
+            for row in split:
+                n += 1
+                yield n, row
 
 
 def write_rows(path: str | Path, rows: Iterable[Row]) -> int:
-    """Write rows to ``path`` (format from its suffix; written to a temporary name, then renamed, so a
-    crash never leaves a half file under the real name). Returns the number written."""
+    """Write rows to ``path`` (format from its suffix; no suffix: a Hugging Face dataset directory).
+    They go to a temporary name that is renamed over ``path`` only once every row is written, so a
+    failure (a bad row upstream, Ctrl-C, a full disk) leaves ``path`` as it was and no temporary file
+    behind. Returns the number written."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     kind = "hf_disk" if path.suffix == "" else _kind(path)
+    if kind == "hf_disk" and path.exists() and not _is_saved_dataset(path):
+        raise ValueError(f"{path}: exists and is not a Hugging Face dataset directory; refusing to replace it")
+    if kind != "hf_disk" and path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory; --out names the output file")
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        n = _write(kind, tmp, rows)
+        if kind == "hf_disk" and path.exists():  # swap directories: the old one goes only once the new is in place
+            old = path.with_name(path.name + ".old")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.replace(path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink(missing_ok=True)
+    return n
+
+
+def _is_saved_dataset(d: Path) -> bool:
+    return d.is_dir() and ((d / "dataset_dict.json").exists() or (d / "state.json").exists())
+
+
+def _write(kind: str, tmp: Path, rows: Iterable[Row]) -> int:
     n = 0
     if kind.startswith("jsonl"):
         opener = gzip.open if kind.endswith("gz") else open
@@ -91,22 +156,34 @@ def write_rows(path: str | Path, rows: Iterable[Row]) -> int:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 n += 1
-    elif kind == "parquet":
+        return n
+    table_rows = list(rows)
+    if kind == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table_rows = list(rows)
-        n = len(table_rows)
         pq.write_table(pa.Table.from_pylist(table_rows), tmp)
     else:
-        import shutil
-
         from datasets import Dataset
 
-        table_rows = list(rows)
-        n = len(table_rows)
         Dataset.from_list(table_rows).save_to_disk(str(tmp))
-        if path.exists():
-            shutil.rmtree(path)
-    tmp.rename(path)
-    return n
+    return len(table_rows)
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file or directory (through symlinks, ``..`` and hard links)."""
+    a, b = Path(a), Path(b)
+    if a.exists() and b.exists():
+        return a.samefile(b)
+    return a.resolve() == b.resolve()
+
+
+def refuse_overwrite(out: str | Path, inputs: dict[str, str | Path]) -> None:
+    """A ConfigError (one line naming both) if ``out`` is one of ``inputs`` (``{"--in": path, ...}``):
+    writing the output would replace the data it is computed from."""
+    from tidal.config import ConfigError
+
+    for label, path in inputs.items():
+        if path and same_file(out, path):
+            raise ConfigError(f"--out {out} is the same file as {label} {path}; refusing to overwrite the input "
+                              "(choose another --out)")

@@ -35,6 +35,9 @@ class Block:
     """Report every dropped row, not only the first few (decontamination: say what was removed and why)."""
     detail: Any = None
     """Set by ``decide`` to explain its last drop (e.g. the evaluation item and the shared n-gram)."""
+    row_number: int = 0
+    """Set by the pipeline before ``decide``/``transform``: the row's 1-based line (JSONL) or row number
+    in the input, so a mapper can name its source row the way the report does."""
     parallel = True
     """False: ``prepare_chunk`` runs in the main process (a block that batches its own work, such as
     generation with the rollout engine)."""
@@ -81,7 +84,7 @@ class BlockStats:
     dropped: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     examples: list[dict] = field(default_factory=list)
-    """The first dropped rows' positions in the input and reasons (for the report)."""
+    """The first dropped rows' 1-based input line (or row) numbers and reasons (for the report)."""
 
     def as_dict(self, extra: dict) -> dict:
         return {"name": self.name, "seen": self.seen, "kept": self.kept, "dropped": dict(self.dropped),
@@ -173,7 +176,12 @@ class Pipeline:
         self.seconds = 0.0
 
     def run(self, rows: Iterable[Row]) -> Iterator[Row]:
-        """The kept rows, in input order, streamed chunk by chunk."""
+        """The kept rows, in input order, streamed chunk by chunk (rows numbered 1, 2, ... in the report)."""
+        return self.run_numbered(enumerate(rows, 1))
+
+    def run_numbered(self, numbered: Iterable[tuple[int, Row]]) -> Iterator[Row]:
+        """``run`` for ``(number, row)`` pairs: the report names dropped rows by these numbers (the input's
+        line numbers, from ``io.read_numbered``, so they stay right when malformed lines were skipped)."""
         pool = None
         if self.executor == "ray":
             pool = _RayPool(self.blocks, self.ray_address)
@@ -182,9 +190,10 @@ class Pipeline:
             pool = _ProcessPool(self.blocks, self.workers)
         start = time.perf_counter()
         try:
-            it = iter(rows)
-            while chunk := list(islice(it, self.chunk_size)):
-                positions = list(range(self.rows_in, self.rows_in + len(chunk)))
+            it = iter(numbered)
+            while pairs := list(islice(it, self.chunk_size)):
+                positions = [n for n, _ in pairs]
+                chunk = [row for _, row in pairs]
                 self.rows_in += len(chunk)
                 for i, (block, stats) in enumerate(zip(self.blocks, self.stats)):
                     if not chunk:
@@ -208,6 +217,7 @@ class Pipeline:
             prepared = [p for part in parts for p in part]
         kept, kept_pos = [], []
         for row, pos, prep in zip(chunk, positions, prepared):
+            block.row_number = pos
             reason = block.decide(row, prep)
             if reason is None:
                 kept.append(block.transform(row, prep))

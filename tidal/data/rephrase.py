@@ -3,7 +3,8 @@ al. 2024, arXiv 2401.16380: rephrasing web text "like Wikipedia" or as question-
 models faster than the raw text; Nemotron-CC, Su et al. 2024, arXiv 2412.02595, rewrites
 low-quality documents and generates diverse QA, distillations and knowledge lists from high-quality
 ones). Each kept row becomes a new row: ``{text: the rewrite, source: {row, id}, template: name}``
-(``keep_original`` adds the original text), so every synthetic document names where it came from.
+(``row``: the source's 1-based line number in the input; ``keep_original`` adds the original text),
+so every synthetic document names where it came from.
 
 Built-in templates follow those papers' styles; ``rephrase.template`` takes any text with a
 ``{text}`` slot instead. ``chat=true`` wraps the prompt in the model's chat template (instruction
@@ -82,7 +83,7 @@ class Rephrase(Block):
         return GenRequest(Prompt(f"rephrase-{index}", prompt, ""), tuple(ids), 0)
 
     def prepare_chunk(self, rows: list[Row]) -> list:
-        """(rewrite, finish_reason, input position) per row; None for rows without text."""
+        """(rewrite, finish_reason) per row; None for rows without text."""
         out: list = [None] * len(rows)
         todo = [(i, t) for i, row in enumerate(rows) if (t := text_of(row, self.text_key))]
         step = self.cfg.problems_per_batch
@@ -92,14 +93,13 @@ class Rephrase(Block):
             trajs = self.engine.generate(reqs, greedy=self.cfg.temperature == 0)
             for (i, _), traj in zip(part, trajs):
                 out[i] = (traj.text.strip(), traj.finish_reason)
-        positions = range(self.position, self.position + len(rows))
         self.position += len(rows)
-        return [None if o is None else (*o, pos) for o, pos in zip(out, positions)]
+        return out
 
     def decide(self, row: Row, prepared) -> str | None:
         if prepared is None:
             return f"no_{self.text_key}"
-        text, finish, _ = prepared
+        text, finish = prepared
         if not text:
             return "empty_rewrite"
         if finish == "length" and not self.cfg.keep_truncated:
@@ -107,8 +107,8 @@ class Rephrase(Block):
         return None
 
     def transform(self, row: Row, prepared) -> Row:
-        text, _, position = prepared
-        new = {"text": text, "source": {"row": position, "id": row.get("id")}, "template": self.template_name}
+        text, _ = prepared
+        new = {"text": text, "source": {"row": self.row_number, "id": row.get("id")}, "template": self.template_name}
         if self.cfg.keep_original:
             new["original"] = row[self.text_key]
         return new
