@@ -197,6 +197,7 @@ def cmd_curate(args) -> int:
     return 0
 
 
+@_one_line_errors
 def cmd_simulate(args) -> int:
     """Predict sync / periodic / async throughput with the discrete-event simulator (docs/simulate.md)."""
     from tidal.sim.report import main as simulate_main

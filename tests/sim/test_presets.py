@@ -65,3 +65,25 @@ def test_cli_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
 def test_cli_bad_key_is_a_one_line_error(tmp_path, capsys):
     assert main(["simulate", "--set", "preset=areal", "--set", "workload.eta=3", "--out", str(tmp_path)]) == 2
     assert "unknown config key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("steps=0", "steps=0: simulate at least 1 step"),
+    ("layout.devices=0", "layout.devices=0: needs at least 1 device"),
+    ("layout.gen_devices=128", "layout.gen_devices=128: must be >= 1 and leave at least one of layout.devices=128"),
+    ("workload.lengths=lognormal:abc", "workload.lengths='lognormal:abc': bad length spec"),
+    ("workload.lengths=constant:0", "lengths (0,) must be >= 1"),
+    ("workload.lengths=groups:/no/such.json", "No such file"),
+    ("workload.drop_prob=1", "workload.drop_prob=1.0: must be in [0, 1)"),
+    ("costs.decode_step_s=-1", "costs.decode_step_s=-1.0: must be >= 0"),
+])
+def test_cli_values_the_simulator_cannot_run_are_one_line_errors(tmp_path, capsys, override, message):
+    assert main(["simulate", "--set", "preset=areal", "--set", override, "--out", str(tmp_path), "--plot", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_build_accepts_every_preset_as_shipped():
+    build(["preset=areal"])
+    build(SMALL_AREAL)

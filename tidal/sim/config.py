@@ -77,3 +77,45 @@ class ModeResult:
     wall_s: float
     gen_devices: int
     train_devices: int
+
+
+def validate(cfg: SimConfig) -> SimConfig:
+    """A ConfigError naming the key for a value the simulator cannot run (instead of an assertion or an
+    IndexError deep inside it); returns ``cfg``."""
+    import dataclasses
+
+    from tidal.config import ConfigError
+    from tidal.sim.lengths import GroupStream
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            node = cfg
+            for part in key.split("."):
+                node = getattr(node, part)
+            raise ConfigError(f"{key}={node!r}: {rule}")
+
+    w, lay = cfg.workload, cfg.layout
+    need(cfg.steps >= 1, "steps", "simulate at least 1 step")
+    need(0 <= cfg.warmup_steps < cfg.steps, "warmup_steps", f"must be >= 0 and < steps={cfg.steps}")
+    need(bool(cfg.modes) and set(cfg.modes) <= set(MODES), "modes", f"a non-empty list of {', '.join(MODES)}")
+    need(lay.devices >= 1, "layout.devices", "needs at least 1 device")
+    split = any(m != "sync" for m in cfg.modes) or not lay.sync_colocated
+    need(lay.gen_devices >= 1 and (not split or lay.gen_devices < lay.devices), "layout.gen_devices",
+         f"must be >= 1 and leave at least one of layout.devices={lay.devices} to train")
+    need(0 <= lay.engine_devices <= lay.gen_devices, "layout.engine_devices",
+         f"must be 0 (one engine) or at most layout.gen_devices={lay.gen_devices}")
+    need(lay.max_batch >= w.group_size, "layout.max_batch", f"an engine must hold a whole group ({w.group_size})")
+    for key in ("prompts_per_step", "group_size", "max_draws_per_step"):
+        need(getattr(w, key) >= 1, f"workload.{key}", "must be >= 1")
+    for key in ("prompt_len", "max_staleness", "periodic_staleness"):
+        need(getattr(w, key) >= 0, f"workload.{key}", "must be >= 0")
+    need(0 <= w.drop_prob < 1, "workload.drop_prob", "must be in [0, 1)")
+    need(w.consume in ("stream", "completion"), "workload.consume", "stream or completion")
+    for f in dataclasses.fields(cfg.costs):
+        value = getattr(cfg.costs, f.name)
+        need(not isinstance(value, (int, float)) or value >= 0, f"costs.{f.name}", "must be >= 0")
+    try:
+        GroupStream(w.lengths, w.group_size, w.drop_prob, cfg.seed)[0]
+    except (ValueError, AssertionError, OSError, KeyError, TypeError) as e:
+        raise ConfigError(f"workload.lengths={w.lengths!r}: {e}") from None
+    return cfg

@@ -40,7 +40,8 @@ class Choice:
 
     def __post_init__(self):
         assert len(self.values) == len(self.weights) > 0, "values and weights must be non-empty and aligned"
-        assert min(self.values) >= 1 and min(self.weights) >= 0 and sum(self.weights) > 0, (self.values, self.weights)
+        assert min(self.values) >= 1 and min(self.weights) >= 0 and sum(self.weights) > 0, (
+            f"lengths {self.values} must be >= 1, with weights {self.weights} >= 0 and not all 0")
 
     @property
     def mean(self) -> float:
@@ -131,10 +132,13 @@ def read_lengths(path: str | Path) -> list[int]:
         line = line.strip()
         if not line:
             continue
-        if not line.startswith("{"):
-            out.append(int(float(line)))
+        try:
+            row = json.loads(line) if line.startswith("{") else int(float(line))
+        except ValueError as e:
+            raise ValueError(f"{path}: line {n}: not a length or a JSON object ({e})") from None
+        if not isinstance(row, dict):
+            out.append(row)
             continue
-        row = json.loads(line)
         key = next((k for k in ("num_tokens", "length", "response_len") if k in row), None)
         if key is not None:
             out.append(int(row[key]))

@@ -155,10 +155,11 @@ PRESETS = {"cpu": cpu, "areal": areal}
 def build(overrides: list[str]) -> SimConfig:
     """A preset (``preset=NAME`` among the overrides; default ``cpu``) with the other overrides applied."""
     from tidal.config import ConfigError, apply_overrides
+    from tidal.sim.config import validate
 
     names = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "preset"]
     name = names[-1] if names else "cpu"
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     cfg = PRESETS[name]()
-    return apply_overrides(cfg, [o for o in overrides if o.partition("=")[0].strip() != "preset"])
+    return validate(apply_overrides(cfg, [o for o in overrides if o.partition("=")[0].strip() != "preset"]))
