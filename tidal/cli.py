@@ -109,6 +109,31 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _one_line_errors(fn):
+    """Bad input to ``fn`` (a ValueError or OSError: a malformed file, a missing or unwritable path) is
+    one ``error:`` line on stderr and exit code 2, never a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(args) -> int:
+        try:
+            return fn(args)
+        except (ValueError, OSError) as e:
+            print("error: " + " ".join(str(e).split()), file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+def _quant_method(model_dir: Path) -> str:
+    """``config.json``'s ``quantization_config.quant_method`` (what loading the model needs), or "?"."""
+    try:
+        return json.loads((model_dir / "config.json").read_text())["quantization_config"]["quant_method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "?"
+
+
+@_one_line_errors
 def cmd_eval(args) -> int:
     """Greedy held-out accuracy of a run's latest checkpoint or of a model directory."""
     from tidal.models import tiny
@@ -127,7 +152,11 @@ def cmd_eval(args) -> int:
     model_dir = target
     if (target / "checkpoints").exists():
         model_dir = latest_checkpoint(target / "checkpoints") or target
-    model, tokenizer = tiny.load(model_dir)
+    try:
+        model, tokenizer = tiny.load(model_dir)
+    except ImportError as e:  # transformers' quantizers (compressed-tensors, fp8) need optional packages
+        raise ConfigError(f"{model_dir}: loading this quantized checkpoint (quant_method {_quant_method(model_dir)}) "
+                          f"needs packages that are not installed; pip install 'tidal[quant]' ({e})") from None
     task = TASKS.get(cfg.task.name)(cfg.task)
     engine = ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg.rollout, cfg.seed, 0)
     pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
@@ -143,22 +172,6 @@ def cmd_bench(args) -> int:
     from tidal.bench import run_benchmark
 
     return run_benchmark(args.name, args.set, args.out)
-
-
-def _one_line_errors(fn):
-    """Bad input to ``fn`` (a ValueError or OSError: a malformed file, a missing or unwritable path) is
-    one ``error:`` line on stderr and exit code 2, never a traceback."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(args) -> int:
-        try:
-            return fn(args)
-        except (ValueError, OSError) as e:
-            print("error: " + " ".join(str(e).split()), file=sys.stderr)
-            return 2
-
-    return wrapper
 
 
 @_one_line_errors
@@ -206,6 +219,7 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+@_one_line_errors
 def cmd_quantize(args) -> int:
     """Write a block-FP8 copy of a model directory (or a run's latest checkpoint) that vLLM loads."""
     from tidal.models.quant_checkpoint import quantize_checkpoint
@@ -214,11 +228,7 @@ def cmd_quantize(args) -> int:
     src = Path(args.src)
     if (src / "checkpoints").exists():
         src = latest_checkpoint(src / "checkpoints") or src
-    try:
-        info = quantize_checkpoint(src, args.dst, args.layout)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    info = quantize_checkpoint(src, args.dst, args.layout)
     print(f"{args.dst}: {info['num_quantized']} linear weights to FP8 (128x128 blocks, {args.layout} layout), "
           f"{info['bytes_before']:,} -> {info['bytes_after']:,} bytes")
     return 0

@@ -105,3 +105,28 @@ def test_cli_quantize(model_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "q/config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     assert main(["quantize", str(tmp_path / "missing"), str(tmp_path / "q2")]) == 2
     assert "config.json missing" in capsys.readouterr().err
+
+
+def test_cli_quantize_never_writes_over_its_source(model_dir, tmp_path, capsys):
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    for dst in (model_dir, model_dir / ".." / model_dir.name):
+        assert main(["quantize", str(model_dir), str(dst)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is the source model directory" in err[0]
+    (tmp_path / "f").write_text("mine")
+    assert main(["quantize", str(model_dir), str(tmp_path / "f")]) == 2
+    assert "is a file" in capsys.readouterr().err and (tmp_path / "f").read_text() == "mine"
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+
+
+@pytest.mark.parametrize("layout,package", [("compressed-tensors", "compressed_tensors"), ("fp8", "accelerate")])
+def test_cli_eval_of_a_quantized_checkpoint_without_its_package_names_the_extra(model_dir, tmp_path, capsys, layout,
+                                                                                 package):
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed: the checkpoint loads")
+    quantize_checkpoint(model_dir, tmp_path / "q", layout)
+    assert main(["eval", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"quant_method {layout.split('-')[0]}" in err[0] and "pip install 'tidal[quant]'" in err[0]

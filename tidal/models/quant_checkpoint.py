@@ -87,6 +87,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, layout: str = "compres
     ``quantization_config``, tokenizer and other side files); return byte counts before and after."""
     src, dst = Path(src), Path(dst)
     quant = quantization_config(layout)  # validates layout before any work
+    if dst.exists() and (not dst.is_dir() or src.samefile(dst)) or dst.resolve() == src.resolve():
+        what = "is the source model directory" if dst.is_dir() or not dst.exists() else "is a file"
+        raise ValueError(f"output {dst} {what} (source {src}); choose a new directory for the FP8 copy")
     model, _ = load(src)
     config = json.loads((src / "config.json").read_text())
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
