@@ -13,12 +13,12 @@ def _rows(out):
 
 
 def test_quickstart_pipeline_reward_rises(tmp_path):
-    """A smaller model (hidden 64), warm-started in ~15 s, under async RL for 30 steps (~35 s in
+    """A smaller model (hidden 64), warm-started into the band [0.3, 0.5], under async RL for 30 steps (~35 s in
     all): sampled reward must clearly rise and held-out greedy accuracy must improve on the base."""
     out = tmp_path / "run"
     code = main(["train", "quickstart", "--out", str(out),
                  "--set", "model.hidden_size=64", "--set", "model.num_layers=2", "--set", "model.intermediate_size=256",
-                 "--set", "sft.steps=300", "--set", "sft.lr=3e-3", "--set", f"sft.cache_dir={tmp_path / 'cache'}",
+                 "--set", "sft.steps=1000", "--set", "sft.accuracy_band=[0.3,0.5]", "--set", "sft.lr=3e-3", "--set", f"sft.cache_dir={tmp_path / 'cache'}",
                  "--set", "optim.lr=3e-4", "--set", "max_steps=30", "--set", "max_time_s=null",
                  "--set", "target_accuracy=null", "--set", "eval_every=10", "--set", "num_eval=200",
                  "--set", "log.progress=false"])
@@ -35,10 +35,15 @@ def test_quickstart_pipeline_reward_rises(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_quickstart_reaches_target(tmp_path):
+@pytest.mark.parametrize("seed", [0, 1])
+def test_full_quickstart_reaches_target(tmp_path, seed):
+    """The README's first command for two seeds (a seed moves the warm-started base the way another CPU
+    does): the base lands in the warm start's band and RL reaches the recipe's 0.85 target."""
     out = tmp_path / "quickstart"
-    assert main(["train", "quickstart", "--out", str(out), "--set", "log.progress=false"]) == 0
+    assert main(["train", "quickstart", "--out", str(out), "--set", "log.progress=false", "--set", f"seed={seed}",
+                 "--set", f"model.init_seed={seed}", "--set", f"sft.seed={seed}",
+                 "--set", f"sft.cache_dir={tmp_path / 'cache'}"]) == 0
     evals = [r["eval/accuracy"] for r in _rows(out) if "eval/accuracy" in r]
-    base, best = evals[0], max(evals)
-    assert 0.2 <= base <= 0.5, base
-    assert best >= 0.8 and best - base >= 0.35, (base, best)
+    base, last = evals[0], evals[-1]
+    assert 0.3 <= base <= 0.45, base  # sft.accuracy_band
+    assert last >= 0.85, (base, evals)  # the run stops at its target
