@@ -22,7 +22,8 @@ DESCRIPTION = "sync vs async: trained samples/s on a long-tailed task, same core
 
 BASE = [
     "task.name=repeat", "task.max_repeat=48", "task.num_eval=200", "rollout.max_new_tokens=56",
-    "rollout.group_size=8", "rollout.prompts_per_step=16", "sft.steps=300", "max_steps=40", "eval_every=1000",
+    "rollout.group_size=8", "rollout.prompts_per_step=16", "sft.steps=300", "sft.accuracy_band=null", "max_steps=40",
+    "eval_every=1000",
     "max_time_s=null", "target_accuracy=null", "checkpoint_every=1000", "log.progress=false",
     "log.tensorboard=false", "log.report=false", "optim.lr=1e-4",
 ]

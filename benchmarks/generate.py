@@ -81,7 +81,8 @@ def _prompts(s: Settings):
     from tidal.tasks import TASKS
 
     cfg = apply_overrides(RECIPES.get("quickstart")(), [
-        "task.name=repeat", f"task.max_repeat={s.max_repeat}", "task.num_eval=200", f"sft.steps={s.sft_steps}"])
+        "task.name=repeat", f"task.max_repeat={s.max_repeat}", "task.num_eval=200", f"sft.steps={s.sft_steps}",
+        "sft.accuracy_band=null"])
     task = TASKS.get(cfg.task.name)(cfg.task)
     path = s.model_path or base_model_path(cfg, task, progress=False)
     model, tokenizer = tiny.load(path)
