@@ -61,6 +61,11 @@ def test_unknown_reward_or_param_is_a_one_line_error():
     assert code == 2 and "did you mean 'exact_match'" in err and err.count("\n") == 1
     code, _, err = _score(["--reward", "reasoning_gym", "--set", "treshold=0.5"], [])
     assert code == 2 and "treshold" in err and err.count("\n") == 1
+    # the valid parameters are named, with the closest one
+    assert "valid: threshold, partial_credit, extract (did you mean 'threshold' for 'treshold'?)" in err
+    code, _, err = _score(["--reward", "math", "--set", "foo=1"], [])
+    assert code == 2 and err.strip() == ("error: reward 'math': unknown parameter(s) ['foo']; "
+                                         "valid: mode, formats, after_think, reject_copied, timeout_s")
 
 
 def test_output_streams_chunk_by_chunk_before_input_ends():
@@ -101,3 +106,21 @@ def test_a_hanging_row_times_out_and_the_rest_are_scored(monkeypatch, capsys):
     scored = [json.loads(x) for x in out.splitlines()]
     assert [(r["reward"], r["details"].get("error")) for r in scored] == [(1.0, None), (0.0, "timeout"), (0.0, None)]
     assert "3 rows, mean reward 0.3333, 0 malformed, 0 reward errors, 1 timeouts" in err
+
+
+def test_score_doc_sends_readers_of_the_code_test_format_to_the_doc_that_has_it():
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    text = (docs / "score.md").read_text()
+    para = text[text.index("Code rows carry their tests"):]
+    para = para[: para.index("\n\n")]
+    links = re.findall(r"\]\(([\w-]+\.md)(?:#([\w-]+))?\)", para)
+    assert links, "the paragraph links the doc that defines the tests format"
+    for name, anchor in links:
+        doc = (docs / name).read_text()
+        assert '{"kind": "io", "cases": [{"input": str, "output": str}' in doc and '"kind": "assert"' in doc, name
+        headings = re.findall(r"^#+ (.*)$", doc, re.M)
+        slugs = {re.sub(r"[^\w -]", "", h).strip().lower().replace(" ", "-") for h in headings}
+        assert not anchor or anchor in slugs, (anchor, slugs)

@@ -47,7 +47,28 @@ def build_reward(name: str, params: dict[str, Any] | None = None) -> Callable:
     try:
         return factory(**(params or {}))
     except TypeError as e:
-        raise ConfigError(f"reward {name!r}: {e}") from None
+        valid = parameter_names(factory)
+        unknown = sorted(set(params or {}) - set(valid))
+        if unknown:
+            import difflib
+
+            close = {u: difflib.get_close_matches(u, valid, n=1) for u in unknown}
+            hint = "".join(f" (did you mean {c[0]!r} for {u!r}?)" for u, c in close.items() if c)
+            raise ConfigError(f"reward {name!r}: unknown parameter(s) {unknown}; "
+                              f"valid: {', '.join(valid)}{hint}") from None
+        raise ConfigError(f"reward {name!r}: a parameter has the wrong type ({e}); got {params}") from None
+
+
+def parameter_names(factory: Callable) -> list[str]:
+    """The keyword parameters a reward factory takes (a dataclass's fields, a class's ``__init__``)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in sig.parameters.values() if p.kind in kinds]
 
 
 from tidal.rewards import code as _code  # noqa: E402,F401
