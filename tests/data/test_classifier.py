@@ -51,5 +51,5 @@ def test_missing_model_and_bad_labels_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="classifier.path"):
         QualityClassifier(ClassifierConfig(path=str(tmp_path / "nope")))
     write_rows(tmp_path / "bad.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": "good"}])
-    with pytest.raises(ValueError, match="row 1"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: the row needs"):  # 1-based, as an editor numbers lines
         train_classifier(tmp_path / "bad.jsonl", tmp_path / "m", TrainClassifierConfig())

@@ -122,3 +122,10 @@ def test_curate_help_lists_every_recipe(monkeypatch):
     text = sub.format_help()
     for name in [*RECIPES, "train-classifier", "compare"]:
         assert name in text, name
+
+
+def test_chunk_size_and_workers_are_checked():
+    with pytest.raises(ConfigError, match="chunk_size must be >= 1 and workers >= 0"):
+        load_recipe("dedup", ["chunk_size=0"])
+    with pytest.raises(ConfigError, match="chunk_size must be >= 1 and workers >= 0"):
+        load_recipe("dedup", ["workers=-1"])

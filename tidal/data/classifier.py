@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.data.dedup import text_of
-from tidal.data.io import read_rows
+from tidal.data.io import read_numbered
 from tidal.data.pipeline import TextFilter
 from tidal.data.text import words
 
@@ -88,10 +88,10 @@ def train_classifier(in_path: str | Path, out_dir: str | Path, cfg: TrainClassif
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     data = []
-    for i, row in enumerate(read_rows(in_path)):
+    for i, row in read_numbered(in_path):
         text, label = text_of(row, cfg.text_key), row.get(cfg.label_key)
         if text is None or isinstance(label, bool) or not isinstance(label, (int, float)):
-            raise ValueError(f"{in_path}: row {i} needs a string {cfg.text_key!r} and a numeric {cfg.label_key!r}")
+            raise ValueError(f"{in_path}:{i}: the row needs a string {cfg.text_key!r} and a numeric {cfg.label_key!r}")
         data.append((features(text, cfg.buckets, cfg.max_words), float(label)))
     if len(data) < 4:
         raise ValueError(f"{in_path}: {len(data)} labeled rows; need at least 4")

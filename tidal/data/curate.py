@@ -104,6 +104,9 @@ def load_recipe(recipe: str, overrides: list[str]) -> CurateConfig:
     unknown = [b for b in cfg.blocks if b not in BLOCKS]
     if unknown or not cfg.blocks:
         raise ConfigError(f"blocks {unknown or '[]'}: choose from {', '.join(BLOCKS)}")
+    if cfg.chunk_size < 1 or cfg.workers < 0:
+        raise ConfigError(f"chunk_size must be >= 1 and workers >= 0 (0: every core); got {cfg.chunk_size}, "
+                          f"{cfg.workers}")
     return cfg
 
 
