@@ -58,6 +58,8 @@ def inputs(tmp_path_factory, tokenizer):
     quantize_checkpoint(d / "model", d / "model_fp8")
     small = tiny.ModelConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=4, intermediate_size=128)
     tiny.save(tiny.build_model(small, tokenizer), tokenizer, d / "model_64")  # q_proj: half a 128-row tile
+    (d / "run_bad_yaml").mkdir()
+    (d / "run_bad_yaml" / "config.yaml").write_text("optim:\n  lr: [0.1\n")
     (d / "junk_model").mkdir()
     (d / "junk_model" / "config.json").write_text("{not json")
     return d
@@ -131,6 +133,7 @@ ERRORS = [
                  id="eval-quantized-no-extra"),
     ("eval-junk-config", ["eval", "{d}/junk_model"], "config.json"),
     ("eval-missing", ["eval", "{d}/nope"], "no Hugging Face model at"),
+    ("eval-run-config-syntax", ["eval", "{d}/run_bad_yaml"], "run_bad_yaml/config.yaml:3: YAML syntax error"),
     ("eval-unknown-key", ["eval", "{d}/model", "--set", "foo=1"], "unknown config key 'foo'"),
     ("train-unknown-key", ["train", "quickstart", "--set", "rollout.max_stalenes=2", "--out", "{o}/t"],
      "rollout.max_staleness"),

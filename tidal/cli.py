@@ -136,6 +136,7 @@ def _quant_method(model_dir: Path) -> str:
 @_one_line_errors
 def cmd_eval(args) -> int:
     """Greedy held-out accuracy of a run's latest checkpoint or of a model directory."""
+    from tidal.config import apply_mapping
     from tidal.models import tiny
     from tidal.rewards import build_reward
     from tidal.rewards.pool import RewardPool
@@ -143,11 +144,12 @@ def cmd_eval(args) -> int:
     from tidal.system.evaluate import greedy_accuracy
     from tidal.tasks import TASKS
     from tidal.train.checkpoint import latest_checkpoint
+    from tidal.utils.yaml_file import read_yaml
 
     target = Path(args.path)
     cfg = _recipe_config(args.recipe, [])
     if (target / "config.yaml").exists():
-        load_yaml_into(cfg, target / "config.yaml")
+        apply_mapping(cfg, read_yaml(target / "config.yaml", mapping=True))  # broken: one line naming file:line
     apply_overrides(cfg, args.set)
     model_dir = target
     if (target / "checkpoints").exists():

@@ -34,6 +34,7 @@ from tidal.data.quality import (
 )
 from tidal.data.rephrase import Rephrase, RephraseConfig
 from tidal.data.verify import Verifiable
+from tidal.utils.yaml_file import read_yaml
 
 
 @dataclass
@@ -93,7 +94,7 @@ def load_recipe(recipe: str, overrides: list[str]) -> CurateConfig:
     if recipe in RECIPES:
         base = RECIPES[recipe]
     elif recipe.endswith((".yaml", ".yml")) and Path(recipe).is_file():
-        base = _read_yaml(Path(recipe))
+        base = read_yaml(recipe)
         if not isinstance(base, dict):
             raise ConfigError(f"{recipe}: a recipe file is a mapping of CurateConfig keys")
     else:
@@ -108,19 +109,6 @@ def load_recipe(recipe: str, overrides: list[str]) -> CurateConfig:
         raise ConfigError(f"chunk_size must be >= 1 and workers >= 0 (0: every core); got {cfg.chunk_size}, "
                           f"{cfg.workers}")
     return cfg
-
-
-def _read_yaml(path: Path):
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start + 1})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
