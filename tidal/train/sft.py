@@ -221,9 +221,10 @@ def _train(model, tokenizer, task: Task, cfg: SFTConfig, evaluate: Evaluate | No
         if acc > band[1]:
             if check_every == 1:
                 bar.close()
+                prev = history[-2][1] if len(history) > 1 else float("nan")
                 raise WarmStartError(
                     f"warm start: held-out accuracy jumped over sft.accuracy_band={band} in one step "
-                    f"(from {history[-2][1]:.3f} to {acc:.3f} at step {step}); widen the band or lower sft.lr")
+                    f"(from {prev:.3f} to {acc:.3f} at step {step}); widen the band or lower sft.lr")
             step = _restore(last_check, model, opt, gen)  # replay the interval, checking every step
             bar.n = step
             check_every = 1
