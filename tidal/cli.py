@@ -160,7 +160,10 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"{model_dir}: loading this quantized checkpoint (quant_method {_quant_method(model_dir)}) "
                           f"needs packages that are not installed; pip install 'tidal[quant]' ({e})") from None
     task = TASKS.get(cfg.task.name)(cfg.task)
-    engine = ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg.rollout, cfg.seed, 0)
+    try:
+        engine = ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg.rollout, cfg.seed, 0)
+    except ImportError as e:  # an optional engine (vllm): its message says what to install
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine}: {e}") from None
     pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
     try:
         result = greedy_accuracy(engine, tokenizer, task.eval_prompts()[: cfg.num_eval], pool)
