@@ -122,8 +122,11 @@ def train_classifier(in_path: str | Path, out_dir: str | Path, cfg: TrainClassif
             metrics["holdout_accuracy"] = float(((pred >= 0.5).float() == y).float().mean())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), out / "model.pt")
-    (out / "config.json").write_text(json.dumps({**asdict(cfg), "metrics": metrics}, indent=2))
+    # temporary names renamed into place: an interrupted save never leaves a truncated model behind
+    torch.save(model.state_dict(), out / "model.pt.tmp")
+    (out / "config.json.tmp").write_text(json.dumps({**asdict(cfg), "metrics": metrics}, indent=2))
+    (out / "model.pt.tmp").replace(out / "model.pt")
+    (out / "config.json.tmp").replace(out / "config.json")
     return metrics
 
 
