@@ -80,6 +80,10 @@ def test_unreadable_parquet_or_gzip_is_one_clear_error(tmp_path):
     (tmp_path / "d.jsonl.gz").write_bytes(b"\x1f\x8b" + b"garbage" * 10)
     with pytest.raises(ConfigError, match=r"d.jsonl.gz: not a readable gzip file"):
         _task(name="jsonl", path=tmp_path / "d.jsonl.gz")
+    (tmp_path / "b.jsonl").write_bytes(bytes(range(256)))
+    for name, builder in (("d.parquet", "parquet"), ("b.jsonl", "json")):  # through datasets' own readers
+        with pytest.raises(ConfigError, match=rf"{name}'\: {builder} files not readable \(ArrowInvalid: "):
+            _task(name="hf_disk", path=tmp_path / name, **{"params.cache_dir": tmp_path / "cache"})
 
 
 def test_jsonl_separate_eval_file_is_decontaminated(tmp_path):

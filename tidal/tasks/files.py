@@ -159,19 +159,28 @@ def load_hf(path: str | None, params: dict[str, Any], key: str = "task.path"):
     unknown = set(params) - {"builder", "cache_dir"}
     if unknown:
         raise ConfigError(f"task.params for hf_disk: unknown {sorted(unknown)} (known: builder, cache_dir)")
-    if path and Path(path).expanduser().is_dir() and _is_saved(Path(path).expanduser()):
-        import datasets
+    import datasets
+    import pyarrow as pa
 
-        with offline():
-            return datasets.load_from_disk(str(Path(path).expanduser()))
+    unreadable = (datasets.exceptions.DatasetGenerationError, pa.ArrowException, ValueError, OSError)
+    if path and Path(path).expanduser().is_dir() and _is_saved(Path(path).expanduser()):
+        try:
+            with offline():
+                return datasets.load_from_disk(str(Path(path).expanduser()))
+        except unreadable as e:
+            raise ConfigError(f"{key}={path!r}: not a readable saved dataset ({e})") from None
     files = resolve(path, tuple(_BUILDERS), key)
     builder = params.get("builder") or _BUILDERS.get(files[0].suffix)
     if builder is None:
         raise ConfigError(f"{key}={path!r}: cannot tell the format of {files[0].name}; set task.params.builder")
-    import datasets
-
-    with offline():
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files], cache_dir=params.get("cache_dir"))
+    try:
+        with offline():
+            return datasets.load_dataset(builder, data_files=[str(f) for f in files],
+                                         cache_dir=params.get("cache_dir"))
+    except unreadable as e:  # the generation error wraps the parser's: name that one
+        cause = e.__cause__ or e.__context__ or e
+        raise ConfigError(f"{key}={path!r}: {builder} files not readable ({type(cause).__name__}: "
+                          f"{str(cause).splitlines()[0] if str(cause) else ''})") from None
 
 
 def _is_saved(d: Path) -> bool:
