@@ -46,6 +46,10 @@ def test_task_errors_are_clear():
         TASKS.get("reasoning_gym")(TaskConfig(name="reasoning_gym"))
     with pytest.raises(ConfigError, match="reasoning-gym 'basic_arithmetic' with config"):
         _task("basic_arithmetic", no_such_option=3)
+    with pytest.raises(ConfigError, match=r"task.params.size='abc': must be a whole number >= 1"):
+        _task("basic_arithmetic", size="abc")
+    with pytest.raises(ConfigError, match=r"task.params.seed=-1: must be a whole number >= 0"):
+        _task("basic_arithmetic", seed=-1)
     with pytest.raises(ConfigError, match="cannot be warm-started"):
         task = _task("graph_color")
         task.sft_example(task.train_prompt(0))

@@ -72,8 +72,10 @@ class ReasoningGymTask(RowTask):
         dataset = params.pop("dataset", None)
         if not dataset:
             raise ConfigError("task reasoning_gym needs task.params.dataset (e.g. basic_arithmetic)")
-        size = int(params.pop("size", DEFAULT_SIZE))
-        seed = int(params.pop("seed", cfg.seed))
+        size, seed = params.pop("size", DEFAULT_SIZE), params.pop("seed", cfg.seed)
+        for key, value in (("size", size), ("seed", seed)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "size" else 0):
+                raise ConfigError(f"task.params.{key}={value!r}: must be a whole number >= {1 if key == 'size' else 0}")
         entries = generate(dataset, size + cfg.num_eval, seed, params)
         source = f"task reasoning_gym ({dataset})"
         # The mapping is fixed (reasoning-gym's entry layout); the template may use {question}.
