@@ -124,8 +124,17 @@ def test_curate_help_lists_every_recipe(monkeypatch):
         assert name in text, name
 
 
-def test_chunk_size_and_workers_are_checked():
-    with pytest.raises(ConfigError, match="chunk_size must be >= 1 and workers >= 0"):
-        load_recipe("dedup", ["chunk_size=0"])
-    with pytest.raises(ConfigError, match="chunk_size must be >= 1 and workers >= 0"):
-        load_recipe("dedup", ["workers=-1"])
+@pytest.mark.parametrize("override,message", [
+    ("chunk_size=0", "chunk_size=0: must be >= 1"),  # read nothing and reported "no valid rows"
+    ("workers=-1", "workers=-1: must be >= 0"),
+    ("executor=dask", "executor='dask': must be local or ray"),  # these were assertion tracebacks
+    ("near_dedup.threshold=2", "near_dedup.threshold=2.0: must be in (0, 1]"),
+    ("near_dedup.bands=0", "near_dedup.bands=0: must be >= 1"),
+    ("near_dedup.ngram=0", "near_dedup.ngram=0: must be >= 1"),
+    ("decontaminate.ngram=0", "decontaminate.ngram=0: must be >= 1"),
+    ("difficulty.min_pass_rate=0.9", "difficulty.min_pass_rate=0.9: must be 0 <= min_pass_rate <= max_pass_rate"),
+])
+def test_settings_no_block_can_run_with_are_config_errors_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe("dedup", ["difficulty.max_pass_rate=0.5", override])
+    assert message in str(e.value)

@@ -105,10 +105,32 @@ def load_recipe(recipe: str, overrides: list[str]) -> CurateConfig:
     unknown = [b for b in cfg.blocks if b not in BLOCKS]
     if unknown or not cfg.blocks:
         raise ConfigError(f"blocks {unknown or '[]'}: choose from {', '.join(BLOCKS)}")
-    if cfg.chunk_size < 1 or cfg.workers < 0:
-        raise ConfigError(f"chunk_size must be >= 1 and workers >= 0 (0: every core); got {cfg.chunk_size}, "
-                          f"{cfg.workers}")
+    _check(cfg)
     return cfg
+
+
+def _check(cfg: CurateConfig) -> None:
+    """A ConfigError naming the key for a setting no block can run with (not an assertion inside it)."""
+    nd, diff = cfg.near_dedup, cfg.difficulty
+    rules = [
+        ("chunk_size", cfg.chunk_size >= 1, ">= 1"),
+        ("workers", cfg.workers >= 0, ">= 0 (0: every core)"),
+        ("executor", cfg.executor in ("local", "ray"), "local or ray"),
+        ("near_dedup.threshold", 0 < nd.threshold <= 1, "in (0, 1]"),
+        ("near_dedup.ngram", nd.ngram >= 1, ">= 1"),
+        ("near_dedup.bands", nd.bands >= 1, ">= 1"),
+        ("near_dedup.rows", nd.rows >= 1, ">= 1"),
+        ("decontaminate.ngram", cfg.decontaminate.ngram >= 1, ">= 1"),
+        ("difficulty.samples", diff.samples >= 1, ">= 1"),
+        ("difficulty.min_pass_rate", 0 <= diff.min_pass_rate <= diff.max_pass_rate <= 1,
+         f"0 <= min_pass_rate <= max_pass_rate (= {diff.max_pass_rate}) <= 1"),
+    ]
+    for key, ok, rule in rules:
+        if not ok:
+            node = cfg
+            for part in key.split("."):
+                node = getattr(node, part)
+            raise ConfigError(f"{key}={node!r}: must be {rule}")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
