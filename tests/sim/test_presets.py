@@ -87,3 +87,10 @@ def test_cli_values_the_simulator_cannot_run_are_one_line_errors(tmp_path, capsy
 def test_build_accepts_every_preset_as_shipped():
     build(["preset=areal"])
     build(SMALL_AREAL)
+
+
+def test_eta_plot_needs_a_layout_async_can_run(tmp_path, capsys):
+    args = ["simulate", "--set", "preset=areal", "--set", "modes=[sync]", "--set", "layout.gen_devices=128",
+            "--set", "steps=8", "--out", str(tmp_path)]
+    assert main(args) == 2  # the eta sweep simulates async, which needs a training device
+    assert "(--plot eta simulates async)" in capsys.readouterr().err

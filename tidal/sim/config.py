@@ -79,9 +79,10 @@ class ModeResult:
     train_devices: int
 
 
-def validate(cfg: SimConfig) -> SimConfig:
+def validate(cfg: SimConfig, async_plot: bool = False) -> SimConfig:
     """A ConfigError naming the key for a value the simulator cannot run (instead of an assertion or an
-    IndexError deep inside it); returns ``cfg``."""
+    IndexError deep inside it); returns ``cfg``. ``async_plot``: the eta sweep will simulate async
+    whatever ``modes`` says."""
     import dataclasses
 
     from tidal.config import ConfigError
@@ -99,9 +100,10 @@ def validate(cfg: SimConfig) -> SimConfig:
     need(0 <= cfg.warmup_steps < cfg.steps, "warmup_steps", f"must be >= 0 and < steps={cfg.steps}")
     need(bool(cfg.modes) and set(cfg.modes) <= set(MODES), "modes", f"a non-empty list of {', '.join(MODES)}")
     need(lay.devices >= 1, "layout.devices", "needs at least 1 device")
-    split = any(m != "sync" for m in cfg.modes) or not lay.sync_colocated
+    split = any(m != "sync" for m in cfg.modes) or not lay.sync_colocated or async_plot
     need(lay.gen_devices >= 1 and (not split or lay.gen_devices < lay.devices), "layout.gen_devices",
-         f"must be >= 1 and leave at least one of layout.devices={lay.devices} to train")
+         f"must be >= 1 and leave at least one of layout.devices={lay.devices} to train"
+         + (" (--plot eta simulates async)" if async_plot else ""))
     need(0 <= lay.engine_devices <= lay.gen_devices, "layout.engine_devices",
          f"must be 0 (one engine) or at most layout.gen_devices={lay.gen_devices}")
     need(lay.max_batch >= w.group_size, "layout.max_batch", f"an engine must hold a whole group ({w.group_size})")

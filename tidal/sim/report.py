@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tidal.sim.config import SimConfig
+from tidal.sim.config import SimConfig, validate
 from tidal.sim.simulator import compare, simulate
 
 COLUMNS = ["mode", "samples_per_s", "speedup", "step_s", "gen_idle_frac", "train_idle_frac", "device_idle_frac",
@@ -85,7 +85,7 @@ def main(overrides: list[str], out_dir: str | Path, plot_kind: str = "eta") -> d
     JSON, write ``result.json`` (and ``simulate.png`` unless ``plot_kind`` is ``none``) to ``out_dir``."""
     from tidal.sim.presets import build
 
-    cfg = build(overrides)
+    cfg = validate(build(overrides), async_plot=plot_kind == "eta")
     out = compare(cfg)
     result = {"config": dataclasses.asdict(cfg), "table": table(out)}
     out_dir = Path(out_dir)
