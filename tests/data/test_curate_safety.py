@@ -138,3 +138,15 @@ def test_settings_no_block_can_run_with_are_config_errors_naming_the_key(overrid
     with pytest.raises(ConfigError) as e:
         load_recipe("dedup", ["difficulty.max_pass_rate=0.5", override])
     assert message in str(e.value)
+
+
+def test_bad_input_or_output_path_fails_before_any_work(tmp_path):
+    # rl-difficulty with a missing model: the path errors come first, before the blocks (and models) load
+    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"prompt": "1+1", "answer": "2"}).encode()])
+    no_model = [f"difficulty.model={tmp_path / 'no_model'}"]
+    with pytest.raises(FileNotFoundError, match="nope.jsonl: no such file"):
+        curate("rl-difficulty", tmp_path / "nope.jsonl", tmp_path / "out.jsonl", no_model, progress=False)
+    with pytest.raises(ValueError, match="out.txt: unknown format"):
+        curate("rl-difficulty", src, tmp_path / "out.txt", no_model, progress=False)
+    with pytest.raises(ConfigError, match="difficulty.model: no Hugging Face model"):
+        curate("rl-difficulty", src, tmp_path / "out.jsonl", no_model, progress=False)

@@ -21,7 +21,7 @@ from tidal.data.classifier import ClassifierConfig, QualityClassifier
 from tidal.data.decontam import DecontamConfig, Decontaminate
 from tidal.data.dedup import ExactDedup, NearDedup, NearDedupConfig
 from tidal.data.difficulty import Difficulty, DifficultyConfig, difficulty_stages
-from tidal.data.io import BadRows, read_numbered, refuse_overwrite, write_rows
+from tidal.data.io import BadRows, input_kind, output_kind, read_numbered, refuse_overwrite, write_rows
 from tidal.data.pipeline import Block, Pipeline
 from tidal.data.quality import (
     C4Filter,
@@ -162,6 +162,8 @@ def curate(recipe: str, in_path: str | Path, out_path: str | Path, overrides: li
     evals = [cfg.eval] if isinstance(cfg.eval, str) else cfg.eval
     refuse_overwrite(out_path, {"--in": in_path, **{f"eval={e}": e for e in evals if "decontaminate" in cfg.blocks}})
     refuse_overwrite(str(out_path) + ".report.json", {"--in": in_path})
+    input_kind(Path(in_path))  # a missing input, an unknown format: errors before any work
+    output_kind(Path(out_path))
     pipeline = Pipeline(build_blocks(cfg), workers=cfg.workers or os.cpu_count() or 1, chunk_size=cfg.chunk_size,
                         executor=cfg.executor, ray_address=cfg.ray_address)
     bad = BadRows()

@@ -55,6 +55,23 @@ def _kind(path: Path) -> str:
                      f"directory (save_to_disk)")
 
 
+def input_kind(path: Path) -> str:
+    """The format of an input (an error if it is missing or of no known format)."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    return _kind(path)
+
+
+def output_kind(path: Path) -> str:
+    """The format ``write_rows`` will write ``path`` in; an error, before any work, if it cannot."""
+    kind = "hf_disk" if path.suffix == "" else _kind(path)
+    if kind == "hf_disk" and path.exists() and not _is_saved_dataset(path):
+        raise ValueError(f"{path}: exists and is not a Hugging Face dataset directory; refusing to replace it")
+    if kind != "hf_disk" and path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory; --out names the output file")
+    return kind
+
+
 def read_rows(path: str | Path, bad: BadRows | None = None) -> Iterator[Row]:
     """Stream the rows of ``path`` (see ``read_numbered``)."""
     for _, row in read_numbered(path, bad):
@@ -67,9 +84,7 @@ def read_numbered(path: str | Path, bad: BadRows | None = None) -> Iterator[tupl
     skipped and counted in ``bad`` (a curation run over millions of lines should not die on one);
     without ``bad`` it is an error naming the line."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    kind = _kind(path)
+    kind = input_kind(path)
     if kind.startswith("jsonl"):
         opener = gzip.open if kind.endswith("gz") else open
         with opener(path, "rb") as f:
@@ -120,11 +135,7 @@ def write_rows(path: str | Path, rows: Iterable[Row]) -> int:
     failure (a bad row upstream, Ctrl-C, a full disk) leaves ``path`` as it was and no temporary file
     behind. Returns the number written."""
     path = Path(path)
-    kind = "hf_disk" if path.suffix == "" else _kind(path)
-    if kind == "hf_disk" and path.exists() and not _is_saved_dataset(path):
-        raise ValueError(f"{path}: exists and is not a Hugging Face dataset directory; refusing to replace it")
-    if kind != "hf_disk" and path.is_dir():
-        raise IsADirectoryError(f"{path}: is a directory; --out names the output file")
+    kind = output_kind(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
