@@ -364,8 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "train-classifier (labeled rows in, a quality model directory out) | "
                     "compare (proxy models rank datasets: --set proxy.datasets=[A, B] --set proxy.eval=PATH)")
     sp.add_argument("--in", dest="inp", default=None, help="input: .jsonl(.gz), .parquet or a HF dataset directory")
-    sp.add_argument("--out", required=True, help="output for the kept rows (same formats; never the --in file: written whole "
-                    "or not at all); OUT.report.json beside it")
+    sp.add_argument("--out", required=True, help="output for the kept rows (same formats; never the --in file: "
+                    "written whole or not at all); OUT.report.json beside it")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="eval=PATH, workers=N, near_dedup.threshold=0.8, ... (CurateConfig keys)")
     sp.set_defaults(fn=cmd_curate)
