@@ -2,14 +2,51 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 from tidal.api import GenRequest
+from tidal.config import ConfigError
 from tidal.types import Prompt, Trajectory
 
 
 def prompt_ids(tokenizer, prompt: Prompt) -> tuple[int, ...]:
     return (tokenizer.bos_token_id, *tokenizer(prompt.text, add_special_tokens=False).input_ids)
+
+
+def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context: int, max_new_tokens: int,
+                      chunk: int = 1024) -> int:
+    """Raise a ConfigError naming the first prompt the model cannot answer, before any work is done.
+
+    ``prompts`` yields ``(where, prompt)``, ``where`` naming the row for the message (``train row 17``).
+    A prompt fails when its tokens plus ``max_new_tokens`` exceed ``context`` (the model's
+    ``max_position_embeddings``: such a prompt would crash generation or, in the warm start, allocate
+    for its whole length), or when it holds characters the tokenizer cannot encode (a word-level or
+    character tokenizer maps them to its unknown token; the tiny model's maps them to <pad>, silently
+    changing the prompt). Returns the number of prompts checked."""
+    unknown = {tokenizer.unk_token_id} if tokenizer.unk_token_id is not None else set()
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        unknown.add(tokenizer.pad_token_id)  # the tiny tokenizer's unknown token is <pad>
+    budget = context - max_new_tokens - 1  # the BOS that ``prompt_ids`` prepends
+    if budget < 1:
+        raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+                          f"context of {context} tokens (model.max_position_embeddings)")
+    prompts, checked = iter(prompts), 0
+    while batch := list(islice(prompts, chunk)):
+        encoded = tokenizer([p.text for _, p in batch], add_special_tokens=False).input_ids
+        for (where, p), ids in zip(batch, encoded):
+            if len(ids) > budget:
+                raise ConfigError(
+                    f"{where}: the prompt is {len(ids):,} tokens, and with rollout.max_new_tokens={max_new_tokens} "
+                    f"it does not fit the model's context of {context} (model.max_position_embeddings): shorten or "
+                    "drop it")
+            if unknown.intersection(ids):
+                encode = lambda c: tokenizer(c, add_special_tokens=False).input_ids  # noqa: E731
+                bad = sorted({c for c in p.text if unknown.intersection(encode(c))})
+                raise ConfigError(f"{where}: the prompt has characters the tokenizer cannot encode: {bad[:10]} "
+                                  f"(the model would see {tokenizer.convert_ids_to_tokens(min(unknown))} instead)")
+        checked += len(batch)
+    return checked
 
 
 def group_requests(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from pathlib import Path
 
 from tidal import config as config_lib
@@ -21,6 +22,7 @@ from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
 from tidal.rollout.local import LocalEngine
+from tidal.rollout.requests import check_prompts_fit
 from tidal.system.config import RunConfig
 from tidal.system.controller import Controller, RunResult
 from tidal.system.evaluate import greedy_accuracy
@@ -32,6 +34,29 @@ from tidal.train.trainer import Trainer
 from tidal.train.trainer import validate as validate_trainer
 from tidal.utils.metrics import JsonlTracker, MlflowTracker, MultiTracker, TensorBoardTracker, WandbTracker
 from tidal.utils.seeding import seed_everything
+
+
+def check_task_fits(cfg: RunConfig, task, max_train: int = 200_000) -> None:
+    """Every eval prompt and the first ``max_train`` training prompts fit the model (its context, its
+    vocabulary), checked before the warm start so a bad row is one line, not an out-of-memory crash."""
+    if cfg.model.path:
+        from transformers import AutoConfig
+
+        tokenizer = tiny.load_tokenizer(Path(cfg.model.path))
+        context = getattr(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True),
+                          "max_position_embeddings", None)
+        if context is None:
+            return
+    else:
+        tokenizer, context = tiny.build_tokenizer(), cfg.model.max_position_embeddings
+
+    def label(split: str, i: int, p) -> str:
+        return f"task {cfg.task.name}, {split} prompt {i} ({p.text[:30]!r}{'...' if len(p.text) > 30 else ''})"
+
+    rows = itertools.chain(((label("eval", i, p), p) for i, p in enumerate(task.eval_prompts())),
+                           ((label("train", i, p), p) for i, p in
+                            ((i, task.train_prompt(i)) for i in range(min(task.num_train, max_train)))))
+    check_prompts_fit(tokenizer, rows, context, cfg.rollout.max_new_tokens)
 
 
 def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
@@ -83,6 +108,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     config_lib.save_yaml(cfg, out_dir / "config.yaml")
     seed_everything(cfg.seed)
     task = TASKS.get(cfg.task.name)(cfg.task)
+    check_task_fits(cfg, task)
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base
