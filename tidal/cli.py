@@ -111,7 +111,8 @@ def cmd_train(args) -> int:
 
 def _one_line_errors(fn):
     """Bad input to ``fn`` (a ValueError or OSError: a malformed file, a missing or unwritable path) is
-    one ``error:`` line on stderr and exit code 2, never a traceback."""
+    one ``error:`` line on stderr and exit code 2, never a traceback; Ctrl-C is one line and 130 (the
+    outputs are written under temporary names, so an interrupted command leaves them as they were)."""
     import functools
 
     @functools.wraps(fn)
@@ -121,6 +122,9 @@ def _one_line_errors(fn):
         except (ValueError, OSError) as e:
             print("error: " + " ".join(str(e).split()), file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print(f"error: tidal {args.command} interrupted; its outputs were not replaced", file=sys.stderr)
+            return 130
 
     return wrapper
 

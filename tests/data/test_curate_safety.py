@@ -150,3 +150,26 @@ def test_bad_input_or_output_path_fails_before_any_work(tmp_path):
         curate("rl-difficulty", src, tmp_path / "out.txt", no_model, progress=False)
     with pytest.raises(ConfigError, match="difficulty.model: no Hugging Face model"):
         curate("rl-difficulty", src, tmp_path / "out.jsonl", no_model, progress=False)
+
+
+def test_ctrl_c_leaves_the_earlier_output_and_prints_one_line(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    fifo, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    os.mkfifo(fifo)  # the input never ends until we say so: the run is mid-way when Ctrl-C comes
+    out.write_text("earlier output\n")
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "curate", "dedup", "--in", str(fifo), "--out", str(out),
+                             "--set", "workers=2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    with open(fifo, "wb") as writer:  # returns once curate has opened its input
+        writer.write(b"".join(json.dumps({"text": f"{TEXT} {i}"}).encode() + b"\n" for i in range(3)))
+        writer.flush()
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group, pool workers included
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.decode().strip() == "error: tidal curate interrupted; its outputs were not replaced"
+    assert out.read_text() == "earlier output\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl",
+                                                                                                   "out.jsonl"]

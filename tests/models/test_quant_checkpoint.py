@@ -117,6 +117,9 @@ def test_cli_quantize_never_writes_over_its_source(model_dir, tmp_path, capsys):
     assert main(["quantize", str(model_dir), str(tmp_path / "f")]) == 2
     assert "is a file" in capsys.readouterr().err and (tmp_path / "f").read_text() == "mine"
     assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+    assert main(["quantize", str(model_dir), str(tmp_path / "q")]) == 0  # files land under their names only
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == sorted(
+        n for n in before if n in ("config.json", "model.safetensors", "generation_config.json") or "token" in n)
 
 
 @pytest.mark.parametrize("layout,package", [("compressed-tensors", "compressed_tensors"), ("fp8", "accelerate")])

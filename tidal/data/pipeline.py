@@ -16,6 +16,8 @@ Filters never modify rows: what comes out is a subset of what went in, in input 
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -98,6 +100,7 @@ _WORKER_BLOCKS: list[Block] = []
 def _init_worker(blocks: list[Block]) -> None:
     global _WORKER_BLOCKS
     _WORKER_BLOCKS = blocks
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle (it ends the pool)
 
 
 def _prepare_chunk(args: tuple[int, list[Row]]) -> list[Any]:
@@ -111,7 +114,15 @@ class _ProcessPool:
 
     def __init__(self, blocks: list[Block], workers: int):
         self.workers = workers
-        self.pool = mp.get_context().Pool(workers, initializer=_init_worker, initargs=(blocks,))
+        # Forked workers inherit SIGINT ignored from the start (a Ctrl-C racing their initializer would
+        # print a traceback per worker); the main process keeps its handler and ends the pool.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            self.pool = mp.get_context().Pool(workers, initializer=_init_worker, initargs=(blocks,))
+        finally:
+            if previous is not None:  # None: a handler not set from Python (nothing to restore)
+                signal.signal(signal.SIGINT, previous)
 
     def map(self, index: int, parts: list[list[Row]]) -> list[list[Any]]:
         return self.pool.map(_prepare_chunk, [(index, part) for part in parts])

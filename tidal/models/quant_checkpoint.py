@@ -99,11 +99,21 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, layout: str = "compres
     check_vllm_tiles(sd, names)
     out = quantize_state_dict(sd, names, SCALE_NAME[layout])
     dst.mkdir(parents=True, exist_ok=True)
-    for pattern in SIDE_FILES:
-        for f in src.glob(pattern):
-            shutil.copy2(f, dst / f.name)
-    save_file(out, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2) + "\n")
+    # every file goes to a temporary name first and is renamed only once all are written: an
+    # interrupted run never leaves a checkpoint whose config.json promises weights that are not there
+    tmp = {name: dst / f"{name}.tmp" for name in
+           [f.name for pattern in SIDE_FILES for f in src.glob(pattern)] + [WEIGHTS_FILE, "config.json"]}
+    try:
+        for name in tmp:
+            if (src / name).exists() and name not in (WEIGHTS_FILE, "config.json"):
+                shutil.copy2(src / name, tmp[name])
+        save_file(out, str(tmp[WEIGHTS_FILE]), metadata={"format": "pt"})
+        tmp["config.json"].write_text(json.dumps({**config, "quantization_config": quant}, indent=2) + "\n")
+        for name, path in tmp.items():
+            path.replace(dst / name)
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
     nbytes = lambda d: sum(t.numel() * t.element_size() for t in d.values())  # noqa: E731
     return {"num_quantized": len(names), "bytes_before": nbytes(sd), "bytes_after": nbytes(out)}
 
