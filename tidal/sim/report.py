@@ -95,5 +95,7 @@ def main(overrides: list[str], out_dir: str | Path, plot_kind: str = "eta") -> d
         result["plot"] = str(out_dir / "simulate.png")
     print(format_table(result["table"]))
     print(json.dumps(result, indent=2))
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    tmp = out_dir / "result.json.tmp"  # renamed into place: an interrupted run leaves the last result whole
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out_dir / "result.json")
     return result
