@@ -73,7 +73,8 @@ def test_summary_says_when_the_goal_is_missed():
 
 
 def test_late_swing_is_the_largest_drop_once_at_0_8():
-    assert trl_bench.late_swing([(0, 0.5), (10, 0.3), (20, 0.85), (30, 0.7), (40, 0.9), (50, 0.88)]) == pytest.approx(0.15)
+    curve = [(0, 0.5), (10, 0.3), (20, 0.85), (30, 0.7), (40, 0.9), (50, 0.88)]
+    assert trl_bench.late_swing(curve) == pytest.approx(0.15)
     assert trl_bench.late_swing([(0, 0.5), (10, 0.3)]) == 0.0  # never at 0.8: the early dip does not count
     assert trl_bench.late_swing([(0, 0.8), (10, 0.9)]) == 0.0
 

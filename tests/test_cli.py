@@ -23,7 +23,8 @@ def test_unknown_recipe_is_a_clear_error(capsys):
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):
-    code = main(["train", "quickstart", "--out", str(tmp_path), "--resume", "--set", "sft.steps=1", "--set", "sft.accuracy_band=null",
+    code = main(["train", "quickstart", "--out", str(tmp_path), "--resume", "--set", "sft.steps=1",
+                 "--set", "sft.accuracy_band=null",
                  "--set", f"sft.cache_dir={tmp_path / 'c'}", "--set", "model.hidden_size=16",
                  "--set", "model.num_heads=2", "--set", "model.num_kv_heads=2", "--set", "model.num_layers=1"])
     assert code == 2 and "no checkpoint" in capsys.readouterr().err

@@ -18,7 +18,8 @@ def test_quickstart_pipeline_reward_rises(tmp_path):
     out = tmp_path / "run"
     code = main(["train", "quickstart", "--out", str(out),
                  "--set", "model.hidden_size=64", "--set", "model.num_layers=2", "--set", "model.intermediate_size=256",
-                 "--set", "sft.steps=1000", "--set", "sft.accuracy_band=[0.3,0.5]", "--set", "sft.lr=3e-3", "--set", f"sft.cache_dir={tmp_path / 'cache'}",
+                 "--set", "sft.steps=1000", "--set", "sft.accuracy_band=[0.3,0.5]",
+                 "--set", "sft.lr=3e-3", "--set", f"sft.cache_dir={tmp_path / 'cache'}",
                  "--set", "optim.lr=3e-4", "--set", "max_steps=30", "--set", "max_time_s=null",
                  "--set", "target_accuracy=null", "--set", "eval_every=10", "--set", "num_eval=200",
                  "--set", "log.progress=false"])

@@ -15,7 +15,8 @@ COMPARABLE = ("reward/", "algo/", "train/", "eval/", "rollout/response", "async/
 def TINY_OVERRIDES(tmp_path):  # noqa: N802  (a constant list, parametrized by the cache dir)
     return [
         "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
-        "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null", "sft.batch_size=16", f"sft.cache_dir={tmp_path / 'cache'}",
+        "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null",
+        "sft.batch_size=16", f"sft.cache_dir={tmp_path / 'cache'}",
         "reward.name=digit_match", "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=4",
         "rollout.max_new_tokens=4", "max_steps=4", "max_time_s=null", "target_accuracy=null", "eval_every=2",
         "num_eval=16", "checkpoint_every=2", "optim.lr=1e-2", "system.num_threads=1",

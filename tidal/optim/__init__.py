@@ -11,9 +11,9 @@
   one optimizer (``muon.py``, ``combined.py``). It needs the model, not just its parameters, to tell the
   two sets apart.
 
-Every builder returns a plain ``torch.optim.Optimizer``; the schedule (linear warm-up, then constant or a cosine/linear decay) is
-one ``LambdaLR`` that rescales every parameter group from its own base lr, so Muon's matrices and AdamW's
-vectors move together.
+Every builder returns a plain ``torch.optim.Optimizer``; the schedule (linear warm-up, then constant or a
+cosine/linear decay: ``lr_factor``) is one ``LambdaLR`` that rescales every parameter group from its own base
+lr, so Muon's matrices and AdamW's vectors move together.
 """
 
 from __future__ import annotations
