@@ -30,11 +30,12 @@ import torch
 from tqdm.auto import tqdm
 
 from tidal.api import RolloutEngine, Task, Tracker
+from tidal.config import ConfigError
 from tidal.rewards.monitor import reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.requests import group_requests
 from tidal.system.batching import collect_batch, informative, length_budget
-from tidal.system.buffer import RolloutBuffer
+from tidal.system.buffer import BufferClosed, RolloutBuffer
 from tidal.system.config import RunConfig
 from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
@@ -288,6 +289,9 @@ class Controller:
                 nonlocal next_group
                 want = free_rows // group_size
                 if want == 0:
+                    if block:  # nothing running and still no room for one group: it never will be
+                        raise ConfigError(f"rollout.max_batch_size={cfg.rollout.max_batch_size} is smaller than "
+                                          f"rollout.group_size={group_size}: no group can ever be admitted")
                     return []
                 if block:  # idle until the trainer publishes a version: lend it every core meanwhile
                     torch.set_num_threads(cfg.system.num_threads)
@@ -342,7 +346,7 @@ class Controller:
         try:
             while True:
                 start = time.perf_counter()
-                groups, metrics = self._collect(lambda i, _: buffer.take(i, 1)[0], step, cfg.rollout.max_staleness,
+                groups, metrics = self._collect(lambda i, _: _take(buffer, i), step, cfg.rollout.max_staleness,
                                                 on_stale=lambda g: staleness.release())
                 staleness.charge(int(metrics["algo/shortfall_groups"]))
                 metrics.update(self._train_step(step, groups))
@@ -358,6 +362,17 @@ class Controller:
             buffer.close()
             generator.join()  # finishes the rows it was decoding, then ends its stream
             scorer.join()
+
+
+def _take(buffer: RolloutBuffer, index: int) -> Group:
+    """Group ``index`` from the buffer; a config error met by the generator or scorer thread is raised
+    as itself (one line at the command line), not wrapped in BufferClosed."""
+    try:
+        return buffer.take(index, 1)[0]
+    except BufferClosed as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
 
 
 def _with_length(prompt: Prompt, traj: Trajectory) -> Prompt:

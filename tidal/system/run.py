@@ -27,11 +27,11 @@ from tidal.system.config import RunConfig
 from tidal.system.controller import Controller, RunResult
 from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
+from tidal.system.validate import validate_run_config
 from tidal.tasks import TASKS
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint
 from tidal.train.sft import warm_start
 from tidal.train.trainer import Trainer
-from tidal.train.trainer import validate as validate_trainer
 from tidal.utils.metrics import JsonlTracker, MlflowTracker, MultiTracker, TensorBoardTracker, WandbTracker
 from tidal.utils.seeding import seed_everything
 
@@ -93,13 +93,9 @@ def _rollout_model(cfg: RunConfig, trainer: Trainer):
 
 
 def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Controller:
-    validate_trainer(cfg.trainer)  # a bad trainer key fails before the warm start, naming the key
+    validate_run_config(cfg)  # a value the run cannot use fails before any work, naming the key
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.trainer.temperature != cfg.rollout.temperature:
-        raise config_lib.ConfigError(
-            f"trainer.temperature={cfg.trainer.temperature} must equal rollout.temperature="
-            f"{cfg.rollout.temperature}: the importance ratio compares the same distribution")
     if cfg.rollout.weight_quant != "none" and cfg.rollout.engine != "local":
         raise config_lib.ConfigError(
             f"rollout.weight_quant={cfg.rollout.weight_quant} needs rollout.engine=local (got "

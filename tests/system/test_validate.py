@@ -1,0 +1,94 @@
+"""validate_run_config: every value a run cannot use is one ConfigError naming the key, before any work;
+and the async generator raises (instead of spinning) if it can never admit a group."""
+
+import threading
+
+import pytest
+
+from tidal.config import ConfigError, apply_overrides
+from tidal.recipes import RECIPES
+from tidal.system.run import close, prepare
+from tidal.system.validate import validate_run_config
+
+from .test_controller import tiny_cfg
+
+BAD = [  # (override, the key the error must name)
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("rollout.group_size=0", "rollout.group_size"),
+    ("rollout.group_size=-1", "rollout.group_size"),
+    ("rollout.prompts_per_step=0", "rollout.prompts_per_step"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
+    ("rollout.max_batch_size=4", "rollout.max_batch_size"),  # quickstart's group_size is 8
+    ("rollout.temperature=-1", "rollout.temperature"),
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("trainer.temperature=0", "trainer.temperature"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.max_staleness=-1", "rollout.max_staleness"),
+    ("rollout.length_schedule=[[0]]", "rollout.length_schedule"),
+    ("optim.betas=[0.9]", "optim.betas"),
+    ("optim.betas=[0.9, 1.0]", "optim.betas"),
+    ("optim.betas=[0.9, 0.99, 0.999]", "optim.betas"),
+    ("optim.lr=0", "optim.lr"),
+    ("optim.lr=-1e-4", "optim.lr"),
+    ("optim.lr=.nan", "optim.lr"),
+    ("optim.eps=0", "optim.eps"),
+    ("optim.grad_clip=0", "optim.grad_clip"),
+    ("reward.num_workers=-3", "reward.num_workers"),
+    ("reward.timeout_s=0", "reward.timeout_s"),
+    ("max_steps=0", "max_steps"),
+    ("eval_every=0", "eval_every"),
+    ("checkpoint_every=0", "checkpoint_every"),
+    ("max_time_s=-5", "max_time_s"),
+    ("num_eval=0", "num_eval"),
+    ("system.num_threads=0", "system.num_threads"),
+    ("system.async_threads=-1", "system.async_threads"),
+    ("system.rollout_workers=0", "system.rollout_workers"),
+    ("trainer.num_minibatches=0", "trainer.num_minibatches"),
+    ("algo.kl_coef=-0.1", "algo.kl_coef"),
+    ("algo.mis_high=0.4", "algo.mis_high"),
+    ("model.num_heads=3", "model.hidden_size"),
+    ("model.num_layers=0", "model.num_layers"),
+]
+
+
+@pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
+def test_a_value_the_run_cannot_use_is_one_error_naming_the_key(override, key):
+    cfg = apply_overrides(RECIPES.get("quickstart")(), [override])
+    with pytest.raises(ConfigError) as info:
+        validate_run_config(cfg)
+    message = str(info.value)
+    assert message.startswith(key) and "\n" not in message, message
+
+
+def test_every_recipe_is_valid():
+    for name in RECIPES:
+        validate_run_config(RECIPES.get(name)())
+
+
+def test_prepare_validates_before_writing_anything(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.group_size"):
+        prepare(tiny_cfg(tmp_path, "rollout.group_size=1"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_async_generator_raises_instead_of_spinning_when_no_group_fits(tmp_path):
+    """A config that slipped past validation (changed after prepare) must end the run, not spin."""
+    controller = prepare(tiny_cfg(tmp_path, "system.mode=async"), tmp_path / "run")
+    controller.cfg.rollout.max_batch_size = 2  # the engine reads the same config: group_size 4 never fits
+    outcome: list = []
+
+    def run():
+        try:
+            controller.run()
+        except BaseException as e:  # noqa: BLE001  (the test inspects it)
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the controller spun instead of failing"
+    finally:
+        close(controller)
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
+    assert "rollout.max_batch_size" in str(outcome[0])

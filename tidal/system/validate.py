@@ -1,0 +1,154 @@
+"""Check a run config before any work: a value the run cannot use is one ``ConfigError`` naming the key.
+
+``--set`` and a loaded ``config.yaml`` write fields directly (dataclass ``__init__`` checks never run),
+so a group size of 0, 1 or -1, an empty ``optim.betas`` or a negative temperature used to surface
+minutes later as a ZeroDivisionError, an IndexError, a run that trained nothing and exited 0, or a
+generator that could never admit a group and spun forever. Every rule here is a plain range check
+on one key (or two keys that must agree); checks that need the task or the tokenizer (prompt length
+against the model's context, characters outside the vocabulary) run in ``run.check_task_fits``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from tidal.config import ConfigError
+from tidal.system.config import RunConfig
+from tidal.train.trainer import validate as validate_trainer
+
+Rule = tuple[str, Callable[[Any], bool], str]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _at_least(low: float) -> Callable[[Any], bool]:
+    return lambda v: _number(v) and v >= low
+
+
+def _positive(v: Any) -> bool:
+    return _number(v) and v > 0
+
+
+def _fraction(v: Any) -> bool:  # [0, 1): decays, betas
+    return _number(v) and 0.0 <= v < 1.0
+
+
+def _unit(v: Any) -> bool:  # [0, 1]
+    return _number(v) and 0.0 <= v <= 1.0
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+COUNT, NONNEG = _at_least(1), _at_least(0)
+RULES: list[Rule] = [
+    ("max_steps", COUNT, "an integer >= 1"),
+    ("max_time_s", _optional(_positive), "> 0 seconds (or null)"),
+    ("target_accuracy", _optional(_unit), "in [0, 1] (or null)"),
+    ("eval_every", COUNT, "an integer >= 1"),
+    ("num_eval", _optional(COUNT), "an integer >= 1 (or null: all held-out prompts)"),
+    ("checkpoint_every", COUNT, "an integer >= 1"),
+    ("keep_checkpoints", NONNEG, ">= 0 (0 keeps every checkpoint)"),
+    ("task.num_eval", COUNT, "an integer >= 1"),
+    ("rollout.temperature", _positive, "> 0 (RL samples; the trainer divides logits by it)"),
+    ("rollout.top_p", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    ("rollout.max_new_tokens", COUNT, "an integer >= 1"),
+    ("rollout.group_size", _at_least(2), "an integer >= 2 (a group of one sample has no advantage to learn "
+     "from)"),
+    ("rollout.prompts_per_step", COUNT, "an integer >= 1"),
+    ("rollout.max_staleness", NONNEG, "an integer >= 0"),
+    ("rollout.max_draws_per_step", COUNT, "an integer >= 1"),
+    ("rollout.early_stop_run", _optional(COUNT), "an integer >= 1 (or null)"),
+    ("rollout.early_stop_prob", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    ("reward.num_workers", NONNEG, "an integer >= 0 (0 scores inline)"),
+    ("reward.timeout_s", _positive, "> 0 seconds"),
+    ("algo.adv_eps", NONNEG, ">= 0"),
+    ("algo.eps_low", _optional(NONNEG), ">= 0 (or null)"),
+    ("algo.eps_high", _optional(NONNEG), ">= 0 (or null)"),
+    ("algo.dual_clip", _optional(lambda v: _number(v) and v > 1.0), "> 1 (or null)"),
+    ("algo.eps_low_is", NONNEG, ">= 0"),
+    ("algo.eps_high_is", NONNEG, ">= 0"),
+    ("algo.behav_weight_cap", _optional(_positive), "> 0 (or null)"),
+    ("algo.max_gen_len", _optional(COUNT), "an integer >= 1 (or null)"),
+    ("algo.kl_coef", NONNEG, ">= 0"),
+    ("algo.tis_cap", _positive, "> 0"),
+    ("algo.mis_low", NONNEG, ">= 0"),
+    ("algo.ess_base_ratio", _positive, "> 0"),
+    ("optim.lr", _positive, "> 0"),
+    ("optim.eps", _positive, "> 0"),
+    ("optim.weight_decay", NONNEG, ">= 0"),
+    ("optim.grad_clip", _positive, "> 0"),
+    ("optim.warmup_steps", NONNEG, "an integer >= 0"),
+    ("optim.decay_steps", COUNT, "an integer >= 1"),
+    ("optim.min_lr_ratio", _unit, "in [0, 1]"),
+    ("optim.ademamix.alpha", NONNEG, ">= 0"),
+    ("optim.ademamix.beta3", _fraction, "in [0, 1)"),
+    ("optim.ademamix.warmup_steps", _optional(COUNT), "an integer >= 1 (or null)"),
+    ("optim.muon.momentum", _fraction, "in [0, 1)"),
+    ("optim.muon.ns_steps", COUNT, "an integer >= 1"),
+    ("optim.muon.lr", _optional(_positive), "> 0 (or null: optim.lr)"),
+    ("trainer.num_minibatches", COUNT, "an integer >= 1"),
+    ("trainer.temperature", _positive, "> 0"),
+    ("trainer.micro_batch_tokens", _optional(COUNT), "an integer >= 1 (or null)"),
+    ("trainer.pack_tokens", COUNT, "an integer >= 1"),
+    ("trainer.logprob_chunk_size", COUNT, "an integer >= 1"),
+    ("system.num_threads", COUNT, "an integer >= 1"),
+    ("system.async_threads", COUNT, "an integer >= 1"),
+    ("system.rollout_workers", COUNT, "an integer >= 1"),
+    ("system.rollout_worker_cpus", NONNEG, ">= 0"),
+    ("system.rollout_worker_gpus", NONNEG, ">= 0"),
+    ("system.rollout_worker_threads", COUNT, "an integer >= 1"),
+    ("system.rollout_worker_restarts", NONNEG, "an integer >= 0"),
+    ("system.reward_worker_cpus", NONNEG, ">= 0"),
+]
+MODEL_RULES: list[Rule] = [  # the tiny model built when model.path is not set
+    (f"model.{name}", COUNT, "an integer >= 1")
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                 "max_position_embeddings")
+]
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check(cfg: RunConfig, rules: list[Rule]) -> None:
+    for key, ok, requirement in rules:
+        value = _get(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"{key} must be {requirement}, got {value!r}")
+
+
+def validate_run_config(cfg: RunConfig) -> None:
+    """Raise a ConfigError naming the first key whose value the run cannot use (see the module docstring)."""
+    _check(cfg, RULES)
+    if not cfg.model.path:
+        _check(cfg, MODEL_RULES)
+        m = cfg.model
+        if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be a multiple of model.num_heads "
+                              f"({m.num_heads}), and num_heads of model.num_kv_heads ({m.num_kv_heads})")
+    r = cfg.rollout
+    if r.max_batch_size < r.group_size:
+        raise ConfigError(f"rollout.max_batch_size={r.max_batch_size} must be >= rollout.group_size="
+                          f"{r.group_size}: a group's samples are decoded together")
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 and NONNEG(p[0]) and COUNT(p[1])
+               for p in r.length_schedule):
+        raise ConfigError(f"rollout.length_schedule must be [[from_step >= 0, max_new_tokens >= 1], ...], "
+                          f"got {r.length_schedule!r}")
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(_fraction(b) for b in betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+    if cfg.algo.mis_high <= cfg.algo.mis_low:
+        raise ConfigError(f"algo.mis_high={cfg.algo.mis_high} must be > algo.mis_low={cfg.algo.mis_low}")
+    if cfg.trainer.temperature != r.temperature:
+        raise ConfigError(f"trainer.temperature={cfg.trainer.temperature} must equal rollout.temperature="
+                          f"{r.temperature}: the importance ratio compares the same distribution")
+    validate_trainer(cfg.trainer)
