@@ -20,7 +20,9 @@ so a checkpoint written on Ctrl-C in the middle of a step never skips that step'
 from __future__ import annotations
 
 import dataclasses
+import json
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState, save_checkpoint
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
+from tidal.utils.progress import progress_bar
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Controller:
         self._trained_samples = 0
         self._rl_seconds = 0.0
         self._elapsed_before = state.extra.get("elapsed_s", 0.0)  # RL time of the run before a resume
+        self._unlogged: tuple[int, dict] | None = None  # (step, metrics) of a trained step not logged yet
 
     # ---- pieces shared by both modes -----------------------------------------------------------
     def _prompts(self, start: int, count: int) -> list[Prompt]:
@@ -128,10 +132,11 @@ class Controller:
         eta = self.cfg.rollout.max_staleness if self.cfg.system.mode == "async" else 0
         assert max(staleness) <= eta, f"staleness bound violated at step {step}: {max(staleness)} > {eta}"
         if not trajs:  # dynamic sampling found no informative group within its draw limit
+            self._unlogged = (step + 1, {"algo/empty_step": 1.0})
             self.trainer.skip_step()
             self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
                                            self.trainer.version)
-            return {"algo/empty_step": 1.0}
+            return self._unlogged[1]
         rewards = [t.reward for t in trajs]
         metrics: dict[str, float] = {
             "reward/mean": sum(rewards) / len(rewards),
@@ -147,6 +152,7 @@ class Controller:
         metrics.update(reward_metrics(rewards, [t.reward_details for t in trajs], [t.num_tokens for t in trajs]))
         batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
         metrics.update(algo_metrics)
+        self._unlogged = (step + 1, metrics)  # filled in place: what a Ctrl-C after the update logs
         if batch is not None:
             metrics.update(self.trainer.step(batch))
         else:
@@ -183,6 +189,7 @@ class Controller:
         if cfg.max_time_s is not None and metrics["time/elapsed_s"] >= cfg.max_time_s:
             stop = stop or f"reached max_time_s={cfg.max_time_s}"
         self.tracker.log(done, metrics)
+        self._unlogged = None
         self.history.append({"step": done, **metrics})
         if done % cfg.checkpoint_every == 0 or stop:
             self.checkpoint(metrics["time/elapsed_s"])
@@ -206,16 +213,34 @@ class Controller:
         return path
 
     # ---- the loop ------------------------------------------------------------------------------
+    def _earlier_rows(self) -> list[dict]:
+        """On resume, the rows logged up to the checkpoint (``metrics.jsonl``, already cut there by the
+        tracker), so the result covers the whole run: its base accuracy included."""
+        path = self.out_dir / "metrics.jsonl"
+        rows = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a row torn by the crash we resume from
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= self.state.step:
+                rows.append(row)
+        if not any(r["step"] == 0 for r in rows) and "base_eval" in self.state.extra:
+            rows.insert(0, {"step": 0, **self.state.extra["base_eval"]})
+        return rows
+
     def run(self) -> RunResult:
         cfg = self.cfg
+        if self.state.step > 0:
+            self.history = self._earlier_rows() + self.history
         if self.state.step == 0:
             base = self.state.extra.get("base_eval")  # set when resuming a Ctrl-C before step 1: logged already
             if base is None:
                 base = self.state.extra["base_eval"] = self._evaluate()
                 self.tracker.log(0, base)
             self.history.append({"step": 0, **base})
-        bar = tqdm(total=cfg.max_steps, initial=self.state.step, desc=f"RL ({cfg.system.mode})",
-                   disable=not cfg.log.progress, dynamic_ncols=True)
+        bar = progress_bar(cfg.log.progress, total=cfg.max_steps, initial=self.state.step,
+                           desc=f"RL ({cfg.system.mode})", dynamic_ncols=True)
         try:
             if self.state.step >= cfg.max_steps:
                 stop = f"already at max_steps={cfg.max_steps}"
@@ -227,6 +252,8 @@ class Controller:
             if self.trainer.version == self.state.version + 1:  # the step trained, then was stopped: it counts
                 self.state.step, self.state.version = self.state.step + 1, self.trainer.version
                 self.state.next_group = self._cursor
+            if self._unlogged is not None and self._unlogged[0] == self.state.step:  # counted: log it too
+                self.tracker.log(*self._unlogged)
             self.checkpoint(self._elapsed_before + self._rl_seconds)
             raise
         finally:
@@ -260,7 +287,7 @@ class Controller:
         groups, discarded = self.journal.reload(self.state.next_group, max_version=self.trainer.version)
         if groups or discarded:
             tqdm.write(f"journal: reusing {len(groups)} scored groups, generating {discarded} again "
-                       f"(sampled by versions newer than the checkpoint's {self.trainer.version})")
+                       f"(sampled by versions newer than the checkpoint's {self.trainer.version})", file=sys.stderr)
         return groups
 
     def _run_async(self, bar) -> str:

@@ -95,12 +95,11 @@ def _rollout_model(cfg: RunConfig, trainer: Trainer):
 def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Controller:
     validate_run_config(cfg)  # a value the run cannot use fails before any work, naming the key
     out_dir = Path(out_dir)
+    ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'} to continue from "
+                                "(start again with --overwrite)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.rollout.weight_quant != "none" and cfg.rollout.engine != "local":
-        raise config_lib.ConfigError(
-            f"rollout.weight_quant={cfg.rollout.weight_quant} needs rollout.engine=local (got "
-            f"{cfg.rollout.engine!r}): vLLM loads block-FP8 weights from a checkpoint written by `tidal quantize` "
-            "(docs/quantization.md)")
     config_lib.save_yaml(cfg, out_dir / "config.yaml")
     seed_everything(cfg.seed)
     task = TASKS.get(cfg.task.name)(cfg.task)
@@ -111,10 +110,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model)
 
     state = TrainingState(step=0, version=0, next_group=0, extra={})
-    if resume:
-        ckpt = latest_checkpoint(out_dir / "checkpoints")
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'}")
+    if ckpt is not None:
         state = load_checkpoint(ckpt, trainer.model, trainer.optimizer, trainer.scheduler)
         trainer.version = state.version
 
@@ -133,7 +129,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
 
     trackers: list = [JsonlTracker(out_dir / "metrics.jsonl", resume_after_step=state.step if resume else None)]
     if cfg.log.tensorboard:
-        trackers.append(TensorBoardTracker(out_dir / "tensorboard"))
+        trackers.append(TensorBoardTracker(out_dir / "tensorboard", resume_after_step=state.step if resume else None))
     if cfg.log.wandb_project:
         trackers.append(WandbTracker(cfg.log.wandb_project, dataclasses.asdict(cfg), out_dir))
     if cfg.log.mlflow_experiment:

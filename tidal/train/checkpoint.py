@@ -3,8 +3,11 @@
 ``checkpoints/step_<k>/`` holds the policy (``save_pretrained``, safetensors, loadable by any HF
 tool), the tokenizer, and ``trainer_state.pt``: optimizer and scheduler state, RNG states, the
 policy version, the step and the data position. A checkpoint is written to a temporary directory
-and renamed into place, and ``latest`` is updated last, so a crash mid-save leaves the previous
-checkpoint intact. Older checkpoints beyond ``keep`` are removed.
+(``.tmp_step_<k>``) and renamed into place, and ``latest`` is updated last, so a crash mid-save leaves
+the previous checkpoint intact. A save that fails (a full disk) removes its temporary directory and
+raises ``CheckpointError``, one line naming the step and the cause; a ``.tmp_*`` left by a process
+that died mid-save is never read as a checkpoint and is removed by the next save. Older checkpoints
+beyond ``keep`` are removed.
 
 A model sharded with FSDP (``distributed.py``) is saved as full weights and full optimizer state
 gathered on rank 0, in the same files and numbering as one process writes, so a run can resume with
@@ -22,6 +25,10 @@ import torch
 
 from tidal.train import distributed
 from tidal.utils.seeding import rng_state, set_rng_state
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written; the previous one (if any) is intact."""
 
 
 @dataclass
@@ -45,28 +52,48 @@ def save_checkpoint(
         if distributed.rank() != 0:
             return None
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"
     tmp = root / f".tmp_step_{state.step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state_dict)
-    tokenizer.save_pretrained(tmp)
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
-            "state": state.__dict__,
-        },
-        tmp / "trainer_state.pt",
-    )
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    (root / "latest.tmp").write_text(final.name)
-    (root / "latest.tmp").replace(root / "latest")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp_*"):  # a save that died before its rename
+            _remove(leftover)
+        tmp.mkdir()
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state_dict)
+        tokenizer.save_pretrained(tmp)
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_state(),
+                "state": state.__dict__,
+            },
+            tmp / "trainer_state.pt",
+        )
+        if final.exists():  # the same step saved again (a resumed run): move the old one aside first
+            final.rename(root / f".tmp_old_step_{state.step}")
+        tmp.rename(final)
+        (root / "latest.tmp").write_text(final.name)
+        (root / "latest.tmp").replace(root / "latest")
+    except Exception as e:  # OSError, safetensors' SafetensorError, torch's RuntimeError: all a failed write
+        _remove(tmp)
+        if (root / f".tmp_old_step_{state.step}").exists() and not final.exists():
+            (root / f".tmp_old_step_{state.step}").rename(final)
+        previous = latest_checkpoint(root)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not write checkpoint {final} ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())}); {kept}") from e
+    _remove(root / f".tmp_old_step_{state.step}")
     for old in sorted(_steps(root))[:-keep] if keep > 0 else []:
         shutil.rmtree(root / f"step_{old}", ignore_errors=True)
     return final
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _steps(root: Path) -> list[int]:
@@ -80,7 +107,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         path = root / pointer.read_text().strip()
         if (path / "trainer_state.pt").exists():
             return path
-    steps = sorted(_steps(root))
+    steps = [k for k in sorted(_steps(root)) if (root / f"step_{k}" / "trainer_state.pt").exists()]
     return root / f"step_{steps[-1]}" if steps else None
 
 

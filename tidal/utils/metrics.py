@@ -42,10 +42,14 @@ class JsonlTracker:
 
 
 class TensorBoardTracker:
-    def __init__(self, log_dir: str | Path):
+    """TensorBoard scalars. On resume, ``resume_after_step`` purges the steps past the checkpoint that an
+    earlier event file already holds (``purge_step``), so TensorBoard shows each step once."""
+
+    def __init__(self, log_dir: str | Path, resume_after_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=str(log_dir))
+        purge = None if resume_after_step is None else resume_after_step + 1
+        self._w = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for k, v in metrics.items():

@@ -1,0 +1,106 @@
+"""What a stopped run leaves behind reads as one run after --resume: each step logged once (metrics.jsonl
+and TensorBoard), the base accuracy in the result, and checkpoints that are whole or absent."""
+
+import json
+import resource
+import signal
+
+import pytest
+import torch
+
+from tidal.system.run import close, prepare
+from tidal.train.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+
+from .test_controller import tiny_cfg
+
+
+def _run(cfg, out, resume=False):
+    controller = prepare(cfg, out, resume=resume)
+    try:
+        return controller, controller.run()
+    finally:
+        close(controller)
+
+
+def _steps(out):
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_after_a_crash_logs_each_step_once_and_reports_the_base_accuracy(tmp_path):
+    """A crash (kill -9) after step 3 was logged but before its checkpoint: the resumed run logs steps
+    3 and 4 again; TensorBoard must hide the first run's step 3 (purge_step) and the result must still
+    carry the base accuracy measured at step 0 by the first run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    opts = ("system.mode=sync", "log.tensorboard=true", "checkpoint_every=2", "eval_every=1")
+    _, first = _run(tiny_cfg(tmp_path, *opts, "max_steps=3"), out)
+    ckpts = out / "checkpoints"
+    for p in (ckpts / "step_3").iterdir():  # as if killed before step 3's checkpoint
+        p.unlink()
+    (ckpts / "step_3").rmdir()
+    (ckpts / "latest").write_text("step_2")
+
+    _, resumed = _run(tiny_cfg(tmp_path, *opts, "max_steps=4"), out, resume=True)
+    assert _steps(out) == [0, 1, 2, 3, 4]
+    assert resumed.base_accuracy == first.base_accuracy is not None
+    assert [h["step"] for h in resumed.history] == [0, 1, 2, 3, 4]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 1, 2, 3, 4]
+
+
+def test_ctrl_c_after_a_step_trained_logs_that_step(tmp_path):
+    """The interrupted step counts in the checkpoint (its groups are not trained again), so its row must
+    be in metrics.jsonl too, or the resumed run leaves a hole at that step."""
+    out = tmp_path / "run"
+    opts = ("system.mode=async", "checkpoint_every=100", "max_steps=4")
+    controller = prepare(tiny_cfg(tmp_path, *opts), out)
+    real_update = controller.engine.request_weight_update
+
+    def interrupt_publishing_version_2(state_dict, version):
+        if version == 2:
+            raise KeyboardInterrupt
+        return real_update(state_dict, version)
+
+    controller.engine.request_weight_update = interrupt_publishing_version_2
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.run()
+    finally:
+        close(controller)
+    assert latest_checkpoint(out / "checkpoints").name == "step_2"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "reward/mean" in rows[2]
+    _run(tiny_cfg(tmp_path, *opts), out, resume=True)
+    assert _steps(out) == [0, 1, 2, 3, 4]
+
+
+def test_a_failed_save_leaves_no_partial_checkpoint_and_keeps_the_previous_one(tmp_path, small_model, tokenizer):
+    """A full disk (writes past 20 kB fail with EFBIG) mid-save: one CheckpointError naming the step and the
+    intact previous checkpoint, no partial directory; a .tmp leftover of a killed save is never a checkpoint."""
+    from tidal.train.checkpoint import TrainingState
+
+    root = tmp_path / "checkpoints"
+    optimizer = torch.optim.AdamW(small_model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = TrainingState(step=2, version=2, next_group=8, extra={})
+    save_checkpoint(root, small_model, tokenizer, optimizer, scheduler, state)
+    (root / ".tmp_step_50").mkdir()  # a process killed mid-save
+    (root / ".tmp_step_50" / "model.safetensors").write_bytes(b"torn")
+    assert latest_checkpoint(root).name == "step_2"
+    state.step = 4
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        with pytest.raises(CheckpointError, match=r"could not write checkpoint \S*step_4 .*File too large.*"
+                                                  r"previous checkpoint \S*step_2 is intact"):
+            save_checkpoint(root, small_model, tokenizer, optimizer, scheduler, state)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]
+    assert save_checkpoint(root, small_model, tokenizer, optimizer, scheduler, state).name == "step_4"
+    assert latest_checkpoint(root).name == "step_4"
