@@ -6,11 +6,19 @@ the trainer's thread: the pool scores batches in worker processes (AReaL's Async
 An item that raises gets reward 0 with ``details["error"]``; an item that exceeds the timeout gets
 reward 0 with ``details["error"] = "timeout"``, its worker is killed and the pool restarted, and the
 other items are re-submitted, so one bad sample never stalls or kills a run. Both are counted.
+
+Workers belong to the process that started them: they ignore SIGINT (a terminal's Ctrl-C reaches the
+whole process group; the parent handles it and closes the pool, instead of every worker printing a
+KeyboardInterrupt traceback), and they exit within a second of the parent's death, even by
+``kill -9`` (otherwise each idled forever, and kept the forkserver and resource tracker alive too).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -34,6 +42,33 @@ class RewardConfig:
     """Worker processes. 0 scores inline on the caller's thread (tests, trivially cheap rewards)."""
     timeout_s: float = 10.0
     """Per-response limit; a response that takes longer scores 0 and is counted as a timeout."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:  # no procfs (macOS): os.kill is all we know
+        return True
+
+
+def _watch_parent(pid: int, every_s: float = 1.0) -> None:
+    while _alive(pid):
+        time.sleep(every_s)
+    os._exit(0)
+
+
+def _init_worker(parent_pid: int) -> None:
+    """Runs first in each worker (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="tidal-parent-watch", daemon=True).start()
 
 
 def _warm_up(fn: Callable) -> None:
@@ -68,7 +103,8 @@ class RewardPool:
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
             # forkserver: forking a process that runs torch threads is unsafe; spawn is slower to start.
-            self._executor = ProcessPoolExecutor(self.cfg.num_workers, mp_context=mp.get_context("forkserver"))
+            self._executor = ProcessPoolExecutor(self.cfg.num_workers, mp_context=mp.get_context("forkserver"),
+                                                 initializer=_init_worker, initargs=(os.getpid(),))
             # Start every worker and import the verifier before any deadline starts counting, so
             # start-up time is never mistaken for a hanging verifier.
             try:
