@@ -1,7 +1,7 @@
 """The ``tidal`` command line: train, eval, recipes, bench, report.
 
     tidal recipes
-    tidal train quickstart [--set key=value ...] [--out DIR] [--resume]
+    tidal train RECIPE|CONFIG.yaml [--set key=value ...] [--out DIR] [--resume | --overwrite]
     tidal eval DIR_OR_MODEL [--recipe NAME] [--set ...]
     tidal bench async [--set ...]
     tidal report DIR
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tidal.config import ConfigError, apply_overrides, load_yaml_into
+from tidal.config import ConfigError, apply_overrides
 from tidal.registry import UnknownNameError
 
 
@@ -76,24 +76,57 @@ def show_recipe(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _train_config(recipe: str, overrides: list[str], saved: Path | None = None):
+    """The run config: a recipe by name, or a YAML file (a run's ``config.yaml`` reproduces that run),
+    then ``saved`` (the run's own config.yaml, on --resume), then the ``--set`` overrides."""
+    from tidal.config import apply_mapping
+    from tidal.system.config import RunConfig
+    from tidal.utils.yaml_file import read_yaml
+
+    if recipe.endswith((".yaml", ".yml")) or Path(recipe).is_file():
+        if not Path(recipe).is_file():
+            raise ConfigError(f"{recipe}: no such config file (a recipe name or a YAML config file)")
+        cfg = apply_mapping(RunConfig(), read_yaml(recipe, mapping=True))
+    else:
+        from tidal.recipes import RECIPES
+
+        cfg = RECIPES.get(recipe)()
+    if saved is not None:
+        apply_mapping(cfg, read_yaml(saved, mapping=True))
+    return apply_overrides(cfg, overrides)
+
+
+def _default_out(recipe: str) -> str:
+    path = Path(recipe)
+    name = path.stem if path.suffix in (".yaml", ".yml") else recipe
+    return f"runs/{name}"
+
+
 def cmd_train(args) -> int:
+    """Train a recipe (or a saved config.yaml); bad input is one line, Ctrl-C says how to resume (exit 130)."""
     from tidal.system.run import train
+    from tidal.system.run_dir import interrupted_message, prepare_out_dir
+    from tidal.system.validate import validate_run_config
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP or DiLoCo data-parallel trainer
         from tidal.system.data_parallel import train
 
-    out = Path(args.out or f"runs/{args.recipe}")
-    if args.resume and (out / "config.yaml").exists():
-        from tidal.recipes import RECIPES
-
-        cfg = apply_overrides(load_yaml_into(RECIPES.get(args.recipe)(), out / "config.yaml"), args.set)
-    else:
-        if not args.resume and (out / "checkpoints").exists() and any((out / "checkpoints").iterdir()):
-            print(f"error: {out} already holds a run; pass --resume to continue it or choose another --out",
-                  file=sys.stderr)
-            return 2
-        cfg = _recipe_config(args.recipe, args.set)
-    result = train(cfg, out, resume=args.resume)
+    out = Path(args.out or _default_out(args.recipe))
+    try:
+        saved = out / "config.yaml" if args.resume and (out / "config.yaml").is_file() else None
+        cfg = _train_config(args.recipe, args.set, saved)
+        validate_run_config(cfg)  # before --overwrite deletes anything
+        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 owns the directory
+            note = prepare_out_dir(out, args.resume, args.overwrite)
+            if note:
+                print(note, file=sys.stderr)
+        result = train(cfg, out, resume=args.resume)
+    except KeyboardInterrupt:
+        print(interrupted_message(out, args.recipe), file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:  # a bad value met late, an output that could not be written: one line
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
     if result is None:  # a data-parallel rank other than 0: rank 0 reports
         return 0
     summary = {
@@ -342,10 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_recipes)
 
     sp = sub.add_parser("train", help="train a recipe")
-    sp.add_argument("recipe")
+    sp.add_argument("recipe", help="a recipe name (`tidal recipes`) or a YAML config, e.g. a run's config.yaml")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    sp.add_argument("--out", help="run directory (default runs/RECIPE)")
+    sp.add_argument("--out", help="run directory (default runs/RECIPE, or runs/NAME for NAME.yaml)")
     sp.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    sp.add_argument("--overwrite", action="store_true", help="delete the previous run's files in --out first")
     sp.set_defaults(fn=cmd_train)
 
     sp = sub.add_parser("eval", help="greedy held-out accuracy of a run or model directory")
