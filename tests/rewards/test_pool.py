@@ -82,3 +82,51 @@ def test_chunks_fall_back_to_items_around_a_hang():
     want = [0.0 if i == 37 else float(i % 3 != 0) for i in range(60)]
     assert [r for r, _ in out] == want
     assert out[37][1]["error"] == "timeout" and pool.num_timeouts == 1
+
+
+@pytest.mark.parametrize("cfg", [RewardConfig(num_workers=-3), RewardConfig(timeout_s=0)])
+def test_a_negative_worker_count_or_no_time_is_an_error_naming_the_key(cfg):
+    from tidal.config import ConfigError
+
+    with pytest.raises(ConfigError, match="reward.num_workers must be >= 0 and reward.timeout_s > 0"):
+        RewardPool(slow_or_bad, cfg)
+
+
+def test_workers_exit_when_the_parent_dies():
+    """kill -9 of the run must not leave its reward workers idling forever (they watch their parent)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import os, sys, time\n"
+              "from tidal.rewards import build_reward\n"
+              "from tidal.rewards.pool import RewardConfig, RewardPool\n"
+              "from tidal.types import Prompt\n"
+              "if __name__ == '__main__':\n"
+              "    pool = RewardPool(build_reward('exact_match'), RewardConfig(num_workers=2))\n"
+              "    pool.score([('2', Prompt('u', '1+1=', '2'))])\n"
+              "    print(' '.join(str(p.pid) for p in pool._executor._processes.values()), flush=True)\n"
+              "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    workers = [int(p) for p in proc.stdout.readline().split()]
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in workers if os.path.exists(f"/proc/{p}") or _signalable(p)]
+    for p in alive:
+        os.kill(p, 9)
+    assert not alive, f"reward workers outlived their parent: {alive}"
+
+
+def _signalable(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -27,6 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.config import ConfigError
 from tidal.types import Prompt
 
 
@@ -93,6 +94,9 @@ class RewardPool:
     """Scores (response, prompt) pairs with ``fn`` in worker processes; see the module docstring."""
 
     def __init__(self, fn: Callable, cfg: RewardConfig):
+        if not (isinstance(cfg.num_workers, int) and cfg.num_workers >= 0 and cfg.timeout_s > 0):
+            raise ConfigError(f"reward.num_workers must be >= 0 and reward.timeout_s > 0, got {cfg.num_workers} "
+                              f"and {cfg.timeout_s}")
         self.fn = fn
         self.cfg = cfg
         self.num_timeouts = 0
