@@ -104,3 +104,22 @@ def test_a_failed_save_leaves_no_partial_checkpoint_and_keeps_the_previous_one(t
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]
     assert save_checkpoint(root, small_model, tokenizer, optimizer, scheduler, state).name == "step_4"
     assert latest_checkpoint(root).name == "step_4"
+
+
+def test_a_full_disk_raises_the_checkpoint_error_not_a_later_one_from_closing(tmp_path):
+    """Async mode on a full disk: the journal fails first (warned, best effort), then the checkpoint. The
+    run must raise the checkpoint's error; the journal's close used to raise its own OSError instead."""
+    from tidal.system.run import train
+
+    cfg = tiny_cfg(tmp_path, "system.mode=async", "max_steps=2")
+    close(prepare(cfg, tmp_path / "warm"))  # builds the cached base while the disk still has room
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        with pytest.raises(CheckpointError, match="step_2"):
+            train(tiny_cfg(tmp_path, "system.mode=async", "max_steps=2", "rollout.prompts_per_step=32"),
+                  tmp_path / "run")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)

@@ -89,6 +89,13 @@ class GroupJournal:
                     self._file.flush()  # in the OS's hands: survives the process being killed
             except Exception as e:  # the journal only saves regeneration on resume: warn, never stop the run
                 self.num_failed += 1
+                with self._lock:  # drop the handle: its unwritten buffer would fail again at every close
+                    if self._file is not None:
+                        try:
+                            self._file.close()
+                        except OSError:
+                            pass
+                        self._file = None
                 if self.num_failed == 1:
                     log.warning("journal %s: could not write group %d (%s); it would be generated again "
                                 "after --resume", self.path, index, e)

@@ -140,24 +140,40 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
 
 def close(controller: Controller) -> None:
     """Release what ``prepare`` started: trackers, the journal, reward workers, rollout workers (and
-    the Ray instance the run started, if any)."""
-    controller.tracker.close()
+    the Ray instance the run started, if any). Each is closed even if another fails; the first
+    failure is raised at the end."""
+    closers = [controller.tracker.close, controller.reward_pool.close]
     if controller.journal is not None:
-        controller.journal.close()
-    controller.reward_pool.close()
+        closers.insert(1, controller.journal.close)
     engine_close = getattr(controller.engine, "close", None)
     if engine_close is not None:
-        engine_close()
+        closers.append(engine_close)
+    error = None
+    for closer in closers:
+        try:
+            closer()
+        except Exception as e:  # close the rest, then report the first
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult:
-    """Run RL to completion; always closes trackers and the reward pool, then writes the report."""
+    """Run RL to completion; always closes trackers and the reward pool, then writes the report. If the
+    run itself failed (a full disk, Ctrl-C), that error is the one raised, not a later one from closing."""
     controller = prepare(cfg, out_dir, resume)
+    failed = True
     try:
-        return controller.run()
+        result = controller.run()
+        failed = False
+        return result
     finally:
-        close(controller)
-        if cfg.log.report:
-            from tidal.utils.report import write_report
+        try:
+            close(controller)
+            if cfg.log.report:
+                from tidal.utils.report import write_report
 
-            write_report(out_dir)
+                write_report(out_dir)
+        except Exception:
+            if not failed:
+                raise
