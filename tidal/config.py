@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -154,7 +155,16 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the config under a temporary name, then rename it: a full disk never leaves a torn file (on
+    --resume the file is the run's own config)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"could not write {path}: {e.strerror}") from e
 
 
 def load_yaml_into(cfg: C, path: str | Path) -> C:

@@ -34,8 +34,11 @@ class JsonlTracker:
         row = {"step": step}
         for k, v in metrics.items():
             row[k] = None if isinstance(v, float) and not math.isfinite(v) else v
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+        except OSError as e:  # a full disk: say which file
+            raise OSError(e.errno, f"could not write {self.path}: {e.strerror}") from e
 
     def close(self) -> None:
         self._f.close()
