@@ -39,3 +39,14 @@ def test_a_metrics_row_that_cannot_be_written_names_the_file(tmp_path):
     with disk_full_at(100), pytest.raises(OSError, match="could not write .*metrics.jsonl: File too large"):
         tracker.log(1, {f"reward/k{i}": 1.0 for i in range(20)})
     tracker.close()
+
+
+def test_resuming_on_a_full_disk_keeps_the_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(f'{{"step": {i}, "reward/mean": 0.{i}}}\n' for i in range(10))
+    path.write_text(rows)
+    with disk_full_at(50), pytest.raises(OSError, match=f"could not write {path}"):
+        JsonlTracker(path, resume_after_step=5)
+    assert path.read_text() == rows and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    JsonlTracker(path, resume_after_step=5).close()
+    assert path.read_text() == rows[: rows.index('{"step": 6')]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,7 +26,13 @@ class JsonlTracker:
                         kept.append(line)
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a row torn by the crash we are resuming from
-            self.path.write_text("".join(x + "\n" for x in kept))
+            tmp = self.path.with_name(self.path.name + ".tmp")  # a full disk must not tear the run's history
+            try:
+                tmp.write_text("".join(x + "\n" for x in kept))
+                os.replace(tmp, self.path)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise OSError(e.errno, f"could not write {self.path}: {e.strerror}") from e
         elif resume_after_step is None and self.path.exists():
             self.path.unlink()
         self._f = self.path.open("a")
