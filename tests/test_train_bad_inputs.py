@@ -114,6 +114,11 @@ def test_resume_and_overwrite_together_are_refused(tmp_path):
     _one_error_line(_train(tmp_path / "run", ["--resume", "--overwrite"], tmp_path / "cache"), "--overwrite")
 
 
+def test_resume_of_a_missing_directory_is_one_line_and_creates_nothing(tmp_path):
+    _one_error_line(_train(tmp_path / "run", ["--resume"], tmp_path / "cache"), "does not exist")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_yaml_config_is_one_line(tmp_path):
     proc = _train(tmp_path / "run", [], tmp_path / "cache", recipe=str(tmp_path / "nope.yaml"))
     _one_error_line(proc, "nope.yaml: no such config file")

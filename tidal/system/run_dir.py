@@ -49,6 +49,8 @@ def prepare_out_dir(out: Path, resume: bool, overwrite: bool) -> str | None:
     line to print about what was deleted (None if nothing was)."""
     if resume and overwrite:
         raise RunDirError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
+    if resume and not out.exists():
+        raise RunDirError(f"--resume: {out} does not exist, so there is no run to continue")
     _usable(out)
     if resume:
         return None
