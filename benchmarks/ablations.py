@@ -29,8 +29,10 @@ DESCRIPTION = "paper claims at small scale: clip-higher, dynamic sampling, CISPO
 
 # lr 1e-4, half the quickstart's: with several updates per batch 2e-4 overshoots on this model
 # (measured: DAPO with 4 minibatches peaked at 0.71 with 2e-4, reached 0.83 by step 10 with 1e-4).
-COMMON = ["optim.lr=1e-4", "max_steps=40", "eval_every=5", "num_eval=200", "target_accuracy=null", "max_time_s=null",
-          "checkpoint_every=1000", "log.progress=false", "log.tensorboard=false", "log.report=false"]
+# 32 prompts per step: the quickstart's batch when these results were measured (it is 128 since issue 15).
+COMMON = ["rollout.prompts_per_step=32", "optim.lr=1e-4", "max_steps=40", "eval_every=5", "num_eval=200",
+          "target_accuracy=null", "max_time_s=null", "checkpoint_every=1000", "log.progress=false",
+          "log.tensorboard=false", "log.report=false"]
 # Clipping acts only when the ratio leaves 1: with fresh samples that takes several updates per batch
 # (DAPO: 512 prompts in minibatches of 32, i.e. 16 updates per rollout step); 4 here.
 SYNC = ["system.mode=sync", "rollout.max_staleness=0", "trainer.num_minibatches=4"]

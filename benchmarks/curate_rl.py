@@ -92,6 +92,7 @@ def run_config(s: Settings, train_path: Path, eval_path: Path, extra: list[str])
     return apply_overrides(RECIPES.get("quickstart")(), [
         "task.name=jsonl", f"task.path={train_path}", f"task.eval_path={eval_path}", "task.fields.prompt=question",
         "task.fields.solution=answer", "reward.name=reasoning_gym", "rollout.max_new_tokens=8",
+        "rollout.prompts_per_step=32",  # the quickstart's batch when the results were measured
         f"sft.steps={s.sft_steps}", "sft.accuracy_band=null", f"max_steps={s.rl_steps}", f"eval_every={s.eval_every}",
         "target_accuracy=null",
         "max_time_s=null", "checkpoint_every=100000", "log.progress=false", "log.tensorboard=false",

@@ -34,7 +34,9 @@ from tidal.tasks import TASKS
 
 DESCRIPTION = "block-FP8 rollout weights: bytes per sync, quantization error, quickstart with/without"
 
-BASE = ["max_steps=40", "eval_every=10", "max_time_s=null", "target_accuracy=null", "checkpoint_every=1000",
+# 32 prompts per step: the quickstart's batch when these results were measured (it is 128 since issue 15).
+BASE = ["rollout.prompts_per_step=32", "max_steps=40", "eval_every=10", "max_time_s=null", "target_accuracy=null",
+        "checkpoint_every=1000",
         "system.num_threads=1", "log.progress=false", "log.tensorboard=false", "log.report=false"]
 ARMS = {"none": [], "fp8_block": ["rollout.weight_quant=fp8_block"]}
 SEEDS = (0, 1)
