@@ -216,9 +216,8 @@ class Controller:
     def _earlier_rows(self) -> list[dict]:
         """On resume, the rows logged up to the checkpoint (``metrics.jsonl``, already cut there by the
         tracker), so the result covers the whole run: its base accuracy included."""
-        path = self.out_dir / "metrics.jsonl"
         rows = []
-        for line in path.read_text().splitlines() if path.exists() else []:
+        for line in self._metrics_lines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -228,6 +227,19 @@ class Controller:
         if not any(r["step"] == 0 for r in rows) and "base_eval" in self.state.extra:
             rows.insert(0, {"step": 0, **self.state.extra["base_eval"]})
         return rows
+
+    def _last_logged_step(self) -> int | None:
+        """The step of the last row in ``metrics.jsonl``. Read from the file because a Ctrl-C can land just
+        after a row was written and before any bookkeeping about it."""
+        lines = self._metrics_lines()
+        try:
+            return json.loads(lines[-1])["step"] if lines else None
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return None
+
+    def _metrics_lines(self) -> list[str]:
+        path = self.out_dir / "metrics.jsonl"
+        return path.read_text().splitlines() if path.exists() else []
 
     def run(self) -> RunResult:
         cfg = self.cfg
@@ -252,8 +264,8 @@ class Controller:
             if self.trainer.version == self.state.version + 1:  # the step trained, then was stopped: it counts
                 self.state.step, self.state.version = self.state.step + 1, self.trainer.version
                 self.state.next_group = self._cursor
-            if self._unlogged is not None and self._unlogged[0] == self.state.step:  # counted: log it too
-                self.tracker.log(*self._unlogged)
+            if self._unlogged is not None and self._unlogged[0] == self.state.step != self._last_logged_step():
+                self.tracker.log(*self._unlogged)  # counted in the checkpoint: logged too, once
             self.checkpoint(self._elapsed_before + self._rl_seconds)
             raise
         finally:
