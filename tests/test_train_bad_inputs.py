@@ -119,9 +119,13 @@ def test_resume_of_a_missing_directory_is_one_line_and_creates_nothing(tmp_path)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_missing_yaml_config_is_one_line(tmp_path):
+def test_a_missing_yaml_config_or_a_directory_is_one_line(tmp_path):
     proc = _train(tmp_path / "run", [], tmp_path / "cache", recipe=str(tmp_path / "nope.yaml"))
     _one_error_line(proc, "nope.yaml: no such config file")
+    (tmp_path / "old_run").mkdir()
+    proc = _train(tmp_path / "run", [], tmp_path / "cache", recipe=str(tmp_path / "old_run"))
+    _one_error_line(proc, "old_run is a directory", "old_run/config.yaml", "--resume")
+    assert not (tmp_path / "run").exists()
 
 
 def test_metrics_without_a_checkpoint_are_kept_unless_overwrite(tmp_path, cache):

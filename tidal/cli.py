@@ -83,6 +83,9 @@ def _train_config(recipe: str, overrides: list[str], saved: Path | None = None):
     from tidal.system.config import RunConfig
     from tidal.utils.yaml_file import read_yaml
 
+    if Path(recipe).is_dir():
+        raise ConfigError(f"{recipe} is a directory, not a recipe name or a YAML config (to rerun a run's config: "
+                          f"tidal train {Path(recipe) / 'config.yaml'}; to continue it: --out {recipe} --resume)")
     if recipe.endswith((".yaml", ".yml")) or Path(recipe).is_file():
         if not Path(recipe).is_file():
             raise ConfigError(f"{recipe}: no such config file (a recipe name or a YAML config file)")
