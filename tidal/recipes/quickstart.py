@@ -31,6 +31,7 @@ def quickstart() -> RunConfig:
     64 x 8, 2 minibatches per step       30 / 50 / 80     80 / 70 / 110     0.79-0.85    0.04-0.21
     **128 x 8, lr 2e-4 (this recipe)**   30 / 40 / 50     40 / 50 / 60      0.95-0.97    0.01-0.02
     128 x 8, lr 4e-4                     40 / 40 / 50     50 / 50 / 60      0.77-0.94    0.04-0.15
+    128 x 8, sync (seed 0 only)          30               60                0.91         0.08
     ===================================  ===============  ================  ===========  ==========
 
     What limits this model is the noise of each update, not its size: a larger lr (4e-4, 8e-4) first
