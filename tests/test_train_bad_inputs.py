@@ -272,3 +272,8 @@ def test_progress_bars_stay_out_of_redirected_logs(tmp_path, cache):
     proc = _train(tmp_path / "run", [], cache, "log.progress=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr and "RL (sync)" not in proc.stderr, proc.stderr[-2000:]
+    # a cold cache: the warm start's bar (with its accuracy checks) stays out of the log too
+    cold = _train(tmp_path / "cold", [], tmp_path / "cold-cache", "log.progress=true", "sft.steps=20",
+                  "sft.accuracy_band=[0.0, 1.0]", "sft.check_every=5")
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    assert "\r" not in cold.stderr and "warm start" not in cold.stderr, cold.stderr[-2000:]

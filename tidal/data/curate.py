@@ -14,8 +14,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from tidal.config import ConfigError, apply_overrides
 from tidal.data.classifier import ClassifierConfig, QualityClassifier
 from tidal.data.decontam import DecontamConfig, Decontaminate
@@ -34,6 +32,7 @@ from tidal.data.quality import (
 )
 from tidal.data.rephrase import Rephrase, RephraseConfig
 from tidal.data.verify import Verifiable
+from tidal.utils.progress import progress_bar
 from tidal.utils.yaml_file import read_yaml
 
 
@@ -167,7 +166,7 @@ def curate(recipe: str, in_path: str | Path, out_path: str | Path, overrides: li
     pipeline = Pipeline(build_blocks(cfg), workers=cfg.workers or os.cpu_count() or 1, chunk_size=cfg.chunk_size,
                         executor=cfg.executor, ray_address=cfg.ray_address)
     bad = BadRows()
-    rows = tqdm(read_numbered(in_path, bad), desc=f"curate {recipe}", unit=" rows", disable=not progress)
+    rows = progress_bar(progress, iterable=read_numbered(in_path, bad), desc=f"curate {recipe}", unit=" rows")
     kept = _nonempty(pipeline.run_numbered(rows), pipeline, bad, in_path)
     if cfg.difficulty.curriculum:
         last = [b for b in pipeline.blocks if isinstance(b, Difficulty)]

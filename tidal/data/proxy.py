@@ -20,10 +20,9 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from tidal.data.dedup import text_of
 from tidal.data.io import read_rows
+from tidal.utils.progress import progress_bar
 
 
 @dataclass
@@ -115,7 +114,7 @@ def compare(cfg: ProxyConfig, progress: bool = True) -> dict:
     rates = [cfg.lr, *cfg.compare_lrs]
     runs = [(lr, path, seed) for lr in rates for path in cfg.datasets for seed in cfg.seeds]
     losses: dict[float, dict[str, list[float]]] = {lr: {p: [] for p in cfg.datasets} for lr in rates}
-    for lr, path, seed in tqdm(runs, desc="proxy models", disable=not progress):
+    for lr, path, seed in progress_bar(progress, iterable=runs, desc="proxy models"):
         losses[lr][path].append(proxy_loss(train[path], eval_windows, cfg, lr, seed))
     by_rate = []
     for lr in rates:

@@ -152,6 +152,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.temperature={cfg.trainer.temperature} must equal rollout.temperature="
                           f"{r.temperature}: the importance ratio compares the same distribution")
     if r.weight_quant != "none" and r.engine != "local":
-        raise ConfigError(f"rollout.weight_quant={r.weight_quant} needs rollout.engine=local (got {r.engine!r}): vLLM "
-                          "loads block-FP8 weights from a checkpoint written by `tidal quantize` (docs/quantization.md)")
+        raise ConfigError(f"rollout.weight_quant={r.weight_quant} needs rollout.engine=local (got {r.engine!r}): "
+                          "vLLM loads block-FP8 weights from a checkpoint written by `tidal quantize` "
+                          "(docs/quantization.md)")
     validate_trainer(cfg.trainer)

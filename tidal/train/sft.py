@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from tidal.api import Task
 from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.models.tiny import ModelConfig
+from tidal.utils.progress import progress_bar
 from tidal.utils.seeding import stable_hash
 
 
@@ -197,7 +197,7 @@ def _train(model, tokenizer, task: Task, cfg: SFTConfig, evaluate: Evaluate | No
     check_every = cfg.check_every
     step, loss, history = 0, float("nan"), []
     last_check = _snapshot(model, opt, gen, step)
-    bar = tqdm(total=cfg.steps, desc="warm start (SFT)", disable=not progress, leave=False)
+    bar = progress_bar(progress, total=cfg.steps, desc="warm start (SFT)", leave=False)
     while step < cfg.steps:
         idx = torch.randint(0, task.num_train, (cfg.batch_size,), generator=gen).tolist()
         ids_bt, attn, labels = sft_batch(tokenizer, task, [task.train_prompt(i) for i in idx])
