@@ -178,6 +178,23 @@ def test_ctrl_c_is_one_line_with_the_resume_command_and_exit_130(tmp_path, cache
     assert _steps(out) == list(range(step + 3))
 
 
+def test_sigterm_checkpoints_and_says_how_to_resume(tmp_path, cache):
+    """A scheduler's SIGTERM (sent to the whole job) stops the run as Ctrl-C does, with exit 143."""
+    out = tmp_path / "run"
+    proc = _start(out, [], cache, "max_steps=1000", "reward.num_workers=1", "system.mode=async")
+    try:
+        _wait_for_steps(out, 2, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted; checkpoint saved in "), err
+    saved = int((out / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert saved >= 2 and _steps(out) == list(range(saved + 1))
+
+
 def _wait_for_steps(out: Path, n: int, proc) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:

@@ -17,6 +17,7 @@ import argparse
 import io
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,14 @@ def _default_out(recipe: str) -> str:
     return f"runs/{name}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, delivered as the interrupt every part of a run already handles (checkpoint, clean stop)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def cmd_train(args) -> int:
     """Train a recipe (or a saved config.yaml); bad input is one line, Ctrl-C says how to resume (exit 130)."""
     from tidal.system.run import train
@@ -115,6 +124,9 @@ def cmd_train(args) -> int:
         from tidal.system.data_parallel import train
 
     out = Path(args.out or _default_out(args.recipe))
+    # A scheduler's SIGTERM (preemption, `kill`, the end of a job's time) stops the run as Ctrl-C does:
+    # checkpoint, one line saying how to resume; exit 143 (128 + SIGTERM), as if the signal had ended it.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         saved = out / "config.yaml" if args.resume and (out / "config.yaml").is_file() else None
         cfg = _train_config(args.recipe, args.set, saved)
@@ -124,9 +136,9 @@ def cmd_train(args) -> int:
             if note:
                 print(note, file=sys.stderr)
         result = train(cfg, out, resume=args.resume)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(interrupted_message(out, args.recipe), file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
     except (ValueError, OSError) as e:  # a bad value met late, an output that could not be written: one line
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
