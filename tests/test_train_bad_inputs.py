@@ -152,14 +152,7 @@ def test_metrics_without_a_checkpoint_are_kept_unless_overwrite(tmp_path, cache)
 def test_ctrl_c_is_one_line_with_the_resume_command_and_exit_130(tmp_path, cache):
     """Ctrl-C at a terminal signals the whole process group (reward workers included)."""
     out = tmp_path / "run"
-    proc = _start(out, [], cache, "max_steps=1000", "reward.num_workers=1", "system.mode=async")
-    try:
-        _wait_for_steps(out, 2, proc)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, err = _signal_after_two_steps(out, cache, signal.SIGINT)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     (line,) = err.strip().splitlines()
@@ -181,18 +174,25 @@ def test_ctrl_c_is_one_line_with_the_resume_command_and_exit_130(tmp_path, cache
 def test_sigterm_checkpoints_and_says_how_to_resume(tmp_path, cache):
     """A scheduler's SIGTERM (sent to the whole job) stops the run as Ctrl-C does, with exit 143."""
     out = tmp_path / "run"
-    proc = _start(out, [], cache, "max_steps=1000", "reward.num_workers=1", "system.mode=async")
-    try:
-        _wait_for_steps(out, 2, proc)
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, err = _signal_after_two_steps(out, cache, signal.SIGTERM)
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted; checkpoint saved in "), err
     saved = int((out / "checkpoints" / "latest").read_text().removeprefix("step_"))
     assert saved >= 2 and _steps(out) == list(range(saved + 1))
+
+
+def _signal_after_two_steps(out: Path, cache: Path, sig: int) -> tuple[subprocess.Popen, str]:
+    """An async run with a reward worker, sent ``sig`` on its whole process group (as a terminal's Ctrl-C
+    or a scheduler does) once it has logged two steps; returns the process and its stderr."""
+    proc = _start(out, [], cache, "max_steps=1000", "reward.num_workers=1", "system.mode=async")
+    try:
+        _wait_for_steps(out, 2, proc)
+        os.killpg(proc.pid, sig)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc, err
 
 
 def _wait_for_steps(out: Path, n: int, proc) -> None:
