@@ -7,6 +7,7 @@ import torch
 
 from tidal.system.journal import GroupJournal
 from tidal.system.run import close, prepare
+from tidal.train.checkpoint import latest_checkpoint
 from tidal.types import Group, Prompt, Trajectory
 
 from .test_controller import tiny_cfg
@@ -130,7 +131,8 @@ def test_ctrl_c_before_the_first_step_resumes_without_a_second_base_eval(tmp_pat
 
 def test_ctrl_c_after_a_step_trained_counts_that_step(tmp_path):
     """Stopped between the optimizer step and the end of the step (here: while publishing weights):
-    the checkpoint counts the step, so its groups are not trained a second time after --resume."""
+    the checkpoint counts the step, so its groups are not trained a second time after --resume, and its
+    row is in metrics.jsonl (or the resumed run would leave a hole at that step)."""
     out = tmp_path / "run"
     opts = ("system.mode=async", "checkpoint_every=100", "max_steps=4")
     controller = prepare(tiny_cfg(tmp_path, *opts), out)
@@ -150,6 +152,9 @@ def test_ctrl_c_after_a_step_trained_counts_that_step(tmp_path):
     p = controller.cfg.rollout.prompts_per_step
     state = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)["state"]
     assert (state["step"], state["version"], state["next_group"]) == (2, 2, 2 * p)
+    assert latest_checkpoint(out / "checkpoints").name == "step_2"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "reward/mean" in rows[2]
     resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)
     trained: list = []
     _record_training(resumed, trained)

@@ -51,32 +51,6 @@ def test_resume_after_a_crash_logs_each_step_once_and_reports_the_base_accuracy(
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 1, 2, 3, 4]
 
 
-def test_ctrl_c_after_a_step_trained_logs_that_step(tmp_path):
-    """The interrupted step counts in the checkpoint (its groups are not trained again), so its row must
-    be in metrics.jsonl too, or the resumed run leaves a hole at that step."""
-    out = tmp_path / "run"
-    opts = ("system.mode=async", "checkpoint_every=100", "max_steps=4")
-    controller = prepare(tiny_cfg(tmp_path, *opts), out)
-    real_update = controller.engine.request_weight_update
-
-    def interrupt_publishing_version_2(state_dict, version):
-        if version == 2:
-            raise KeyboardInterrupt
-        return real_update(state_dict, version)
-
-    controller.engine.request_weight_update = interrupt_publishing_version_2
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            controller.run()
-    finally:
-        close(controller)
-    assert latest_checkpoint(out / "checkpoints").name == "step_2"
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and "reward/mean" in rows[2]
-    _run(tiny_cfg(tmp_path, *opts), out, resume=True)
-    assert _steps(out) == [0, 1, 2, 3, 4]
-
-
 def test_a_failed_save_leaves_no_partial_checkpoint_and_keeps_the_previous_one(tmp_path, small_model, tokenizer):
     """A full disk (writes past 20 kB fail with EFBIG) mid-save: one CheckpointError naming the step and the
     intact previous checkpoint, no partial directory; a .tmp leftover of a killed save is never a checkpoint."""
