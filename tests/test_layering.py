@@ -8,12 +8,12 @@ PKG = Path(__file__).resolve().parent.parent / "tidal"
 LAYER = {
     "types": 0, "registry": 0, "config": 0, "utils": 0,
     "api": 1,
-    "algo": 2, "rewards": 2, "tasks": 2, "optim": 2, "models": 2,
+    "algo": 2, "rewards": 2, "envs": 2, "tasks": 2, "optim": 2, "models": 2,
     "rollout": 3, "train": 3, "data": 3,  # data: its RL blocks sample with the rollout engine
     "system": 4, "sim": 4,
     "bench": 5, "cli": 5, "recipes": 5,
 }
-NO_TORCH = {"rewards"}  # reward workers must start fast and never pay for torch
+NO_TORCH = {"rewards", "envs"}  # reward workers must start fast and never pay for torch
 
 
 def _module_of(path: Path) -> str:

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -16,12 +16,15 @@ from tidal.types import Prompt, Trajectory
 @dataclass(frozen=True)
 class GenRequest:
     """Generate one sample for ``prompt``; ``sample_index`` keys its sampling noise.
-    ``max_new_tokens`` overrides the engine's length cap for this request (staged length budgets)."""
+    ``max_new_tokens`` overrides the engine's length cap for this request (staged length budgets).
+    ``turn`` numbers an agent episode's model turns (``prompt_ids`` is then the whole context so far)
+    and keys the turn's sampling noise apart from the earlier turns'."""
 
     prompt: Prompt
     prompt_ids: tuple[int, ...]
     sample_index: int
     max_new_tokens: int | None = None
+    turn: int = 0
 
 
 @runtime_checkable
@@ -77,6 +80,43 @@ class Task(Protocol):
     def sft_example(self, prompt: Prompt) -> str:
         """The reference response text for supervised warm-starting (without EOS)."""
         ...
+
+
+@dataclass
+class EnvStep:
+    """What an environment returns for one model turn.
+
+    ``observation`` is the text appended to the context before the next turn (a tool's result, an
+    error message, feedback); None with ``done`` ends the episode. ``reward`` accumulates over the
+    episode (most environments reward only the last step). ``info`` may carry counted facts:
+    ``tool_call`` (a call was made), ``tool_error`` (the tool failed on the policy's input),
+    ``malformed`` (the turn could not be parsed as a call or an answer), ``correct`` (an answer was
+    judged right)."""
+
+    observation: str | None
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One agent episode's world (docs/agentic.md). A new instance per episode, made by a factory
+    from the env registry; ``step`` runs on a worker thread (never on the decoding path) under a
+    per-step timeout, and may be a plain or an ``async def`` function.
+
+    An exception raised by ``reset`` or ``step`` is an infrastructure failure (the environment broke,
+    not the policy): the episode is ended, counted and kept out of its group's baseline. A tool that
+    fails on the policy's input should instead return an error observation with ``tool_error``."""
+
+    stop: Sequence[str]
+    """Strings that end a model turn (e.g. the close of a tool call), besides EOS."""
+
+    def reset(self, prompt: Prompt) -> str | None:
+        """Start the episode; an optional first observation appended after the prompt."""
+        ...
+
+    def step(self, turn_text: str) -> EnvStep: ...
 
 
 @runtime_checkable

@@ -32,6 +32,12 @@ class Trajectory:
     ``logprobs[i]`` is the engine's log-probability of ``token_ids[i]`` under the sampling
     distribution, and ``versions[i]`` the policy version that sampled it. A generation interrupted
     by a weight update has mixed versions.
+
+    A multi-turn agent episode (``rollout/episodes.py``) is one Trajectory whose ``token_ids``
+    interleave what the policy sampled with what the environment returned. ``loss_mask[i]`` is 1 for
+    a sampled token and 0 for an observation token, which has log-prob 0.0 and version -1 (no policy
+    sampled it); ``episode`` holds the episode's counters (turns, tool calls, errors, latency).
+    Single-turn samples leave both None (every token sampled).
     """
 
     prompt_uid: str
@@ -44,6 +50,8 @@ class Trajectory:
     text: str = ""
     reward: float = 0.0
     reward_details: dict[str, Any] = field(default_factory=dict)
+    loss_mask: list[int] | None = None
+    episode: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -51,6 +59,18 @@ class Trajectory:
             f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but "
             f"{len(self.logprobs)} logprobs and {len(self.versions)} versions"
         )
+        assert self.loss_mask is None or len(self.loss_mask) == n, (
+            f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but {len(self.loss_mask)} mask entries")
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Tokens the policy sampled (all of them unless this is an agent episode)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def infra_failed(self) -> bool:
+        """An agent episode whose environment itself failed: kept out of its group's baseline."""
+        return bool(self.episode and self.episode.get("infra_failure"))
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +78,9 @@ class Trajectory:
 
     @property
     def oldest_version(self) -> int:
-        """Version of the first sampled token: staleness is measured from it (AReaL)."""
-        return min(self.versions) if self.versions else -1
+        """Version of the first sampled token: staleness is measured from it (AReaL). Observation
+        tokens (version -1) are not sampled and do not count."""
+        return min((v for v in self.versions if v >= 0), default=-1)
 
 
 @dataclass

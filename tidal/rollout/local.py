@@ -30,11 +30,10 @@ from transformers import DynamicCache
 
 from tidal.api import GenRequest
 from tidal.models.quant import dequantize_state_dict
-from tidal.rollout.requests import finished_trajectory, generate_by_stream
+from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache
 from tidal.types import Trajectory
-from tidal.utils.seeding import stable_hash
 
 
 @dataclass
@@ -157,7 +156,7 @@ class LocalEngine:
                     elif new:
                         if self._apply_pending_update() and rows:  # arrived while we waited
                             self._reprefill(slots, rows)
-                        new_rows = [_Row(r, stable_hash(self.seed, r.prompt.uid, r.sample_index)) for r in new]
+                        new_rows = [_Row(r, sampling_key(self.seed, r)) for r in new]
                         self._prefill(slots, new_rows, share_prompts=True)
                         rows += new_rows
                 if not rows:

@@ -8,10 +8,19 @@ from itertools import islice
 from tidal.api import GenRequest
 from tidal.config import ConfigError
 from tidal.types import Prompt, Trajectory
+from tidal.utils.seeding import stable_hash
 
 
 def prompt_ids(tokenizer, prompt: Prompt) -> tuple[int, ...]:
     return (tokenizer.bos_token_id, *tokenizer(prompt.text, add_special_tokens=False).input_ids)
+
+
+def sampling_key(seed: int, request: GenRequest) -> int:
+    """The key of a request's sampling noise: (run seed, prompt uid, sample index), and the turn for an
+    agent episode's later turns (whose positions restart at 0 and must not replay turn 0's noise)."""
+    if request.turn == 0:
+        return stable_hash(seed, request.prompt.uid, request.sample_index)
+    return stable_hash(seed, request.prompt.uid, request.sample_index, request.turn)
 
 
 def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context: int, max_new_tokens: int,

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tidal.api import GenRequest
-from tidal.rollout.requests import finished_trajectory
+from tidal.rollout.requests import finished_trajectory, sampling_key
 from tidal.types import Trajectory
-from tidal.utils.seeding import stable_hash
 
 
 @dataclass
@@ -101,7 +100,7 @@ class SegmentedRow:
 
 
 def new_row(request: GenRequest, seed: int, default_max_new_tokens: int) -> SegmentedRow:
-    return SegmentedRow(request, stable_hash(seed, request.prompt.uid, request.sample_index),
+    return SegmentedRow(request, sampling_key(seed, request),
                         request.max_new_tokens or default_max_new_tokens)
 
 

@@ -73,7 +73,7 @@ def collect_batch(
         drawn += 1
         if dynamic and not informative(group):
             dropped_flat += 1
-        elif max_staleness is not None and step - group.oldest_version > max_staleness:
+        elif max_staleness is not None and group.trajectories and step - group.oldest_version > max_staleness:
             dropped_stale += 1
             on_stale(group)
         else:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tidal.algo.config import AlgoConfig
+from tidal.envs.config import EnvConfig
 from tidal.models.tiny import ModelConfig
 from tidal.optim import OptimConfig
 from tidal.rewards.pool import RewardConfig
@@ -124,6 +125,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn agent episodes in an environment (docs/agentic.md); ``env.name`` null: single-turn."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -35,6 +35,7 @@ from tidal.api import RolloutEngine, Task, Tracker
 from tidal.config import ConfigError
 from tidal.rewards.monitor import reward_metrics
 from tidal.rewards.pool import RewardPool
+from tidal.rollout.episodes import episode_metrics
 from tidal.rollout.requests import group_requests
 from tidal.system.batching import collect_batch, informative, length_budget
 from tidal.system.buffer import BufferClosed, RolloutBuffer
@@ -82,6 +83,7 @@ class Controller:
         self._rl_seconds = 0.0
         self._elapsed_before = state.extra.get("elapsed_s", 0.0)  # RL time of the run before a resume
         self._unlogged: tuple[int, dict] | None = None  # (step, metrics) of a trained step not logged yet
+        self._infra_failed = 0  # agent episodes left out because their environment failed
 
     # ---- pieces shared by both modes -----------------------------------------------------------
     def _prompts(self, start: int, count: int) -> list[Prompt]:
@@ -115,11 +117,20 @@ class Controller:
         return got.groups, got.metrics
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Group]:
+        """Reward each sample with the reward pool, except agent episodes, which their environment
+        rewarded; an episode whose environment failed is left out of its group (and so of its
+        baseline: scoring it 0 would bias the healthy episodes' advantages) and counted."""
         n = self.cfg.rollout.group_size
-        scores = self.reward_pool.score([(t.text, _with_length(prompts[i // n], t)) for i, t in enumerate(trajs)])
-        for t, (reward, details) in zip(trajs, scores):
+        single = [(i, t) for i, t in enumerate(trajs) if t.episode is None]
+        scores = self.reward_pool.score([(t.text, _with_length(prompts[i // n], t)) for i, t in single])
+        for (_, t), (reward, details) in zip(single, scores):
             t.reward, t.reward_details = reward, details
-        return [Group(p, trajs[i * n : (i + 1) * n]) for i, p in enumerate(prompts)]
+        groups = []
+        for i, p in enumerate(prompts):
+            group = trajs[i * n : (i + 1) * n]
+            self._infra_failed += sum(t.infra_failed for t in group)
+            groups.append(Group(p, [t for t in group if not t.infra_failed]))
+        return groups
 
     def _evaluate(self) -> dict[str, float]:
         self.eval_engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
@@ -145,11 +156,14 @@ class Controller:
             "rollout/response_len_max": float(max(t.num_tokens for t in trajs)),
             "rollout/truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
             "rollout/early_stopped_frac": sum(t.finish_reason == "repetition" for t in trajs) / len(trajs),
-            "rollout/interrupted_frac": sum(len(set(t.versions)) > 1 for t in trajs) / len(trajs),
+            "rollout/interrupted_frac": sum(len({v for v in t.versions if v >= 0}) > 1 for t in trajs) / len(trajs),
             "async/staleness_mean": sum(staleness) / len(staleness),
             "async/staleness_max": float(max(staleness)),
         }
         metrics.update(reward_metrics(rewards, [t.reward_details for t in trajs], [t.num_tokens for t in trajs]))
+        metrics.update(episode_metrics(trajs))
+        if self.cfg.env.name is not None:
+            metrics["agent/infra_failures"] = float(self._infra_failed)
         batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
         metrics.update(algo_metrics)
         self._unlogged = (step + 1, metrics)  # filled in place: what a Ctrl-C after the update logs

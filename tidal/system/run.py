@@ -16,14 +16,16 @@ import itertools
 from pathlib import Path
 
 from tidal import config as config_lib
+from tidal.envs import ENVS
 from tidal.models import tiny
 from tidal.models.quant import dequantize_state_dict
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
+from tidal.rollout.episodes import EpisodeEngine
 from tidal.rollout.local import LocalEngine
 from tidal.rollout.requests import check_prompts_fit
-from tidal.system.config import RunConfig
+from tidal.system.config import RolloutConfig, RunConfig
 from tidal.system.controller import Controller, RunResult
 from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
@@ -59,6 +61,44 @@ def check_task_fits(cfg: RunConfig, task, max_train: int = 200_000) -> None:
     check_prompts_fit(tokenizer, rows, context, cfg.rollout.max_new_tokens)
 
 
+def model_context(cfg: RunConfig) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``), None if its config has none."""
+    if not cfg.model.path:
+        return cfg.model.max_position_embeddings
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True), "max_position_embeddings", None)
+
+
+def env_factory(cfg: RunConfig):
+    """A zero-argument factory of ``cfg.env.name`` environments (one per episode), or None for
+    single-turn runs. Built once here so a bad name or parameter fails before any work."""
+    if cfg.env.name is None:
+        return None
+    cls, params = ENVS.get(cfg.env.name), dict(cfg.env.params)
+    try:
+        cls(**params)
+    except TypeError as e:
+        raise config_lib.ConfigError(f"env.params for {cfg.env.name!r}: {e}") from None
+    return lambda: cls(**params)
+
+
+def sampling_for(cfg: RunConfig, make_env) -> RolloutConfig:
+    """``cfg.rollout``, plus the environment's stop strings (the close of a tool call ends a turn)."""
+    if make_env is None:
+        return cfg.rollout
+    extra = [s for s in make_env().stop if s not in cfg.rollout.stop]
+    return dataclasses.replace(cfg.rollout, stop=[*cfg.rollout.stop, *extra])
+
+
+def with_episodes(engine, cfg: RunConfig, tokenizer, make_env):
+    """``engine`` itself for single-turn runs; for agent runs, an EpisodeEngine around it."""
+    if make_env is None:
+        return engine
+    context = model_context(cfg) or 1 << 30
+    return EpisodeEngine(engine, tokenizer, make_env, cfg.env, context, cfg.seed, cfg.rollout.max_new_tokens)
+
+
 def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
     """``model.path`` if given, else the cached warm-started tiny model (trained on first use until its
     held-out accuracy is in ``sft.accuracy_band``, read exactly as RL's evaluations read it)."""
@@ -69,8 +109,11 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
     prompts = task.eval_prompts()[: cfg.num_eval]
     pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
 
+    make_env = env_factory(cfg)
+
     def evaluate(model, tokenizer) -> float:
-        engine = LocalEngine(model, tokenizer, cfg.rollout, cfg.seed, 0)
+        engine = with_episodes(LocalEngine(model, tokenizer, sampling_for(cfg, make_env), cfg.seed, 0), cfg,
+                               tokenizer, make_env)
         return greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]
 
     try:
@@ -115,16 +158,21 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
         trainer.version = state.version
 
     make_engine = ENGINES.get(cfg.rollout.engine)
-    eval_engine = make_engine(trainer.model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
+    make_env = env_factory(cfg)
+    sampling = sampling_for(cfg, make_env)
+    eval_engine = with_episodes(make_engine(trainer.model, tokenizer, sampling, cfg.seed, trainer.version), cfg,
+                                tokenizer, make_env)
     reward_fn = build_reward(cfg.reward.name, cfg.reward.params)
     rollout_model = _rollout_model(cfg, trainer)
     if cfg.system.backend == "ray":
         from tidal.system.ray_backend import start_ray_backend
 
-        engine, reward_pool = start_ray_backend(cfg, rollout_model, tokenizer, trainer.version, reward_fn)
+        engine, reward_pool = start_ray_backend(dataclasses.replace(cfg, rollout=sampling), rollout_model, tokenizer,
+                                                trainer.version, reward_fn)
     else:
-        engine = make_engine(rollout_model, tokenizer, cfg.rollout, cfg.seed, trainer.version)
+        engine = make_engine(rollout_model, tokenizer, sampling, cfg.seed, trainer.version)
         reward_pool = RewardPool(reward_fn, cfg.reward)
+    engine = with_episodes(engine, cfg, tokenizer, make_env)
     journal = GroupJournal(out_dir / "journal.jsonl", fresh=not resume) if cfg.system.journal else None
 
     trackers: list = [JsonlTracker(out_dir / "metrics.jsonl", resume_after_step=state.step if resume else None)]

@@ -8,6 +8,11 @@ the supervised warm start nor in RL).
 ``repeat``: "n*c=" -> c repeated n times, with n drawn from a long-tailed (Zipf-like) distribution.
 Its response lengths are long-tailed by construction, which is where synchronous RL wastes time
 waiting for the longest sample (the async benchmark uses it).
+
+``sum_chain``: "12+34+56=" -> "102", k operands in [0, max_operand] with k geometric in
+[2, max_terms]. Too long for the tiny model to add in one go, easy with a calculator called on two
+terms at a time (the agentic quickstart): its warm-start example is that tool-use trace
+(``task.params.demos=answer`` gives the bare answer instead, to measure the model without a tool).
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 
+from tidal.envs.calculator import calculator_trace
 from tidal.tasks import TASKS
 from tidal.tasks.config import TaskConfig
 from tidal.types import Prompt
 from tidal.utils.seeding import stable_hash
 
-__all__ = ["Addition", "Repeat", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
+__all__ = ["Addition", "Repeat", "SumChain", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
 
 
 class _SplitTask(ABC):
@@ -107,3 +113,32 @@ class Repeat(_SplitTask):
     def _prompt(self, item, uid: str) -> Prompt:
         n, c, _ = item
         return Prompt(uid=uid, text=f"{n}*{c}=", answer=c * n)
+
+
+@TASKS.register("sum_chain")
+class SumChain(_SplitTask):
+    name = "sum_chain"
+    num_problems = 50_000
+    """Distinct problems drawn (the space of all sums is too large to list)."""
+
+    def _space(self) -> list:
+        if self.cfg.max_terms < 2:
+            raise ValueError(f"task sum_chain: max_terms={self.cfg.max_terms} must be at least 2")
+        rng = random.Random(stable_hash(self.cfg.seed, self.name))
+        seen: set[tuple[int, ...]] = set()
+        for _ in range(self.num_problems * 2):
+            k = 2
+            while k < self.cfg.max_terms and rng.random() < 0.5:
+                k += 1
+            seen.add(tuple(rng.randint(0, self.cfg.max_operand) for _ in range(k)))
+            if len(seen) >= self.num_problems:
+                break
+        return sorted(seen)
+
+    def _prompt(self, item, uid: str) -> Prompt:
+        return Prompt(uid=uid, text="+".join(map(str, item)) + "=", answer=str(sum(item)))
+
+    def sft_example(self, prompt: Prompt) -> str:
+        if self.cfg.params.get("demos", "tool") == "answer":
+            return prompt.answer
+        return calculator_trace([int(x) for x in prompt.text.rstrip("=").split("+")])

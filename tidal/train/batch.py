@@ -38,7 +38,8 @@ def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tupl
         input_ids[r, : p + n] = torch.tensor(t.prompt_ids + t.token_ids)
         attn[r, : p + n] = 1
         if not (cfg.overlong_filter and t.finish_reason == "length"):
-            loss_mask[r, p : p + n] = 1.0
+            # an agent episode's observation tokens (mask 0) are context, never trained on
+            loss_mask[r, p : p + n] = 1.0 if t.loss_mask is None else torch.tensor(t.loss_mask, dtype=torch.float32)
         behav[r, p : p + n] = torch.tensor(t.logprobs)
         versions[r, p : p + n] = torch.tensor(t.versions)
     group_index = torch.tensor([gi for gi in keep for _ in groups[gi].trajectories])
