@@ -166,9 +166,9 @@ class EpisodeEngine:
                 ep.append(ids, [0.0] * len(ids), [-1] * len(ids), sampled=False)
             return self._turn_request(ep)
 
-        def env_step(ep: _Episode, text: str) -> None:
+        def env_step(ep: _Episode, text: str, delay: float) -> None:
             try:
-                reason = self._env_step(ep, text)
+                reason = self._env_step(ep, text, delay)
             except BaseException as e:  # noqa: BLE001  (a bug here must not hang the episode)
                 self._infra_failure(ep, f"episode runner raised {type(e).__name__}: {e}")
                 reason = "env_error"
@@ -183,11 +183,24 @@ class EpisodeEngine:
                 ready.append(request)
                 lock.notify_all()
 
+        def submit_later(ep: _Episode, text: str, delay: float) -> None:
+            try:
+                pool.submit(env_step, ep, text, delay)
+            except RuntimeError:  # the stream ended (the run stopped) while this tool call waited
+                pass
+
         def inner_on_done(request: GenRequest, traj: Trajectory) -> None:
             ep = live[(request.prompt.uid, request.sample_index)]
             ep.append(traj.token_ids, traj.logprobs, traj.versions, sampled=True)
             ep.turns += 1
-            pool.submit(env_step, ep, traj.text)
+            delay = 0.0
+            if self.cfg.latency_median_s > 0:  # a remote tool's wait: a timer, not a busy worker thread
+                delay = simulated_latency(self.seed, ep.request, ep.turns, self.cfg.latency_median_s,
+                                          self.cfg.latency_sigma)
+            if delay > 0:
+                threading.Timer(delay, submit_later, (ep, traj.text, delay)).start()
+            else:
+                pool.submit(env_step, ep, traj.text, 0.0)
             deliver()
 
         def inner_source(n: int, block: bool) -> list[GenRequest] | None:
@@ -233,14 +246,12 @@ class EpisodeEngine:
         return GenRequest(r.prompt, tuple(ep.context), r.sample_index,
                           min(r.max_new_tokens or self.max_turn_tokens, budget), turn=ep.turns)
 
-    def _env_step(self, ep: _Episode, text: str) -> str | None:
-        """Run one environment step for ``ep`` on this worker thread; a finish reason, or None to go on."""
-        if self.cfg.latency_median_s > 0:
-            time.sleep(simulated_latency(self.seed, ep.request, ep.turns, self.cfg.latency_median_s,
-                                         self.cfg.latency_sigma))
+    def _env_step(self, ep: _Episode, text: str, delay: float = 0.0) -> str | None:
+        """Run one environment step for ``ep`` on this worker thread (``delay``: simulated latency it
+        already waited); a finish reason, or None to go on."""
         t0 = time.perf_counter()
         outcome = _call_with_timeout(ep.env.step, text, self.cfg.step_timeout_s)
-        spent = time.perf_counter() - t0
+        spent = time.perf_counter() - t0 + delay
         ep.counts["tool_latency_s"] += spent
         self.env_wait_s += spent
         if isinstance(outcome, BaseException):

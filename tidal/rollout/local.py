@@ -116,6 +116,7 @@ class LocalEngine:
         s = max(self.generate_seconds, 1e-9)
         return {
             "perf/gen_tokens_per_s": self.num_generated_tokens / s,
+            "rollout/engine_busy_s": self.generate_seconds,
             "rollout/interruptions": float(self.num_interruptions),
             "rollout/weight_updates": float(self.num_weight_updates),
         }
