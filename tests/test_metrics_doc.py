@@ -20,7 +20,8 @@ def test_every_logged_key_is_documented(tmp_path):
     logged = set()
     for extra in (["system.mode=async", "rollout.dynamic_sampling=true", "algo.correction=tis"],
                   ["system.mode=sync", "algo.policy_loss=decoupled_ppo", "trainer.num_minibatches=2",
-                   "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"]):
+                   "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"],
+                  ["system.mode=async", "task.name=sum_chain", "env.name=calculator"]):
         controller = prepare(tiny_cfg(tmp_path, *extra, "max_steps=2"), tmp_path / str(len(logged)))
         try:
             result = controller.run()
