@@ -49,13 +49,20 @@ def _same_up_to_rounding(rows_a, rows_b):
                 assert ra[k] == pytest.approx(rb[k], abs=1e-5), (ra["step"], k)
 
 
+def _close_params(a, b):
+    """Parameters equal up to what rounding in the log-probs can do through Adam: a weight whose gradient
+    is ~0 moves by up to lr (1e-2 here) in a direction the last bits decide, so compare the bulk tightly
+    and bound the rest by the learning rate."""
+    diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    assert diffs.median() < 1e-6 and diffs.max() < 2e-2, (diffs.median(), diffs.max())
+
+
 def test_agentic_async_with_zero_staleness_equals_sync(tmp_path):
     sync_c, sync_r = run(tiny_cfg(tmp_path, *AGENT, "system.mode=sync"), tmp_path / "sync")
     async_c, async_r = run(tiny_cfg(tmp_path, *AGENT, "system.mode=async", "rollout.max_staleness=0"),
                            tmp_path / "async")
     _same_up_to_rounding(comparable(sync_r.history), comparable(async_r.history))
-    a, b = params(sync_c), params(async_c)
-    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    _close_params(params(sync_c), params(async_c))
     rows = [r for r in sync_r.history if "agent/turns_mean" in r]
     assert rows and all(r["agent/turns_mean"] == 3.0 for r in rows), "every episode runs its three turns"
     assert any(r.get("train/grad_norm", 0) > 0 for r in sync_r.history), "the test must actually train"
@@ -94,8 +101,7 @@ def test_agentic_resume_equals_uninterrupted(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     _same_up_to_rounding(comparable(rows), comparable(full_r.history))
-    a, b = params(full_c), params(resumed_c)
-    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    _close_params(params(full_c), params(resumed_c))
 
 
 def _episode(uid, i, reward, failure=None):
@@ -122,3 +128,32 @@ def test_infra_failures_are_left_out_of_the_group_baseline_and_counted(tmp_path)
         assert groups == [all_failed] * 4, "a group whose episodes all failed is not \"stale\""
     finally:
         close(controller)
+
+
+def test_agentic_ctrl_c_then_resume_trains_journaled_episodes_once(tmp_path):
+    out = tmp_path / "run"
+    opts = (*AGENT, "system.mode=async", "rollout.max_staleness=1", "checkpoint_every=100", "max_steps=4")
+    controller = prepare(tiny_cfg(tmp_path, *opts), out)
+    real_step = controller.trainer.step
+
+    def interrupt_on_third(batch):
+        if controller.trainer.version == 2:
+            raise KeyboardInterrupt
+        return real_step(batch)
+
+    controller.trainer.step = interrupt_on_third
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.run()
+    finally:
+        close(controller)
+    journaled = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
+    assert journaled and all(t["loss_mask"] is not None and t["episode"]["turns"] == 3
+                             for j in journaled for t in j["group"]["trajectories"]), "episodes journaled whole"
+    resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)
+    try:
+        result = resumed.run()
+    finally:
+        close(resumed)
+    assert result.steps == 4
+    assert result.history[-1]["async/reloaded_groups"] == len({j["index"] for j in journaled})

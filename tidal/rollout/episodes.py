@@ -164,7 +164,10 @@ class EpisodeEngine:
             if first:
                 ids = self.renderer.observation_ids(first)
                 ep.append(ids, [0.0] * len(ids), [-1] * len(ids), sampled=False)
-            return self._turn_request(ep)
+            request = self._turn_request(ep)
+            if request is None:  # the prompt and first observation already spend the budget
+                finish(ep, "length")
+            return request
 
         def env_step(ep: _Episode, text: str, delay: float) -> None:
             try:
@@ -235,11 +238,16 @@ class EpisodeEngine:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _turn_request(self, ep: _Episode) -> GenRequest | None:
-        """The next model turn of ``ep`` (None if its token budget leaves no room for one token)."""
+    def _budget(self, ep: _Episode) -> int:
+        """Tokens ``ep`` may still add: the model's context and ``env.max_episode_tokens``, whichever is less."""
         budget = self.context_len - len(ep.context)
         if self.cfg.max_episode_tokens is not None:
             budget = min(budget, self.cfg.max_episode_tokens - (len(ep.context) - ep.num_prompt))
+        return budget
+
+    def _turn_request(self, ep: _Episode) -> GenRequest | None:
+        """The next model turn of ``ep`` (None if its token budget leaves no room for one token)."""
+        budget = self._budget(ep)
         if budget < 1:
             return None
         r = ep.request
@@ -257,7 +265,7 @@ class EpisodeEngine:
         if isinstance(outcome, BaseException):
             self._infra_failure(ep, f"step raised {type(outcome).__name__}: {outcome}")
             return "env_error"
-        if outcome is None:  # timed out
+        if outcome is _TIMED_OUT:
             ep.counts["tool_timeouts"] += 1
             observation = getattr(ep.env, "timeout_observation", lambda: "error: the tool timed out")()
             step = EnvStep(observation)
@@ -275,6 +283,8 @@ class EpisodeEngine:
             return "max_turns"
         if step.observation:
             ids = self.renderer.observation_ids(step.observation)
+            if len(ids) >= self._budget(ep):  # no room left for a turn after it: end here, within budget
+                return "length"
             ep.append(ids, [0.0] * len(ids), [-1] * len(ids), sampled=False)
         return None
 
@@ -294,9 +304,12 @@ class EpisodeEngine:
             reward_details={"env_reward": ep.reward}, loss_mask=ep.mask, episode=info)
 
 
+_TIMED_OUT = object()
+
+
 def _call_with_timeout(fn: Callable[[str], Any], arg: str, timeout_s: float) -> Any:
     """``fn(arg)`` on a daemon thread (a hung tool is abandoned, never joined): its result, the
-    exception it raised, or None on timeout. An ``async def`` step is run to completion there."""
+    exception it raised, or ``_TIMED_OUT``. An ``async def`` step is run to completion there."""
     box: list[Any] = []
 
     def run() -> None:
@@ -309,7 +322,7 @@ def _call_with_timeout(fn: Callable[[str], Any], arg: str, timeout_s: float) -> 
     thread = threading.Thread(target=run, name="tidal-env-step", daemon=True)
     thread.start()
     thread.join(timeout_s)
-    return box[0] if box else None
+    return box[0] if box else _TIMED_OUT
 
 
 def simulated_latency(seed: int, request: GenRequest, turn: int, median_s: float, sigma: float) -> float:
@@ -338,7 +351,6 @@ def episode_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         return {}
     n = len(eps)
     mean = lambda key: sum(e[key] for e in eps) / n  # noqa: E731
-    calls = sum(e["tool_calls"] for e in eps)
     return {
         "agent/turns_mean": mean("turns"),
         "agent/turns_max": float(max(e["turns"] for e in eps)),
@@ -346,7 +358,7 @@ def episode_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "agent/tool_errors": float(sum(e["tool_errors"] for e in eps)),
         "agent/tool_timeouts": float(sum(e["tool_timeouts"] for e in eps)),
         "agent/malformed": float(sum(e["malformed"] for e in eps)),
-        "agent/tool_latency_s_mean": sum(e["tool_latency_s"] for e in eps) / max(calls, 1),
+        "agent/tool_latency_s_mean": sum(e["tool_latency_s"] for e in eps) / max(sum(e["turns"] for e in eps), 1),
         "agent/multi_version_frac": sum(e["num_versions"] > 1 for e in eps) / n,
         "agent/sampled_tokens_mean": sum(t.num_sampled_tokens for t in trajs if t.episode is not None) / n,
     }
