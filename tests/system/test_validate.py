@@ -14,6 +14,11 @@ from .test_controller import tiny_cfg
 
 BAD = [  # (override, the key the error must name)
     ("rollout.group_size=1", "rollout.group_size"),
+    ("env.name=calculatr", "env.name"),
+    ("env.max_turns=0", "env.max_turns"),
+    ("env.step_timeout_s=0", "env.step_timeout_s"),
+    ("env.max_concurrent_episodes=0", "env.max_concurrent_episodes"),
+    ("env.latency_median_s=-1", "env.latency_median_s"),
     ("rollout.group_size=0", "rollout.group_size"),
     ("rollout.group_size=-1", "rollout.group_size"),
     ("rollout.prompts_per_step=0", "rollout.prompts_per_step"),
@@ -92,3 +97,9 @@ def test_async_generator_raises_instead_of_spinning_when_no_group_fits(tmp_path)
         close(controller)
     assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
     assert "rollout.max_batch_size" in str(outcome[0])
+
+
+def test_unknown_environment_parameter_is_one_config_error_naming_it(tmp_path):
+    cfg = tiny_cfg(tmp_path, "task.name=sum_chain", "env.name=calculator", "env.params.precision=3")
+    with pytest.raises(ConfigError, match="env.params for 'calculator'.*precision"):
+        prepare(cfg, tmp_path / "run")

@@ -105,6 +105,13 @@ RULES: list[Rule] = [
     ("system.rollout_worker_threads", COUNT, "an integer >= 1"),
     ("system.rollout_worker_restarts", NONNEG, "an integer >= 0"),
     ("system.reward_worker_cpus", NONNEG, ">= 0"),
+    ("env.max_turns", COUNT, "an integer >= 1"),
+    ("env.max_episode_tokens", _optional(COUNT), "an integer >= 1 (or null: the model's context)"),
+    ("env.step_timeout_s", _positive, "> 0 seconds"),
+    ("env.max_concurrent_episodes", _optional(COUNT), "an integer >= 1 (or null)"),
+    ("env.num_workers", COUNT, "an integer >= 1"),
+    ("env.latency_median_s", NONNEG, ">= 0 seconds (0: no simulated latency)"),
+    ("env.latency_sigma", NONNEG, ">= 0"),
 ]
 MODEL_RULES: list[Rule] = [  # the tiny model built when model.path is not set
     (f"model.{name}", COUNT, "an integer >= 1")
@@ -155,4 +162,9 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.weight_quant={r.weight_quant} needs rollout.engine=local (got {r.engine!r}): "
                           "vLLM loads block-FP8 weights from a checkpoint written by `tidal quantize` "
                           "(docs/quantization.md)")
+    if cfg.env.name is not None:
+        from tidal.envs import ENVS
+
+        if cfg.env.name not in ENVS:
+            raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
     validate_trainer(cfg.trainer)
