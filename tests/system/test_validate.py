@@ -16,6 +16,7 @@ BAD = [  # (override, the key the error must name)
     ("rollout.group_size=1", "rollout.group_size"),
     ("env.name=calculatr", "env.name"),
     ("env.max_turns=0", "env.max_turns"),
+    ("env.renderer=jinja", "env.renderer"),
     ("env.step_timeout_s=0", "env.step_timeout_s"),
     ("env.max_concurrent_episodes=0", "env.max_concurrent_episodes"),
     ("env.latency_median_s=-1", "env.latency_median_s"),

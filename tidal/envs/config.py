@@ -14,6 +14,11 @@ class EnvConfig:
     """Registered environment (``tidal.envs.ENVS``): ``calculator``, ``python_tool``, ``guess_number``."""
     params: dict[str, Any] = field(default_factory=dict)
     """Passed to the environment's constructor: ``--set env.params.timeout_s=5``."""
+    renderer: str = "plain"
+    """How the prompt and observations become tokens (``rollout/render.py``): ``plain`` (BOS + text;
+    observations as their own tokens: base models, the tiny model) or ``chat`` (the tokenizer's chat
+    template, observations as ``tool`` messages; a template that is not append-only ends the episode,
+    counted as ``agent/not_append_only``)."""
     max_turns: int = 8
     """Model turns per episode; an episode still going after this many ends with finish reason
     ``max_turns`` and the reward it has so far."""

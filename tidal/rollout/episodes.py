@@ -9,7 +9,7 @@ prompt comes back as one Trajectory covering the whole episode. Inside, an episo
    call) or at its length budget. Its tokens keep their behaviour log-probs and versions (a weight
    update mid-turn interrupts and resumes it inside the engine, as for single-turn samples);
 2. an **environment step** on a worker thread, with a timeout, so a slow tool never blocks decoding
-   and the waiting episode holds no engine slot; its observation is tokenized once (``Renderer``)
+   and the waiting episode holds no engine slot; its observation is tokenized once (``render.py``)
    and appended to the context with loss mask 0, log-prob 0.0 and version -1.
 
 An episode ends when the environment says done, at ``max_turns``, when its token budget (the model's
@@ -37,26 +37,10 @@ import torch
 
 from tidal.api import Environment, EnvStep, GenRequest, RolloutEngine
 from tidal.envs.config import EnvConfig
-from tidal.rollout.requests import generate_by_stream, prompt_ids
-from tidal.types import Prompt, Trajectory
+from tidal.rollout.render import NotAppendOnly, RenderState, build_renderer
+from tidal.rollout.requests import generate_by_stream
+from tidal.types import Trajectory
 from tidal.utils.seeding import stable_hash
-
-
-class Renderer:
-    """The one place where an episode's text becomes tokens: the prompt, and each observation.
-
-    Plain rendering: the prompt is BOS + its tokens (as for single-turn RL), an observation its own
-    tokens appended after the turn that called for it. Nothing is ever re-rendered, so the context is
-    append-only by construction."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
-        return prompt_ids(self.tokenizer, prompt)
-
-    def observation_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
 
 @dataclass
@@ -73,6 +57,8 @@ class _Episode:
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     infra_failure: str | None = None
     finish_reason: str | None = None
+    render: RenderState = field(default_factory=RenderState)
+    last_turn: list[int] = field(default_factory=list)
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], sampled: bool) -> None:
         self.context += ids
@@ -81,7 +67,7 @@ class _Episode:
         self.mask += [int(sampled)] * len(ids)
 
 
-COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed", "tool_latency_s")
+COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed", "tool_latency_s", "not_append_only")
 
 
 class EpisodeEngine:
@@ -91,7 +77,7 @@ class EpisodeEngine:
                  context_len: int, seed: int = 0, max_turn_tokens: int = 8):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.renderer = Renderer(tokenizer)
+        self.renderer = build_renderer(cfg.renderer, tokenizer)
         self.make_env = make_env
         self.cfg = cfg
         self.seed = seed
@@ -161,9 +147,9 @@ class EpisodeEngine:
                 self._infra_failure(ep, f"reset raised {type(e).__name__}: {e}")
                 finish(ep, "env_error")
                 return None
-            if first:
-                ids = self.renderer.observation_ids(first)
-                ep.append(ids, [0.0] * len(ids), [-1] * len(ids), sampled=False)
+            ids, first_ids, ep.render = self.renderer.start(request.prompt, first)
+            ep.context, ep.num_prompt = ids, len(ids)
+            ep.append(first_ids, [0.0] * len(first_ids), [-1] * len(first_ids), sampled=False)
             request = self._turn_request(ep)
             if request is None:  # the prompt and first observation already spend the budget
                 finish(ep, "length")
@@ -195,6 +181,7 @@ class EpisodeEngine:
         def inner_on_done(request: GenRequest, traj: Trajectory) -> None:
             ep = live[(request.prompt.uid, request.sample_index)]
             ep.append(traj.token_ids, traj.logprobs, traj.versions, sampled=True)
+            ep.last_turn = traj.token_ids
             ep.turns += 1
             delay = 0.0
             if self.cfg.latency_median_s > 0:  # a remote tool's wait: a timer, not a busy worker thread
@@ -282,7 +269,11 @@ class EpisodeEngine:
         if ep.turns >= self.cfg.max_turns:
             return "max_turns"
         if step.observation:
-            ids = self.renderer.observation_ids(step.observation)
+            try:
+                ids = self.renderer.observation_ids(ep.render, text, ep.last_turn, step.observation)
+            except NotAppendOnly:
+                ep.counts["not_append_only"] += 1
+                return "not_append_only"
             if len(ids) >= self._budget(ep):  # no room left for a turn after it: end here, within budget
                 return "length"
             ep.append(ids, [0.0] * len(ids), [-1] * len(ids), sampled=False)
@@ -358,6 +349,7 @@ def episode_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "agent/tool_errors": float(sum(e["tool_errors"] for e in eps)),
         "agent/tool_timeouts": float(sum(e["tool_timeouts"] for e in eps)),
         "agent/malformed": float(sum(e["malformed"] for e in eps)),
+        "agent/not_append_only": float(sum(e.get("not_append_only", 0) for e in eps)),
         "agent/tool_latency_s_mean": sum(e["tool_latency_s"] for e in eps) / max(sum(e["turns"] for e in eps), 1),
         "agent/multi_version_frac": sum(e["num_versions"] > 1 for e in eps) / n,
         "agent/sampled_tokens_mean": sum(t.num_sampled_tokens for t in trajs if t.episode is not None) / n,

@@ -106,6 +106,7 @@ RULES: list[Rule] = [
     ("system.rollout_worker_restarts", NONNEG, "an integer >= 0"),
     ("system.reward_worker_cpus", NONNEG, ">= 0"),
     ("env.max_turns", COUNT, "an integer >= 1"),
+    ("env.renderer", lambda v: v in ("plain", "chat"), "plain or chat"),
     ("env.max_episode_tokens", _optional(COUNT), "an integer >= 1 (or null: the model's context)"),
     ("env.step_timeout_s", _positive, "> 0 seconds"),
     ("env.max_concurrent_episodes", _optional(COUNT), "an integer >= 1 (or null)"),
