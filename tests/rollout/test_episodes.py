@@ -709,3 +709,27 @@ def test_episode_metrics_against_hand_computed_values():
     }, abs=1e-12)
     assert episode_metrics([single]) == {} and episode_metrics([]) == {}
     assert episode_metrics([b])["agent/tool_latency_s_mean"] == pytest.approx(0.1), "one step, no calls"
+
+
+# ---- per-turn rewards --------------------------------------------------------------------------------
+class PerTurnReward:
+    """Rewards every step: -0.1 per call (a cost on tool use), 1.0 for the final step."""
+
+    stop: list[str] = []
+
+    def reset(self, prompt):
+        self.n = 0
+
+    def step(self, turn_text):
+        self.n += 1
+        if self.n == 3:
+            return EnvStep(None, 1.0, done=True)
+        return EnvStep("=1 ", reward=-0.1, info={"tool_call": True})
+
+
+def test_per_turn_rewards_sum_into_the_episode_return(model, tokenizer):
+    ee, rec, _ = make_engine(model, tokenizer, Factory(PerTurnReward))
+    trajs = generate(ee, rec, group_requests(tokenizer, prompts_(2), 2))
+    for t in trajs:
+        assert t.episode["turns"] == 3 and t.reward == pytest.approx(1.0 - 0.1 - 0.1)
+        assert t.reward_details["env_reward"] == t.reward
