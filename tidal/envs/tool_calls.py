@@ -71,15 +71,15 @@ class CallFormat:
             return ToolCall(self.tool, {self.argument: body})
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            return Malformed(f"call is not JSON ({e.msg})")
+        except (json.JSONDecodeError, RecursionError) as e:  # deep nesting: the policy's input, not a crash
+            return Malformed(f"call is not JSON ({getattr(e, 'msg', 'nested too deeply')})")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return Malformed("call has no tool name")
         args = obj.get("arguments", {})
         if isinstance(args, str):  # some templates send arguments as a JSON string
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return Malformed("arguments are not JSON")
         if not isinstance(args, dict):
             return Malformed("arguments are not an object")
