@@ -104,3 +104,9 @@ def test_unknown_environment_parameter_is_one_config_error_naming_it(tmp_path):
     cfg = tiny_cfg(tmp_path, "task.name=sum_chain", "env.name=calculator", "env.params.precision=3")
     with pytest.raises(ConfigError, match="env.params for 'calculator'.*precision"):
         prepare(cfg, tmp_path / "run")
+
+
+def test_an_environment_parameter_value_it_rejects_is_one_config_error(tmp_path):
+    cfg = tiny_cfg(tmp_path, "task.name=sum_chain", "env.name=calculator", "env.params.call_format=xml")
+    with pytest.raises(ConfigError, match="env.params for 'calculator'.*xml"):
+        prepare(cfg, tmp_path / "run")

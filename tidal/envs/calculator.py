@@ -60,7 +60,7 @@ def evaluate(expression: str) -> Fraction:
 
 
 def format_value(value: Fraction) -> str:
-    """Integers as integers; other values as decimals rounded to 6 places."""
+    """Integers as integers; other values with 6 significant digits (``1e+06`` for 1000000.5)."""
     return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
 
 

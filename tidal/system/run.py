@@ -78,7 +78,7 @@ def env_factory(cfg: RunConfig):
     cls, params = ENVS.get(cfg.env.name), dict(cfg.env.params)
     try:
         cls(**params)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # an unknown parameter, or a value the environment rejects
         raise config_lib.ConfigError(f"env.params for {cfg.env.name!r}: {e}") from None
     return lambda: cls(**params)
 
