@@ -181,10 +181,18 @@ def test_sigterm_checkpoints_and_says_how_to_resume(tmp_path, cache):
     assert saved >= 2 and _steps(out) == list(range(saved + 1))
 
 
-def _signal_after_two_steps(out: Path, cache: Path, sig: int) -> tuple[subprocess.Popen, str]:
+def test_sigterm_stops_an_agent_run_with_episodes_in_flight(tmp_path, cache):
+    out = tmp_path / "run"
+    proc, err = _signal_after_two_steps(out, cache, signal.SIGTERM, "task.name=sum_chain", "env.name=calculator",
+                                        "rollout.max_new_tokens=8")
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted; checkpoint saved in "), err[-3000:]
+
+
+def _signal_after_two_steps(out: Path, cache: Path, sig: int, *extra: str) -> tuple[subprocess.Popen, str]:
     """An async run with a reward worker, sent ``sig`` on its whole process group (as a terminal's Ctrl-C
     or a scheduler does) once it has logged two steps; returns the process and its stderr."""
-    proc = _start(out, [], cache, "max_steps=1000", "reward.num_workers=1", "system.mode=async")
+    proc = _start(out, [], cache, "max_steps=1000", "reward.num_workers=1", "system.mode=async", *extra)
     try:
         _wait_for_steps(out, 2, proc)
         os.killpg(proc.pid, sig)

@@ -175,3 +175,13 @@ def _step(observation, **info):
     from tidal.api import EnvStep
 
     return EnvStep(observation, 0.0, False, info)
+
+
+def test_same_number_never_builds_a_huge_integer():
+    """An exponent in the answer must not be expanded (Fraction("1e999999999") holds the GIL for minutes)."""
+    import time
+
+    start = time.perf_counter()
+    assert same_number("1e999999999", "100") is False and same_number("1e2", "100") is False
+    assert same_number("9" * 41, "9" * 41) is True  # too long for a number: compared as text
+    assert time.perf_counter() - start < 1.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 from fractions import Fraction
 
 from tidal.api import EnvStep
@@ -64,12 +65,22 @@ def format_value(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
 
 
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d{1,40}(\.\d{1,40})?|\d{1,40}/\d{1,40})")  # 52, 0.5, 1/2
+
+
 def same_number(text: str, answer: str) -> bool:
-    """Whether an answer's text is the reference number (``052`` == ``52``), else equal strings."""
-    try:
-        return Fraction(text.strip()) == Fraction(answer.strip())
-    except (ValueError, ZeroDivisionError):
-        return text.strip() == answer.strip()
+    """Whether an answer's text is the reference number (``052`` == ``52``), else equal strings.
+
+    Only plain decimals are compared as numbers: ``Fraction("1e999999999")`` would build a
+    billion-digit integer while holding the GIL, freezing every thread of the run (a collapsed policy
+    wrote such an answer and hung a run until SIGKILL)."""
+    got, want = text.strip(), answer.strip()
+    if _PLAIN_NUMBER.fullmatch(got) and _PLAIN_NUMBER.fullmatch(want):
+        try:
+            return Fraction(got) == Fraction(want)
+        except ZeroDivisionError:  # "1/0"
+            pass
+    return got == want
 
 
 @ENVS.register("calculator")
