@@ -188,7 +188,9 @@ class EpisodeEngine:
                 delay = simulated_latency(self.seed, ep.request, ep.turns, self.cfg.latency_median_s,
                                           self.cfg.latency_sigma)
             if delay > 0:
-                threading.Timer(delay, submit_later, (ep, traj.text, delay)).start()
+                timer = threading.Timer(delay, submit_later, (ep, traj.text, delay))
+                timer.daemon = True  # a stopped run does not wait for tools it no longer needs
+                timer.start()
             else:
                 pool.submit(env_step, ep, traj.text, 0.0)
             deliver()
