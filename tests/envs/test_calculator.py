@@ -185,3 +185,8 @@ def test_same_number_never_builds_a_huge_integer():
     assert same_number("1e999999999", "100") is False and same_number("1e2", "100") is False
     assert same_number("9" * 41, "9" * 41) is True  # too long for a number: compared as text
     assert time.perf_counter() - start < 1.0
+
+
+def test_zero_padded_operands_as_prompts_write_them():
+    assert evaluate("07+45") == 52 and evaluate("(007)*10") == 70 and evaluate("100+0") == 100
+    assert calculator_trace(["07", "45", "13"]) == "<c>07+45</c>=52 <c>52+13</c>=65 65"

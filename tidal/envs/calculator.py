@@ -25,6 +25,7 @@ from tidal.types import Prompt
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 MAX_ABS = 10**15
+_LEADING_ZEROS = re.compile(r"(?<![\d.])0+(\d)")
 MAX_CHARS = 200
 
 
@@ -36,6 +37,7 @@ def evaluate(expression: str) -> Fraction:
     """The exact value of an arithmetic expression (see module docstring for what is allowed)."""
     if len(expression) > MAX_CHARS:
         raise CalcError(f"expression longer than {MAX_CHARS} characters")
+    expression = _LEADING_ZEROS.sub(r"\1", expression)  # "07+45": zero-padded operands, as prompts write them
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as e:
@@ -118,13 +120,15 @@ class Calculator:
         return EnvStep(self.observe(format_value(value)), info={"tool_call": True})
 
 
-def calculator_trace(operands: list[int], env: Calculator | None = None) -> str:
+def calculator_trace(operands: list, env: Calculator | None = None) -> str:
     """A correct episode for a sum, calling the tool on two terms at a time, as one text (the
-    warm start's demonstration): ``<c>12+34</c>=46 <c>46+56</c>=102 102``."""
+    warm start's demonstration): ``<c>12+34</c>=46 <c>46+56</c>=102 102``. Operands given as strings
+    are copied as written (``07``): the first call copies the first two from the prompt."""
     env = env or Calculator()
-    total, parts = operands[0], []
-    for x in operands[1:]:
-        expression = f"{total}+{x}"
-        total += x
+    first, parts = operands[0], []
+    total = int(first)
+    for i, x in enumerate(operands[1:]):
+        expression = f"{first if i == 0 else total}+{x}"
+        total += int(x)
         parts.append(env.format.render(ToolCall("calculator", {"expression": expression})) + env.observe(str(total)))
     return "".join(parts) + str(total)

@@ -12,7 +12,9 @@ waiting for the longest sample (the async benchmark uses it).
 ``sum_chain``: "12+34+56=" -> "102", k operands in [0, max_operand] with k geometric in
 [2, max_terms]. Too long for the tiny model to add in one go, easy with a calculator called on two
 terms at a time (the agentic quickstart): its warm-start example is that tool-use trace
-(``task.params.demos=answer`` gives the bare answer instead, to measure the model without a tool).
+(``task.params.demos=answer`` gives the bare answer instead, to measure the model without a tool;
+``task.params.pad_operands=true`` zero-pads operands to ``max_operand``'s width, "07+45=", which the
+calculator reads too).
 """
 
 from __future__ import annotations
@@ -136,9 +138,10 @@ class SumChain(_SplitTask):
         return sorted(seen)
 
     def _prompt(self, item, uid: str) -> Prompt:
-        return Prompt(uid=uid, text="+".join(map(str, item)) + "=", answer=str(sum(item)))
+        w = len(str(self.cfg.max_operand)) if self.cfg.params.get("pad_operands", False) else 1
+        return Prompt(uid=uid, text="+".join(f"{x:0{w}d}" for x in item) + "=", answer=str(sum(item)))
 
     def sft_example(self, prompt: Prompt) -> str:
         if self.cfg.params.get("demos", "tool") == "answer":
             return prompt.answer
-        return calculator_trace([int(x) for x in prompt.text.rstrip("=").split("+")])
+        return calculator_trace(prompt.text.rstrip("=").split("+"))
