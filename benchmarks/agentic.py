@@ -15,7 +15,7 @@ episodes trained on against the data's (tidal trains groups in stream order, so 
 waited for, never skipped: the two must match). Headline keys: ``async_over_sync`` (at
 ``realistic_latency_s``), ``final_success_sync`` and ``final_success_async`` (there).
 
-    tidal bench agentic [--set latencies=[0.0,0.1]] [--set steps=30]
+    tidal bench agentic [--set latencies=[0.0,0.1]] [--set steps=30] [--set async_staleness=4]
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from tidal.tasks import TASKS
 
 DESCRIPTION = "sync vs async agent RL with slow tools: trained episodes/s, engine idle, success"
 
-MODES = {
-    "sync": ["system.mode=sync", "rollout.max_staleness=0", "system.num_threads=2"],
-    "async": ["system.mode=async", "rollout.max_staleness=1", "system.async_threads=1"],
-}
+def modes(async_staleness: int) -> dict[str, list[str]]:
+    return {"sync": ["system.mode=sync", "rollout.max_staleness=0", "system.num_threads=2"],
+            "async": ["system.mode=async", f"rollout.max_staleness={async_staleness}", "system.async_threads=1"]}
 
 
 @dataclass
@@ -48,6 +47,9 @@ class Settings:
     realistic_latency_s: float = 0.1
     """The scale the headline ratio is read at."""
     steps: int = 30
+    async_staleness: int = 1
+    """eta of the async arm (the recipe's 1; a larger eta lets generation run further ahead of a step
+    that waits for its slowest episode)."""
 
 
 def num_terms(prompt) -> int:
@@ -98,7 +100,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     base_model_path(cfg, TASKS.get(cfg.task.name)(cfg.task), progress=False)  # warm start outside the timing
     table = []
     for latency in s.latencies:
-        for mode, mode_overrides in MODES.items():
+        for mode, mode_overrides in modes(s.async_staleness).items():
             row = {"latency_median_s": latency, "mode": mode,
                    **run_mode([*common, *mode_overrides, f"env.latency_median_s={latency}"],
                               out_dir / f"lat{latency}-{mode}")}
@@ -114,4 +116,5 @@ def run(overrides: list[str], out_dir: Path) -> dict:
             "async_over_sync": ratios.get(str(s.realistic_latency_s)),
             "final_success_sync": real.get("sync", {}).get("final_success"),
             "final_success_async": real.get("async", {}).get("final_success"),
-            "realistic_latency_s": s.realistic_latency_s, "steps": s.steps, "overrides": overrides}
+            "realistic_latency_s": s.realistic_latency_s, "async_staleness": s.async_staleness, "steps": s.steps,
+            "overrides": overrides}
