@@ -28,6 +28,7 @@ def agentic_quickstart() -> RunConfig:
     64 x 8, lr 4e-4                   0.315 / 0.26 (stopped)
     32 x 8, lr 6e-4                   0.315 / 0.005 / 0.0 (collapsed)
     32 x 8, ``task.max_terms=4``      0.32 / 0.495 / 0.54 (stopped)
+    32 x 8, ``pad_operands=true``     0.45 / 0.54 / 0.58 / 0.595 (stopped)
     ================================  =================================================================
 
     Issue 23's goal (0.8, and +0.3 over the base) is not met yet: +0.36 after 80 steps, still
