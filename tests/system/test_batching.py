@@ -49,6 +49,15 @@ def test_staleness_guard_drops_groups_that_got_too_old():
     assert [g.prompt.uid for g in got.groups] == ["g1"] and got.metrics["async/dropped_stale"] == 1
 
 
+def test_a_group_emptied_by_infra_failures_is_never_stale():
+    """Every episode of a group failed in the environment, so no sample is left to date it: it is
+    not dropped as stale (its slot is not given back twice), and it trains nothing."""
+    empty = Group(Prompt("g0", "", ""), [])
+    got = collect_batch(lambda i, _: empty, 0, step=9, groups_per_step=1, dynamic=False, max_draws=1,
+                        max_staleness=1)
+    assert got.groups == [empty] and got.metrics["async/dropped_stale"] == 0
+
+
 @pytest.mark.parametrize("eta", [0, 1, 2])
 @pytest.mark.parametrize("seed", range(6))
 def test_bound_holds_with_drops_and_short_batches(eta, seed):

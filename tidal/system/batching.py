@@ -39,6 +39,12 @@ def length_budget(schedule: Sequence[Sequence[int]], step: int, default: int) ->
     return budget
 
 
+def too_stale(group: Group, step: int, max_staleness: int) -> bool:
+    """More than ``max_staleness`` versions behind ``step``, counted from the group's oldest sampled
+    token. A group with no samples left (every episode an infrastructure failure) has no age."""
+    return bool(group.rewards) and step - group.oldest_version > max_staleness
+
+
 @dataclass
 class Collected:
     groups: list[Group]
@@ -73,7 +79,7 @@ def collect_batch(
         drawn += 1
         if dynamic and not informative(group):
             dropped_flat += 1
-        elif max_staleness is not None and group.trajectories and step - group.oldest_version > max_staleness:
+        elif max_staleness is not None and too_stale(group, step, max_staleness):
             dropped_stale += 1
             on_stale(group)
         else:
