@@ -31,10 +31,22 @@ def agentic_quickstart() -> RunConfig:
     32 x 8, ``pad_operands=true``     0.45 / 0.54 / 0.58 / 0.595 (stopped)
     ================================  =================================================================
 
-    Issue 23's goal (0.8, and +0.3 over the base) is not met yet: +0.36 after 80 steps, still
-    rising. What the policy gets wrong is copying: at step 30, 25/32 two-term sums were right, 72/104
-    three-term, 15/104 four-term and 0/80 five-term, nearly all from a wrong operand copied from the
-    prompt into a call; larger learning rates break the call format instead of fixing it.
+    Issue 23's goal (0.8, and +0.3 over the base) is not met: the curve flattens at ~0.65. A second
+    machine session, same recipe for 90 steps: 0.315 / 0.49 / 0.52 / 0.57 / 0.58 / 0.625 / 0.635 /
+    0.63 / 0.655 / 0.65 at steps 0-90 (~3.5 s per step). What the policy gets wrong is copying an
+    operand from the prompt into a call, and it gets worse with each call: at step 50, 40/40 two-term
+    sums were right, 76/80 three-term, 9/41 four-term and 0/39 five-term (the 200 held-out problems
+    are 20/40/20/20% by k, ``tasks/arithmetic.py``). The wrong operands mix digits of neighbours: the
+    right tens digit with the next operand's units (``65+14+61+89`` -> ``<c>79+69</c>``,
+    ``86+89+25+3`` -> ``<c>175+23</c>``), the mark of attention by approximate position in a context
+    that grows ~18 tokens per call. Two ways around it that did not work (seed 0):
+
+    - ``pad_operands=true``, 64 x 8, ``sft.accuracy_band=[0.25,0.4]``: 0.255 / 0.325 / 0.35 / 0.43 at
+      steps 0-30 (6.6 s per step), behind the recipe per step and per second.
+    - ``task.max_terms=3`` (``env.max_turns=4``): 0.30 / 0.55 / 0.705 at steps 0 / 40 / 60, best 0.715,
+      0.70 at 100. Three-term sums reach 140/157, but two-term ones fall to 0/43: the policy always
+      makes two calls, inventing a second operand for a two-term prompt; once all 8 samples of such a
+      prompt fail, its group has zero advantage and gives no gradient, so RL cannot win it back.
     """
     cfg = RunConfig()
     cfg.max_steps = 200

@@ -48,8 +48,9 @@ class TaskConfig:
     here (1M model, batch 64, lr 1e-3): fixed width reaches 0.34 greedy accuracy after 300 steps and
     0.67 after 400; the natural format needs ~750 steps for 0.42."""
     max_terms: int = 5
-    """sum_chain: the most terms in a sum (at least 2); the count k is geometric, P(k) ~ 2^-(k-2),
-    so long chains are rare (a long-tailed episode length, as agent workloads have)."""
+    """sum_chain: the most terms in a sum (at least 2). k is drawn geometric, P(k) ~ 2^-(k-2), but
+    two-term sums run out of distinct problems, so the task's problems are ~20% / 40% / 20% / 20%
+    for k = 2..5 (``tasks/arithmetic.py``): episode lengths of 1-5 turns, with a tail."""
     max_repeat: int = 48
     """repeat: the longest response (the tail of the length distribution)."""
     num_eval: int = 500
