@@ -35,7 +35,7 @@ from tidal.sim.config import MODES, ModeResult, SimConfig
 from tidal.sim.costs import device_speed, engine_costs, train_time
 from tidal.sim.engine import Row, SimEngine
 from tidal.sim.lengths import GroupStream
-from tidal.system.batching import collect_batch, informative
+from tidal.system.batching import collect_batch, informative, too_stale
 from tidal.system.staleness import StalenessManager
 
 
@@ -236,7 +236,7 @@ class _Run:
             if group is None:
                 return False
             drawn += 1
-            stale = eta is not None and self.step - group.oldest_version > eta
+            stale = eta is not None and too_stale(group, self.step, eta)
             kept += not (self.w.dynamic_sampling and not informative(group)) and not stale
         return True
 
