@@ -1,12 +1,17 @@
-"""Padded vs greedy collation vs padding-free packing, on long-tailed sequence lengths, side by side.
+"""Padded vs greedy collation vs padding-free packing vs prefix sharing, on long-tailed lengths, side by side.
 
 The same batches (one RL batch of ``num_sequences`` sequences whose response lengths follow a 1/n
-law up to ``max_len``, the shape of real reasoning traces) go through the same trainer step three
-ways, each from the same initial weights:
+law up to ``max_len``, the shape of real reasoning traces; each group of ``group_size`` shares its
+``prompt_len``-token prompt, as GRPO's samples do) go through the same trainer step four ways, each
+from the same initial weights:
 
 - ``padded``: one [B, T] pass, every row padded to the longest;
 - ``collated``: Magistral's greedy collation, micro-batches of sorted lengths filled to a token budget;
-- ``packed``: sequences packed end to end into rows of ``pack_tokens`` (block-diagonal attention).
+- ``packed``: sequences packed end to end into rows of ``pack_tokens`` (block-diagonal attention);
+- ``prefix_shared``: each group as one token trie (``train/prefix_tree.py``): the shared prompt is
+  computed once per group. Random response tokens share nothing past the prompt, so this arm gains
+  only the prompt's repeats; the quickstart's short, mostly agreeing answers gain far more (4x fewer
+  tokens, ``tidal/recipes/quickstart.py``).
 
 Reported: real tokens trained per second (median step time; the arms take turns step by step, so
 load changes on a shared machine hit all of them alike), the fraction of computed tokens that were
@@ -31,10 +36,11 @@ from tidal.config import apply_overrides
 from tidal.models import tiny
 from tidal.optim import OptimConfig
 from tidal.train.microbatch import greedy_collation, pack_sequences, padded_tokens
+from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.types import TrainBatch
 
-DESCRIPTION = "padded vs greedy collation vs packing: tokens/s and padding on long-tailed lengths"
+DESCRIPTION = "padded vs greedy collation vs packing vs prefix sharing: tokens/s and padding on long-tailed lengths"
 
 
 @dataclass
@@ -60,12 +66,13 @@ def long_tailed_batch(s: Settings, vocab: int) -> TrainBatch:
     gen = torch.Generator().manual_seed(s.seed)
     ids = torch.randint(3, vocab, (s.num_sequences, width), generator=gen)
     attn = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    group = torch.arange(s.num_sequences) // s.group_size
+    ids[:, : s.prompt_len] = ids[group * s.group_size, : s.prompt_len]  # a group's samples share its prompt
     ids = ids * attn
     loss_mask = attn.float()
     loss_mask[:, : s.prompt_len] = 0
     behav = -torch.rand(s.num_sequences, width, generator=gen) * loss_mask
     versions = torch.where(loss_mask > 0, 0, -1)
-    group = torch.arange(s.num_sequences) // s.group_size
     rewards = torch.randint(0, 2, (s.num_sequences,), generator=gen).float()
     return TrainBatch(ids, attn, loss_mask, behav, versions, group, rewards)
 
@@ -76,6 +83,18 @@ def packed_tokens(lengths: list[int], micro_batch_tokens: int, pack_tokens: int)
     for micro in pack_sequences(lengths, micro_batch_tokens):
         rows = pack_sequences([lengths[i] for i in micro], pack_tokens)
         total += len(rows) * max(sum(lengths[micro[j]] for j in row) for row in rows)
+    return total
+
+
+def trie_tokens(batch: TrainBatch, lengths: list[int], micro_batch_tokens: int, pack_tokens: int) -> int:
+    """Tokens the prefix-shared layout computes: per micro-batch (the trainer's split), rows x the
+    longest row of tries."""
+    total = 0
+    groups = batch.group_index_b.tolist()
+    for rows in group_micro_batches(batch.input_ids_bt, lengths, groups, micro_batch_tokens):
+        trees = pack_prefix_trees(batch.input_ids_bt[rows], [lengths[i] for i in rows],
+                                  batch.group_index_b[rows].tolist(), pack_tokens)
+        total += trees.input_ids_rl.numel()
     return total
 
 
@@ -93,6 +112,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
                      padded_tokens(lengths, greedy_collation(lengths, s.micro_batch_tokens))),
         "packed": (TrainerConfig(micro_batch_tokens=s.micro_batch_tokens, packing=True, pack_tokens=s.pack_tokens),
                    packed_tokens(lengths, s.micro_batch_tokens, s.pack_tokens)),
+        "prefix_shared": (TrainerConfig(micro_batch_tokens=s.micro_batch_tokens, share_prefixes=True,
+                                        pack_tokens=s.pack_tokens),
+                          trie_tokens(batch, lengths, s.micro_batch_tokens, s.pack_tokens)),
     }
     trainers, grads = {}, {}
     for name, (cfg, _) in arms.items():
@@ -110,7 +132,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         seconds = statistics.median(times[name])
         rows.append({"layout": name, "step_s": seconds, "tokens_per_s": real / seconds,
                      "computed_tokens": computed, "padding_frac": 1 - real / computed})
-    for name in ("collated", "packed"):
+    for name in ("collated", "packed", "prefix_shared"):
         gap = (grads[name] - grads["padded"]).abs().max().item()
         assert gap < 1e-4 * max(grads["padded"].abs().max().item(), 1e-6), f"{name} changed the gradient: {gap}"
     for row in rows:

@@ -43,6 +43,8 @@ CASES = {  # name: (algo, trainer[, optim]) settings
     # sequence-level aggregation with packing and a batch-scope advantage (REINFORCE++)
     "seq_sum_packed": ({"loss_agg": "seq_mean_token_sum", "advantage": "reinforce_pp"},
                        {"packing": True, "pack_tokens": 48}),
+    # each group as a prefix trie (through the FSDP root's forward), split into micro-batches of whole groups
+    "prefix_shared": ({}, {"share_prefixes": True, "pack_tokens": 32, "micro_batch_tokens": 40}),
 }
 
 

@@ -1,5 +1,5 @@
-"""Gradient accumulation over micro-batches (padded or packed) gives the whole minibatch's gradient,
-whatever the aggregation: the split must not change the result."""
+"""Gradient accumulation over micro-batches (padded, packed or prefix-shared) gives the whole minibatch's
+gradient, whatever the aggregation: the split must not change the result."""
 
 import copy
 
@@ -37,7 +37,9 @@ def grads_after_step(model, batch, algo: AlgoConfig, trainer_cfg: TrainerConfig)
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "group_length"])
 @pytest.mark.parametrize("split", [{"micro_batch_tokens": 20}, {"micro_batch_tokens": 30, "packing": True,
-                                                                 "pack_tokens": 16}])
+                                                                 "pack_tokens": 16},
+                                   {"share_prefixes": True, "pack_tokens": 16},
+                                   {"micro_batch_tokens": 30, "share_prefixes": True}])
 def test_micro_batches_sum_to_the_whole(small_model, batch, agg, split):
     algo = AlgoConfig(loss_agg=agg, max_gen_len=9)
     whole, m_whole = grads_after_step(small_model, batch, algo, TrainerConfig())
@@ -52,8 +54,9 @@ def test_micro_batches_with_corrections_and_kl(small_model, batch):
     algo = AlgoConfig(policy_loss="decoupled_ppo", kl_coef=0.1, correction="tis")
     ref = copy.deepcopy(small_model)
     results = []
-    for cfg in (TrainerConfig(), TrainerConfig(micro_batch_tokens=20), TrainerConfig(micro_batch_tokens=30,
-                                                                                     packing=True, pack_tokens=16)):
+    for cfg in (TrainerConfig(), TrainerConfig(micro_batch_tokens=20),
+                TrainerConfig(micro_batch_tokens=30, packing=True, pack_tokens=16),
+                TrainerConfig(share_prefixes=True, pack_tokens=16)):
         model = copy.deepcopy(small_model)
         trainer = Trainer(model, algo, OptimConfig(lr=1e-3, grad_clip=1e9), cfg, ref_model=ref)
         trainer.step(batch)

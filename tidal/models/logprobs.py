@@ -47,27 +47,40 @@ def token_logprobs(
     with_entropy: bool = False,
     *,
     position_ids: torch.Tensor | None = None,
+    parents_bt: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``logp_bt`` [B, T] (float32, differentiable) and, if asked, entropies [B, T]
     (float32, no gradient). ``attention_mask_bt`` and ``position_ids`` [B, T] go to the model unchanged,
     so a packed batch can pass per-sequence position ids and a block-causal [B, 1, T, T] mask (or, on
-    transformers versions that detect packing from position ids, no mask)."""
+    transformers versions that detect packing from position ids, no mask).
+
+    ``parents_bt`` [B, T] names each token's predecessor by its column (-1: none, log-prob 0), for
+    layouts where it is not the column before: prefix-shared tries (``train/prefix_tree.py``). Each
+    token is then scored from its parent's output. Default: the column before."""
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     head = _linear_head(model)
     if head is None:
         extra = {} if position_ids is None else {"position_ids": position_ids}
-        logits = model(input_ids=input_ids_bt, attention_mask=attention_mask_bt, **extra).logits
-        logp, ent = _logp_and_entropy(logits[:, :-1].float(), input_ids_bt[:, 1:], temperature, with_entropy)
+        out_btx = model(input_ids=input_ids_bt, attention_mask=attention_mask_bt, **extra).logits
     else:
         out = model.get_decoder()(input_ids=input_ids_bt, attention_mask=attention_mask_bt,
                                   position_ids=position_ids, use_cache=False)
-        hidden_bth = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        logp, ent = chunked_head_logprobs(hidden_bth[:, :-1], head.weight, head.bias, input_ids_bt[:, 1:],
-                                          temperature, with_entropy, chunk_size)
-    logp_bt = torch.nn.functional.pad(logp, (1, 0))
-    entropy_bt = torch.nn.functional.pad(ent, (1, 0)) if with_entropy else None
-    return logp_bt, entropy_bt
+        out_btx = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if parents_bt is None:  # the column before predicts each token; nothing predicts column 0
+        preceding, targets = out_btx[:, :-1], input_ids_bt[:, 1:]
+    else:
+        index = parents_bt.clamp(min=0)[..., None].expand(-1, -1, out_btx.shape[-1])
+        preceding, targets = out_btx.gather(1, index), input_ids_bt
+    if head is None:
+        logp, ent = _logp_and_entropy(preceding.float(), targets, temperature, with_entropy)
+    else:
+        logp, ent = chunked_head_logprobs(preceding, head.weight, head.bias, targets, temperature,
+                                          with_entropy, chunk_size)
+    if parents_bt is None:
+        return torch.nn.functional.pad(logp, (1, 0)), torch.nn.functional.pad(ent, (1, 0)) if with_entropy else None
+    orphan = parents_bt < 0
+    return logp.masked_fill(orphan, 0.0), ent.masked_fill(orphan, 0.0) if with_entropy else None
 
 
 def chunked_head_logprobs(

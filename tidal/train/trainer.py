@@ -56,6 +56,7 @@ from tidal.train.diloco import DiLoCoConfig
 from tidal.train.distributed import LOCAL, DataParallel
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, unpack
+from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
 from tidal.utils.memory import PeakMemory
 
@@ -69,11 +70,17 @@ class TrainerConfig:
     micro_batch_tokens: int | None = None
     """Token budget of one forward/backward pass; a minibatch is split into micro-batches (Magistral's
     greedy collation: sorted by length, filled to this many padded tokens; with ``packing``, real
-    tokens) and their gradients accumulated, weighted so the result equals the whole minibatch's.
+    tokens; with ``share_prefixes``, whole groups by trie nodes) and their gradients accumulated,
+    weighted so the result equals the whole minibatch's.
     None: the whole minibatch in one pass."""
     packing: bool = False
     """Pack sequences end to end without padding (position ids restart per sequence, block-diagonal
     causal attention; see ``train/packing.py``). Same loss and gradients as padded."""
+    share_prefixes: bool = False
+    """Pack each group's sequences as one token trie, so the prompt and every other prefix the samples
+    share is computed once (``train/prefix_tree.py``; Prefix Grouper, arXiv 2506.05433). Same loss and
+    gradients as padded; needs SDPA or eager attention (a trie is not a varlen flash segment). Rows
+    hold at most ``pack_tokens`` trie nodes."""
     pack_tokens: int = 512
     """Longest packed row, in tokens. On CPU, attention inside a row costs O(row^2) with a dense mask,
     so rows stay short; on GPU, varlen flash attention makes long rows cheap."""
@@ -135,6 +142,10 @@ class Trainer:
         self.optim_cfg = optim
         self.dp = dp
         validate(cfg)
+        if cfg.share_prefixes and str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
+            raise ConfigError("trainer.share_prefixes needs an explicit attention mask (a prefix trie is not a varlen "
+                              "flash-attention segment): load the model with attn_implementation='sdpa' or 'eager', "
+                              "or use trainer.packing")
         if dp.enabled:
             assert cfg.data_parallel == "fsdp", "a DiLoCo rank's Trainer has no data parallel (DiLoCoTrainer)"
             if optim.name == "muon":
@@ -179,14 +190,27 @@ class Trainer:
         if budget is None:
             return [torch.arange(len(rows))]
         lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
-        split = pack_sequences(lengths, budget) if self.cfg.packing else greedy_collation(lengths, budget)
+        if self.cfg.share_prefixes:  # whole groups, budgeted in trie nodes
+            split = group_micro_batches(batch.input_ids_bt[rows], lengths, batch.group_index_b[rows].tolist(), budget)
+        elif self.cfg.packing:
+            split = pack_sequences(lengths, budget)
+        else:
+            split = greedy_collation(lengths, budget)
         return [torch.tensor(sorted(m)) for m in split]
 
     def _forward(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor, with_entropy: bool = False):
         """Per-token log-probs (and entropies) of ``rows`` in the batch's [len(rows), T] layout, computed
-        padded to the longest of these rows, or packed without padding (``packing``)."""
+        padded to the longest of these rows, packed without padding (``packing``), or packed as one
+        token trie per group (``share_prefixes``)."""
         width = batch.input_ids_bt.shape[1]
         lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
+        if self.cfg.share_prefixes:
+            trees = pack_prefix_trees(batch.input_ids_bt[rows], lengths, batch.group_index_b[rows].tolist(),
+                                      self.cfg.pack_tokens)
+            logp, ent = self._logprobs(model, trees.input_ids_rl, trees.attention_mask_r1ll, self.cfg.temperature,
+                                       with_entropy, position_ids=trees.position_ids_rl, parents_bt=trees.parents_rl,
+                                       chunk_size=self.cfg.logprob_chunk_size)
+            return unpack_trees(logp, trees, width), unpack_trees(ent, trees, width) if ent is not None else None
         if self.cfg.packing:
             packed = pack(batch.input_ids_bt[rows], lengths, self.cfg.pack_tokens)
             # Varlen flash attention finds the boundaries in the position ids; SDPA/eager need the mask.
