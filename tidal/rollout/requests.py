@@ -61,8 +61,10 @@ def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context:
 def group_requests(
     tokenizer, prompts: list[Prompt], group_size: int, max_new_tokens: int | None = None
 ) -> list[GenRequest]:
-    """``group_size`` adjacent requests per prompt (adjacency lets the engine share the prefill)."""
-    return [GenRequest(p, prompt_ids(tokenizer, p), j, max_new_tokens) for p in prompts for j in range(group_size)]
+    """``group_size`` adjacent requests per prompt (adjacency lets the engine share the prefill); each
+    prompt is tokenized once, not once per sample."""
+    return [GenRequest(p, ids, j, max_new_tokens) for p in prompts
+            for ids in (prompt_ids(tokenizer, p),) for j in range(group_size)]
 
 
 def generate_by_stream(stream: Callable, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]:
