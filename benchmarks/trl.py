@@ -235,14 +235,21 @@ def trl_settings(cfg: RunConfig, s: Settings, model_dir: Path, work: Path) -> di
     eps = {k: getattr(cfg.algo, k) if getattr(cfg.algo, k) is not None else loss_defaults[k].default
            for k in ("eps_low", "eps_high")}
     r, o = cfg.rollout, cfg.optim
+    if o.schedule not in ("constant", "cosine"):
+        raise ValueError(f"optim.schedule={o.schedule!r}: the TRL run mirrors only constant and cosine (Hugging "
+                         f"Face's linear schedule decays to 0, not to optim.min_lr_ratio)")
+    # Hugging Face's cosine decays over max_steps: the TRL run ends with its decay (tidal's holds at the
+    # floor after it); on 2 cores TRL's 300 s end long before either.
+    max_steps = cfg.max_steps if o.schedule == "constant" else o.warmup_steps + o.decay_steps
     return {
         "model_dir": str(model_dir.absolute()), "prompts_path": str(work / "prompts.jsonl"),
         "snapshots_path": str(work / "snapshots.pt"), "log_path": str(work / "steps.jsonl"),
         "trl_out_dir": str(work / "trainer"), "threads": s.trl_threads or s.threads, "seed": cfg.seed,
         "prompts_per_step": r.prompts_per_step, "group_size": r.group_size, "max_new_tokens": r.max_new_tokens,
         "temperature": r.temperature, "top_p": r.top_p, "lr": o.lr, "betas": list(o.betas), "adam_eps": o.eps,
-        "weight_decay": o.weight_decay, "grad_clip": o.grad_clip, **eps,
-        "max_time_s": cfg.max_time_s, "max_steps": cfg.max_steps, "snapshot_every_s": s.snapshot_every_s,
+        "weight_decay": o.weight_decay, "grad_clip": o.grad_clip, **eps, "schedule": o.schedule,
+        "warmup_steps": o.warmup_steps, "min_lr_ratio": o.min_lr_ratio,
+        "max_time_s": cfg.max_time_s, "max_steps": min(max_steps, cfg.max_steps), "snapshot_every_s": s.snapshot_every_s,
     }
 
 

@@ -107,6 +107,16 @@ def make_callback(clock: SnapshotClock, snapshots: list[dict], log_path: Path):
     return ClockCallback()
 
 
+def lr_schedule(s: dict) -> dict:
+    """tidal's ``optim.schedule`` as GRPOConfig arguments: constant, or a cosine to ``min_lr_ratio`` over
+    ``max_steps`` (tidal's ``lr_factor`` and Hugging Face's ``cosine_with_min_lr`` share the formula)."""
+    warmup = s.get("warmup_steps", 0)
+    if s.get("schedule", "constant") == "constant":
+        return {"lr_scheduler_type": "constant_with_warmup" if warmup else "constant", "warmup_steps": warmup}
+    return {"lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": warmup,
+            "lr_scheduler_kwargs": {"min_lr_rate": s["min_lr_ratio"]}}
+
+
 def grpo_config(s: dict, out_dir: str):
     """GRPOConfig with every knob that differs from TRL's defaults stated (FACTS.md: CPU needs bf16 and
     gradient checkpointing off explicitly; both default on)."""
@@ -117,7 +127,7 @@ def grpo_config(s: dict, out_dir: str):
         per_device_train_batch_size=s["prompts_per_step"] * s["group_size"], gradient_accumulation_steps=1,
         num_generations=s["group_size"], num_iterations=1, max_completion_length=s["max_new_tokens"],
         temperature=s["temperature"], top_p=s["top_p"], top_k=0,
-        learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        learning_rate=s["lr"], optim="adamw_torch", **lr_schedule(s),
         adam_beta1=s["betas"][0], adam_beta2=s["betas"][1], adam_epsilon=s["adam_eps"],
         weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"],
         loss_type="dapo", beta=0.0, epsilon=s["eps_low"], epsilon_high=s["eps_high"], scale_rewards="group",

@@ -159,6 +159,14 @@ def test_both_runs_read_one_resolved_config(tmp_path):
     assert got["betas"] == list(cfg.optim.betas) and got["grad_clip"] == cfg.optim.grad_clip
     s.trl_threads = 2
     assert trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)["threads"] == 2
+    cfg.optim.schedule, cfg.optim.decay_steps = "cosine", 400  # the clock's max_steps is 1e8 (trl_bench.RUN)
+    got = trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)
+    assert grpo.lr_schedule(got) == {"lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": 0,
+                                     "lr_scheduler_kwargs": {"min_lr_rate": cfg.optim.min_lr_ratio}}
+    assert got["max_steps"] == 400  # Hugging Face's cosine decays over max_steps
+    cfg.optim.schedule = "linear"  # Hugging Face's linear decays to 0, not to min_lr_ratio: refused
+    with pytest.raises(ValueError, match="linear"):
+        trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)
     with pytest.raises(Exception, match="unknown config key"):
         trl_bench.resolve(["snapshot_evry_s=3"])
 
@@ -209,3 +217,18 @@ def test_two_trl_steps(tmp_path, monkeypatch):
     assert row["steps"] == 2 and len(result["curves"]["seed0/trl"]["accuracy"]) == 3
     snapshots = torch.load(tmp_path / "results" / "trl" / "seed0" / "trl" / "snapshots.pt", weights_only=True)
     assert [s["step"] for s in snapshots] == [0, 1, 2]  # the base, then every step (snapshot_every_s=0.05)
+
+
+def test_tidal_cosine_is_hugging_faces_cosine_with_min_lr():
+    """The TRL run gets ``cosine_with_min_lr``: its lr must equal tidal's ``lr_factor`` step by step."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    from tidal.optim import OptimConfig, lr_factor
+
+    cfg = OptimConfig(lr=1.0, schedule="cosine", decay_steps=400, min_lr_ratio=0.1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hf = get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=400, min_lr_rate=0.1)
+    for step in range(401):  # past max_steps HF's cosine turns back up while tidal's holds; TRL stops there
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr_factor(step, cfg), abs=1e-9), step
+        opt.step()
+        hf.step()

@@ -10,7 +10,8 @@ from tidal.system.config import RunConfig
 def quickstart() -> RunConfig:
     """Tiny Qwen2 (1M params), 2-digit addition: warm start into a partial base, then async RL (eta=1).
 
-    Measured with ``tidal bench quickstart`` (150 RL steps, seeds 0-2 whose warm starts stopped at
+    First measured with ``tidal bench quickstart`` under the default band [0.3, 0.45] and a padded
+    trainer (150 RL steps, seeds 0-2 whose warm starts stopped at
     0.338 / 0.330 / 0.390 after 270 / 440 / 380 steps; steps to 0.8, steps to 0.85, final accuracy,
     late swing = largest drop between evaluations 10 steps apart once at 0.8; issue 15):
 
@@ -50,6 +51,46 @@ def quickstart() -> RunConfig:
     denominator, as TRL's ``dapo`` loss does (``algo.skip_zero_adv_groups=false``), changed nothing: with
     Adam a scalar on the gradient cancels, and tidal's loss and gradient otherwise equal TRL's on
     identical batches (``tests/test_trl_parity.py``). ``tidal bench quickstart`` gives the 5-seed result.
+
+    Bases at the band's low edge were the slow seeds. Seeds 3 and 4 (bases 0.306 / 0.314, 0.8 after 90 /
+    100 steps above) measured for 60-80 RL steps per setting, accuracy at step 60 (seed 3 / seed 4):
+
+    ======================================  ===================  ========================================
+    setting                                 at step 60           note
+    ======================================  ===================  ========================================
+    128 x 8, lr 2e-4 (as above)             0.75 / 0.70          0.8 after 90 / 100 steps
+    lr 3e-4                                 0.71 / 0.76
+    lr 4e-4, 10 warm-up steps               0.68 / 0.77
+    temperature 0.7 (seed 3)                0.77                 sampled accuracy 0.18 -> 0.52
+    dynamic sampling (seed 3)               0.74                 1.4x the seconds per step
+    Muon (lr 2e-4, AdamW-matched RMS)       0.53 / 0.53
+    128 prompts x 16 samples                0.71 / 0.77          0.8 after - / 70 steps
+    256 x 8                                 0.78 / 0.75          0.8 after 80 / 70 steps
+    band [0.35, 0.45]: bases 0.394 / 0.416  0.91 / 0.87          0.8 after 10 / 40 steps
+    ======================================  ===================  ========================================
+
+    No RL setting moved those bases much; 20-60 more warm-start steps did (seed 3: 250 -> 310, seed 4:
+    280 -> 300). Greedy accuracy alone does not say how close a model is to its learning jump: after
+    60 RL steps seed 3 got 122/220 of the held-out sums whose units digits carry right, against 254/280
+    of the others.
+    So the recipe asks its warm start for [0.35, 0.45]. ``tidal bench quickstart --set steps=100``
+    with this recipe (prefix-shared trainer, 2 cores, one machine):
+
+    ====  =====  ==========  ==========  =====  ==========  ===========
+    seed  base   to 0.8      to 0.85     final  late swing  s to 0.85
+    ====  =====  ==========  ==========  =====  ==========  ===========
+    0     0.368  20          30          0.92   0.014       13
+    1     0.378  40          40          0.95   0.006       20
+    2     0.390  50          60          0.93   0           33
+    3     0.394  10          30          0.96   0.024       13
+    4     0.416  40          60          0.96   0           31
+    ====  =====  ==========  ==========  =====  ==========  ===========
+
+    Every seed reaches 0.85 (median 40 steps, 20 s of RL); the median steps to 0.8 is 40, exactly
+    issue 15's limit, with a spread of 10-50 steps (the same table with a constant lr differed only
+    by seed 0 reaching 0.85 at step 20). Prefix sharing changes no curve (same loss and
+    gradients) but halves the seconds per step (1.3 s -> 0.55 s: the trainer step is 4.6x faster
+    and the engine is now the busier thread).
     """
     cfg = RunConfig()
     cfg.max_steps = 400
@@ -64,7 +105,19 @@ def quickstart() -> RunConfig:
     # Tiny models tolerate far more than the 1e-6 of LLM recipes (DAPO), but RL still wants ~5x less
     # than the warm start's 1e-3; 4e-4 and 8e-4 were worse at every batch size measured (table above).
     cfg.optim.lr = 2e-4
+    # Cosine to 0.1x over max_steps: no effect before the target (x0.98 at step 40), but a 300-s run
+    # goes 500+ steps, and at a constant lr its last evaluations wandered 0.91-0.98 (tidal bench trl).
+    cfg.optim.schedule = "cosine"
+    cfg.optim.decay_steps = cfg.max_steps
     cfg.system.mode = "async"
+    # Each group as one token trie: the 7-token prompt and the answer digits the 8 samples agree on are
+    # computed once (4.2x fewer tokens, trainer step 4.6x faster; rows of 64 nodes keep the dense
+    # mask's attention small). Same loss and gradients as the padded batch.
+    cfg.trainer.share_prefixes = True
+    cfg.trainer.pack_tokens = 64
+    # A base at the band's low edge (0.31) sat before the model's learning jump and needed 90-100 RL
+    # steps to 0.8; 0.35 and up, 10-40 (the table above).
+    cfg.sft.accuracy_band = [0.35, 0.45]
     return cfg
 
 
