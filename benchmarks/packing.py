@@ -14,8 +14,9 @@ from the same initial weights:
   tokens, ``tidal/recipes/quickstart.py``).
 
 Reported: real tokens trained per second (median step time; the arms take turns step by step, so
-load changes on a shared machine hit all of them alike), the fraction of computed tokens that were
-padding, and the speed-up over padded; the gradients of all three are checked to agree first.
+load changes on a shared machine hit all of them alike), the tokens each layout computes, how many
+are distinct after prefix sharing, the fraction that were padding, and the speed-up over padded; the
+gradients of every arm are checked to agree with padded first.
 
     tidal bench packing [--set num_sequences=256 --set max_len=256 ...]
 """
@@ -86,16 +87,18 @@ def packed_tokens(lengths: list[int], micro_batch_tokens: int, pack_tokens: int)
     return total
 
 
-def trie_tokens(batch: TrainBatch, lengths: list[int], micro_batch_tokens: int, pack_tokens: int) -> int:
-    """Tokens the prefix-shared layout computes: per micro-batch (the trainer's split), rows x the
-    longest row of tries."""
-    total = 0
+def trie_tokens(batch: TrainBatch, lengths: list[int], micro_batch_tokens: int,
+                pack_tokens: int) -> tuple[int, int]:
+    """Tokens the prefix-shared layout computes (per micro-batch, the trainer's split: rows x the
+    widest row) and the trie nodes among them (the real tokens, each shared prefix counted once)."""
+    total = nodes = 0
     groups = batch.group_index_b.tolist()
     for rows in group_micro_batches(batch.input_ids_bt, lengths, groups, micro_batch_tokens):
         trees = pack_prefix_trees(batch.input_ids_bt[rows], [lengths[i] for i in rows],
                                   batch.group_index_b[rows].tolist(), pack_tokens)
         total += trees.input_ids_rl.numel()
-    return total
+        nodes += trees.num_tokens
+    return total, nodes
 
 
 def run(overrides: list[str], out_dir: Path) -> dict:
@@ -107,17 +110,17 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     lengths = batch.attention_mask_bt.sum(-1).tolist()
     real = sum(lengths)
     arms = {
-        "padded": (TrainerConfig(), len(lengths) * max(lengths)),
+        "padded": (TrainerConfig(), len(lengths) * max(lengths), real),
         "collated": (TrainerConfig(micro_batch_tokens=s.micro_batch_tokens),
-                     padded_tokens(lengths, greedy_collation(lengths, s.micro_batch_tokens))),
+                     padded_tokens(lengths, greedy_collation(lengths, s.micro_batch_tokens)), real),
         "packed": (TrainerConfig(micro_batch_tokens=s.micro_batch_tokens, packing=True, pack_tokens=s.pack_tokens),
-                   packed_tokens(lengths, s.micro_batch_tokens, s.pack_tokens)),
+                   packed_tokens(lengths, s.micro_batch_tokens, s.pack_tokens), real),
         "prefix_shared": (TrainerConfig(micro_batch_tokens=s.micro_batch_tokens, share_prefixes=True,
                                         pack_tokens=s.pack_tokens),
-                          trie_tokens(batch, lengths, s.micro_batch_tokens, s.pack_tokens)),
+                          *trie_tokens(batch, lengths, s.micro_batch_tokens, s.pack_tokens)),
     }
     trainers, grads = {}, {}
-    for name, (cfg, _) in arms.items():
+    for name, (cfg, *_) in arms.items():
         trainers[name] = Trainer(copy.deepcopy(model), AlgoConfig(), OptimConfig(lr=0.0, grad_clip=1e9), cfg)
         trainers[name].step(batch)  # warm-up (and the gradient to compare)
         grads[name] = torch.cat([p.grad.flatten() for p in trainers[name].model.parameters()])
@@ -128,10 +131,10 @@ def run(overrides: list[str], out_dir: Path) -> dict:
             trainer.step(batch)
             times[name].append(time.perf_counter() - start)
     rows = []
-    for name, (_, computed) in arms.items():
+    for name, (_, computed, unique) in arms.items():  # unique: tokens after sharing (only tries share)
         seconds = statistics.median(times[name])
         rows.append({"layout": name, "step_s": seconds, "tokens_per_s": real / seconds,
-                     "computed_tokens": computed, "padding_frac": 1 - real / computed})
+                     "computed_tokens": computed, "unique_tokens": unique, "padding_frac": 1 - unique / computed})
     for name in ("collated", "packed", "prefix_shared"):
         gap = (grads[name] - grads["padded"]).abs().max().item()
         assert gap < 1e-4 * max(grads["padded"].abs().max().item(), 1e-6), f"{name} changed the gradient: {gap}"

@@ -249,7 +249,8 @@ def trl_settings(cfg: RunConfig, s: Settings, model_dir: Path, work: Path) -> di
         "temperature": r.temperature, "top_p": r.top_p, "lr": o.lr, "betas": list(o.betas), "adam_eps": o.eps,
         "weight_decay": o.weight_decay, "grad_clip": o.grad_clip, **eps, "schedule": o.schedule,
         "warmup_steps": o.warmup_steps, "min_lr_ratio": o.min_lr_ratio,
-        "max_time_s": cfg.max_time_s, "max_steps": min(max_steps, cfg.max_steps), "snapshot_every_s": s.snapshot_every_s,
+        "max_time_s": cfg.max_time_s, "max_steps": min(max_steps, cfg.max_steps),
+        "snapshot_every_s": s.snapshot_every_s,
     }
 
 

@@ -45,6 +45,19 @@ def test_pack_prefix_trees_layout():
     assert out.tolist() == [[0, 1, 2, 0], [0, 6, 0, 0], [0, 1, 3, 4]]  # shared nodes copied to each sequence
 
 
+def test_a_group_too_large_for_a_row_is_split_and_each_part_repeats_the_shared_prefix():
+    ids = torch.tensor([[1, 5, 6, 7], [1, 5, 8, 9], [1, 5, 6, 2]])
+    # the group's trie has 7 nodes; capacity 5: rows 0 and 2 (1 5 6 7 / 1 5 6 2: 5 nodes), then row 1 alone
+    packed = pack_prefix_trees(ids, [4, 4, 4], [0, 0, 0], capacity=5)
+    assert sorted(packed.input_ids_rl.tolist()) == [[1, 5, 6, 7, 2], [1, 5, 8, 9, 0]]
+    assert packed.num_tokens == 9
+    values = torch.zeros(2, 5)
+    row = 0 if packed.input_ids_rl[0, 2] == 6 else 1
+    values[row] = torch.tensor([10.0, 11, 12, 13, 14])
+    values[1 - row] = torch.tensor([20.0, 21, 22, 23, 0])
+    assert unpack_trees(values, packed, width=4).tolist() == [[0, 11, 12, 13], [0, 21, 22, 23], [0, 11, 12, 14]]
+
+
 def test_group_micro_batches_keep_groups_whole_within_the_node_budget():
     ids = torch.tensor([[1, 5, 6, 0], [2, 4, 0, 0], [1, 5, 8, 9], [3, 3, 3, 0]])
     # tries: group 7 (rows 0, 2) has 5 nodes, group 3 (row 1) 2, group 4 (row 3) 3; budget 5, FFD:

@@ -13,7 +13,8 @@ waiting for the longest sample (the async benchmark uses it).
 [2, max_terms] and the draws deduplicated into ``num_problems`` distinct sums. Two terms have only
 10,000 distinct sums, so deduplication flattens the geometric head: with the defaults (max_terms 5)
 the problems are about 20% two-term, 40% three-term and 20% each four- and five-term, in train and
-held-out alike (mean k 3.4; with max_terms 3: 20% / 80%). Too long for the tiny model to add in one go, easy with a calculator called on two
+held-out alike (mean k 3.4; with max_terms 3: 20% / 80%). Too long for the tiny model to add in one
+go, easy with a calculator called on two
 terms at a time (the agentic quickstart): its warm-start example is that tool-use trace
 (``task.params.demos=answer`` gives the bare answer instead, to measure the model without a tool;
 ``task.params.pad_operands=true`` zero-pads operands to ``max_operand``'s width, "07+45=", which the
