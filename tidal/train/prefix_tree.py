@@ -31,7 +31,8 @@ from tidal.train.microbatch import pack_sequences
 
 @dataclass
 class PackedTrees:
-    """``R`` rows, each holding one or more groups' tries (nodes in creation order: parents first)."""
+    """``R`` rows, each holding one or more tries (a group's, or part of a group too large for a row),
+    nodes in creation order: parents first."""
 
     input_ids_rl: torch.Tensor  # long [R, L]; padding slots hold pad_id
     position_ids_rl: torch.Tensor  # long [R, L]: each node's depth (its position in every sequence through it)
@@ -118,13 +119,13 @@ def pack_prefix_trees(input_ids_bt: torch.Tensor, lengths_b: list[int], group_id
     for r, row in enumerate(rows):
         ids_r, depth_r, parents_r = [], [], []
         for k in sorted(row):  # group order inside a row keeps the layout easy to read
-            seqs, (tokens, pars, paths) = tries[k]
+            members, (tokens, pars, paths) = tries[k]
             offset = len(ids_r)
             for tok, p in zip(tokens, pars):
                 ids_r.append(tok)
                 parents_r.append(offset + p if p >= 0 else -1)
                 depth_r.append(depth_r[offset + p] + 1 if p >= 0 else 0)
-            for i, path in zip(seqs, paths):  # position 0 has no predecessor: it stays 0, as padded
+            for i, path in zip(members, paths):  # position 0 has no predecessor: it stays 0, as padded
                 src_r += [r] * (len(path) - 1)
                 src_c += [offset + node for node in path[1:]]
                 dst_b += [i] * (len(path) - 1)
