@@ -85,12 +85,14 @@ def group_micro_batches(input_ids_bt: torch.Tensor, lengths_b: list[int], group_
     return [sorted(i for k in part for i in groups[k]) for part in pack_sequences(sizes, budget)]
 
 
-def _fitting_units(sequences: list[list[int]], members: list[int], capacity: int) -> list[list[int]]:
-    """Split one group into units whose trie fits ``capacity`` nodes: the whole group when it fits,
-    else subsets filled first-fit in order. Each unit repeats the prefix it shares with the others, so
-    a long group does not force one wide row; a sequence longer than ``capacity`` is a unit alone."""
-    if len(trie(sequences)[0]) <= capacity:
-        return [members]
+def _fitting_units(sequences: list[list[int]], members: list[int], capacity: int) -> list[tuple[list[int], tuple]]:
+    """Split one group into units whose trie fits ``capacity`` nodes, each with its trie: the whole
+    group when it fits, else subsets filled first-fit in order. Each unit repeats the prefix it shares
+    with the others, so a long group does not force one wide row; a sequence longer than ``capacity``
+    is a unit alone."""
+    whole = trie(sequences)
+    if len(whole[0]) <= capacity:
+        return [(members, whole)]
     units: list[list[int]] = []  # positions into ``sequences``; first fit, in order
     for k in range(len(sequences)):
         fits = (u for u in units if len(trie([sequences[c] for c in u] + [sequences[k]])[0]) <= capacity)
@@ -99,7 +101,7 @@ def _fitting_units(sequences: list[list[int]], members: list[int], capacity: int
             units.append([k])
         else:
             unit.append(k)
-    return [[members[c] for c in u] for u in units]
+    return [([members[c] for c in u], trie([sequences[c] for c in u])) for u in units]
 
 
 def pack_prefix_trees(input_ids_bt: torch.Tensor, lengths_b: list[int], group_ids_b: list[int],
@@ -109,9 +111,8 @@ def pack_prefix_trees(input_ids_bt: torch.Tensor, lengths_b: list[int], group_id
     that fit), tries placed whole into rows of at most ``capacity`` nodes (first-fit decreasing)."""
     ids_list = input_ids_bt.tolist()
     seq = [ids_list[i][: lengths_b[i]] for i in range(len(lengths_b))]
-    units = [unit for members in _groups(group_ids_b)
+    tries = [unit for members in _groups(group_ids_b)
              for unit in _fitting_units([seq[i] for i in members], members, capacity)]
-    tries = [(unit, trie([seq[i] for i in unit])) for unit in units]
     rows = pack_sequences([len(t[0]) for _, t in tries], capacity)
     width = max(sum(len(tries[k][1][0]) for k in row) for row in rows)
     ids, depth, parents = [], [], []  # built as lists, one tensor each at the end: this runs every step

@@ -61,6 +61,11 @@ from tidal.types import TrainBatch
 from tidal.utils.memory import PeakMemory
 
 
+def _flash_attention(model: torch.nn.Module) -> bool:
+    """Whether the model runs varlen flash attention (which takes no explicit mask)."""
+    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
+
+
 @dataclass
 class TrainerConfig:
     num_minibatches: int = 1
@@ -142,7 +147,7 @@ class Trainer:
         self.optim_cfg = optim
         self.dp = dp
         validate(cfg)
-        if cfg.share_prefixes and str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
+        if cfg.share_prefixes and _flash_attention(model):
             raise ConfigError("trainer.share_prefixes needs an explicit attention mask (a prefix trie is not a varlen "
                               "flash-attention segment): load the model with attn_implementation='sdpa' or 'eager', "
                               "or use trainer.packing")
@@ -214,7 +219,7 @@ class Trainer:
         if self.cfg.packing:
             packed = pack(batch.input_ids_bt[rows], lengths, self.cfg.pack_tokens)
             # Varlen flash attention finds the boundaries in the position ids; SDPA/eager need the mask.
-            flash = str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
+            flash = _flash_attention(model)
             logp, ent = self._logprobs(model, packed.input_ids_rl, None if flash else packed.attention_mask_r1ll,
                                        self.cfg.temperature, with_entropy, position_ids=packed.position_ids_rl,
                                        chunk_size=self.cfg.logprob_chunk_size)
