@@ -52,6 +52,12 @@ BAD = [  # (override, the key the error must name)
     ("trainer.num_minibatches=0", "trainer.num_minibatches"),
     ("algo.kl_coef=-0.1", "algo.kl_coef"),
     ("algo.mis_high=0.4", "algo.mis_high"),
+    ("algo.passk_k=0", "algo.passk_k"),
+    ("algo.adv_gamma=1.5", "algo.adv_gamma"),
+    ("algo.tis_floor=-0.1", "algo.tis_floor"),
+    ("algo.rs_threshold=0", "algo.rs_threshold"),
+    ("algo.is_veto_threshold=2", "algo.is_veto_threshold"),
+    ("algo.offpolicy_mask_delta=-1", "algo.offpolicy_mask_delta"),
     ("model.num_heads=3", "model.hidden_size"),
     ("model.num_layers=0", "model.num_layers"),
 ]
@@ -64,6 +70,33 @@ def test_a_value_the_run_cannot_use_is_one_error_naming_the_key(override, key):
         validate_run_config(cfg)
     message = str(info.value)
     assert message.startswith(key) and "\n" not in message, message
+
+
+BAD_TOGETHER = [  # (overrides, the key the error must name): knobs that only make sense with another one
+    (["algo.advantage=pass_at_k", "algo.passk_k=9"], "algo.passk_k"),  # quickstart's group_size is 8
+    (["algo.correction=tis", "algo.tis_floor=0.8", "algo.tis_cap=0.5"], "algo.tis_floor"),
+    (["algo.correction=reject", "algo.rs_stat=seq_max_ratio"], "algo.rs_threshold"),  # 0.01 bounds a KL
+    (["algo.is_veto_threshold=1e-4"], "algo.is_veto_threshold"),  # correction=none never calls it
+    (["algo.offpolicy_mask_delta=1e-4"], "algo.offpolicy_mask_delta"),
+    (["algo.is_batch_norm=true"], "algo.is_batch_norm"),
+    (["algo.correction=reject"], "algo.correction"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD_TOGETHER, ids=[" ".join(b[0]) for b in BAD_TOGETHER])
+def test_knobs_that_need_another_are_one_error_naming_the_key(overrides, key):
+    cfg = apply_overrides(RECIPES.get("quickstart")(), overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_run_config(cfg)
+    assert str(info.value).startswith(key) and "\n" not in str(info.value), str(info.value)
+
+
+def test_the_new_estimators_and_corrections_validate():
+    for overrides in (["algo.advantage=pass_at_k"], ["algo.advantage=reinforce_pp_token", "algo.adv_gamma=0.9"],
+                      ["algo.correction=reject", "algo.offpolicy_mask_delta=1e-4"],
+                      ["algo.correction=mis", "algo.mis_level=geometric", "algo.mis_low=0.999", "algo.mis_high=1.001",
+                       "algo.is_veto_threshold=1e-4", "algo.rs_stat=seq_max_k3", "algo.is_batch_norm=true"]):
+        validate_run_config(apply_overrides(RECIPES.get("quickstart")(), overrides))
 
 
 def test_every_recipe_is_valid():

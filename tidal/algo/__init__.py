@@ -30,10 +30,19 @@ from tidal.algo.correction import (  # noqa: E402
     effective_sample_size_log,
     ess_lr_scale,
     masked_is,
+    rejection_only,
     sequence_log_ratio,
     truncated_is,
 )
-from tidal.algo.kl import kl_k1, kl_k2, kl_k3, kl_loss, kl_reward_penalty  # noqa: E402
+from tidal.algo.kl import (  # noqa: E402
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_k3_is,
+    kl_loss,
+    kl_reward_penalty,
+    kl_reward_penalty_tokens,
+)
 
 __all__ = [
     "ADVANTAGES",
@@ -53,9 +62,12 @@ __all__ = [
     "sequence_log_ratio",
     "truncated_is",
     "masked_is",
+    "rejection_only",
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_k3_is",
     "kl_loss",
     "kl_reward_penalty",
+    "kl_reward_penalty_tokens",
 ]

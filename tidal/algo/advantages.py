@@ -9,9 +9,14 @@ Each function carries ``scope``, the set of samples it must see at once:
 - ``"group"``: only its own group (any split along group boundaries gives the same result);
 - ``"batch"``: the whole training batch (``reinforce_pp`` normalizes over it);
 - ``"minibatch"``: call it once per optimizer minibatch (``magistral``, arXiv 2506.10910 sec. 2.1).
+
+One estimator is per token: ``reinforce_pp_token`` takes the response mask (``mask_bt=``) and an
+optional per-token KL penalty (``kl_penalty_bt=``) and returns [B, T], which every loss accepts.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -112,6 +117,94 @@ def reinforce_pp(
     return torch.where(count_g[inverse_b] > 1, adv_b, torch.zeros_like(adv_b))
 
 
+@ADVANTAGES.register("lite_ppo")
+@_scope("batch")
+def lite_ppo(rewards_b: torch.Tensor, group_ids_b: torch.Tensor, *, adv_eps: float = 1e-6) -> torch.Tensor:
+    """Lite PPO's advantage ("Tricks or Traps? A Deep Dive into RL for LLM Reasoning", arXiv 2508.08221):
+    group-mean baseline, batch std scale, A_i = (r_i - mean_g) / (std_batch(r) + eps).
+
+    The mean stays per prompt (a group baseline) while the scale is shared by the batch, so a
+    near-uniform group (std_g -> 0) is not blown up the way GRPO's per-group std does. std_batch is
+    the unbiased std of all rewards in the batch (``torch.std``), as in the authors' ROLL
+    (``norm_mean_type=group, norm_std_type=batch``) and in TRL's ``scale_rewards="batch"``, which is
+    the same formula (TRL's eps is 1e-4; ROLL's, verl's and this default 1e-6)."""
+    centred_b, _, _ = _centred(rewards_b, group_ids_b)
+    rewards_b = torch.as_tensor(rewards_b, dtype=centred_b.dtype)
+    std = rewards_b.std() if rewards_b.numel() > 1 else rewards_b.new_zeros(())
+    return centred_b / (std + adv_eps) if std > 0 else torch.zeros_like(centred_b)
+
+
+def _require_unit(value: float, key: str) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{key} must be in [0, 1], got {value!r}")
+
+
+def _discounted_returns(reward_bt: torch.Tensor, valid_bt: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{s >= t} gamma^(steps from t to s) r_s over response tokens, a step being one response
+    token (an agent episode's observation tokens, outside the mask, neither earn nor discount)."""
+    reward_bt = torch.where(valid_bt, reward_bt, 0.0)
+    if gamma == 1.0:
+        return reward_bt.flip(-1).cumsum(-1).flip(-1)
+    returns_bt = torch.empty_like(reward_bt)
+    running_b = reward_bt.new_zeros(reward_bt.shape[0])
+    for t in reversed(range(reward_bt.shape[1])):
+        running_b = torch.where(valid_bt[:, t], reward_bt[:, t] + gamma * running_b, running_b)
+        returns_bt[:, t] = running_b
+    return returns_bt
+
+
+@ADVANTAGES.register("reinforce_pp_token")
+@_scope("batch")
+def reinforce_pp_token(
+    rewards_b: torch.Tensor,
+    group_ids_b: torch.Tensor,
+    *,
+    mask_bt: torch.Tensor,
+    kl_penalty_bt: torch.Tensor | None = None,
+    adv_gamma: float = 1.0,
+    rpp_group_baseline: bool = True,
+    adv_eps: float = 1e-6,
+) -> torch.Tensor:
+    """REINFORCE++ with token-level returns (Hu et al., arXiv 2501.03262), advantages [B, T]:
+
+        r_t = -kl_penalty_t + [t is the last response token] * r'_i,   G_t = sum_{s >= t} gamma^(s - t) r_s,
+        A_t = (G_t - mean_batch G) / (std_batch G + eps)   over every response token of the batch,
+
+    where kl_penalty_t = kl_coef * KL_t against the reference model (the paper's KL_t is k1, log
+    pi_old / pi_ref: set ``kl_estimator=k1``; the trainer passes ``kl_reward_penalty_tokens`` when
+    ``kl_in_reward``), and r'_i
+    is the outcome reward minus its group mean (``rpp_group_baseline``, REINFORCE++-baseline, the
+    paper's variant for group sampling and the one ``reinforce_pp`` implements per sequence) or the raw
+    reward (plain REINFORCE++, whose baseline is the batch mean alone). Unlike ``reinforce_pp``, a
+    token's return holds only the KL of the tokens after it. gamma = 1 as in the paper's advantage and
+    OpenRLHF's default; the std is the population std over tokens (OpenRLHF's whitening). Without a
+    KL penalty, with gamma = 1 and one token per sequence it equals ``reinforce_pp``. With the group
+    baseline a sample alone in its group gets 0. Masked tokens get 0."""
+    _require_unit(adv_gamma, "adv_gamma")
+    if rpp_group_baseline:
+        outcome_b, inverse_b, count_g = _centred(rewards_b, group_ids_b)
+    else:
+        outcome_b = torch.as_tensor(rewards_b, dtype=torch.get_default_dtype())
+    valid_bt = torch.as_tensor(mask_bt).to(outcome_b.device) > 0
+    assert valid_bt.shape[0] == outcome_b.shape[0], f"mask has {valid_bt.shape[0]} rows for {outcome_b.numel()} rewards"
+    reward_bt = torch.zeros(valid_bt.shape, dtype=outcome_b.dtype, device=outcome_b.device)
+    if kl_penalty_bt is not None:
+        reward_bt = reward_bt - torch.as_tensor(kl_penalty_bt).to(reward_bt).detach()
+    rows_b = valid_bt.any(-1)
+    last_b = valid_bt.shape[1] - 1 - valid_bt.flip(-1).to(torch.uint8).argmax(-1)
+    reward_bt[rows_b, last_b[rows_b]] += outcome_b[rows_b]
+    returns_bt = _discounted_returns(reward_bt, valid_bt, adv_gamma)
+    adv_bt = torch.zeros_like(returns_bt)
+    if valid_bt.any():
+        values = returns_bt[valid_bt]
+        mean, std = values.mean(), values.std(unbiased=False)
+        if std > 0:
+            adv_bt = torch.where(valid_bt, (returns_bt - mean) / (std + adv_eps), 0.0)
+    if rpp_group_baseline:
+        adv_bt = torch.where((count_g[inverse_b] > 1)[:, None], adv_bt, 0.0)
+    return adv_bt
+
+
 @ADVANTAGES.register("magistral")
 @_scope("minibatch")
 def magistral(
@@ -164,8 +257,60 @@ def vcpo(
     return torch.where(count_g[inverse_b] > 1, adv_b, torch.zeros_like(adv_b))
 
 
-def advantage_metrics(adv_b: torch.Tensor) -> dict[str, float]:
-    """Summary of a batch of advantages for logging (``algo/adv_*``)."""
+def _pass_at_k_advantages(n: int, c: int, k: int, eps: float) -> tuple[float, float]:
+    """(advantage of a correct sample, of an incorrect one) in a group of n with c correct, for pass@k."""
+    miss = math.comb(n - c, k) / math.comb(n, k)  # chance that k of the n, drawn without replacement, all fail
+    mean = 1.0 - miss
+    std = math.sqrt(mean * (1.0 - mean))
+    if std == 0.0:  # every k-subset passes (n - c < k) or none does (c = 0): nothing to prefer
+        return 0.0, 0.0
+    # an incorrect sample's expected pass@k: 1 - P(the other k - 1 drawn from the n - 1 all fail)
+    neg_value = 1.0 - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1) if c < n else 0.0
+    return (1.0 - mean) / (std + eps), (neg_value - mean) / (std + eps)
+
+
+@ADVANTAGES.register("pass_at_k")
+@_scope("group")
+def pass_at_k(
+    rewards_b: torch.Tensor, group_ids_b: torch.Tensor, *, passk_k: int = 4, adv_eps: float = 1e-6
+) -> torch.Tensor:
+    """Pass@k training's analytic advantage (Chen et al., "Pass@k Training for Adaptively Balancing
+    Exploration and Exploitation of Large Reasoning Models", arXiv 2508.10751, "analytical derivation";
+    reference code github.com/RUCAIBox/Passk_Training). A group of n samples with c correct (binary
+    rewards) is scored as the average pass@k of its k-subsets, R = 1 - C(n - c, k) / C(n, k), with std
+    sigma = sqrt(R (1 - R)); then
+
+        A_pos = (1 - R) / sigma,      A_neg = (1 - R - C(n - c - 1, k - 1) / C(n - 1, k - 1)) / sigma,
+
+    the expected group reward of the k-subsets containing the sample, minus R, over sigma. A wrong
+    answer is punished less when the group's other samples already pass, which keeps exploring. The
+    advantages of a group sum to 0; k = 1 is GRPO with the population std. eps is added to sigma (the
+    reference code's 1e-6); a group where every or no k-subset passes gets 0. The paper publishes no
+    single k (it reports the method robust to k); 4 is tidal's choice. Groups need at least k samples."""
+    if not (isinstance(passk_k, int) and passk_k >= 1):
+        raise ValueError(f"passk_k must be an integer >= 1, got {passk_k!r}")
+    rewards_b = torch.as_tensor(rewards_b, dtype=torch.get_default_dtype())
+    binary_b = (rewards_b == 0) | (rewards_b == 1)
+    if not binary_b.all():
+        raise ValueError(f"pass_at_k needs binary rewards (0 or 1), got {rewards_b[~binary_b][0].item()!r}")
+    inverse_b, count_g = _group_index(group_ids_b, rewards_b.device)
+    correct_g = _group_sum(rewards_b, inverse_b, len(count_g)).round().long()
+    adv_g = torch.zeros(len(count_g), 2, dtype=rewards_b.dtype)
+    for g, (n, c) in enumerate(zip(count_g.tolist(), correct_g.tolist())):
+        if n == 1:
+            continue  # no group to compare with
+        if n < passk_k:
+            raise ValueError(f"passk_k={passk_k} needs groups of at least {passk_k} samples, got a group of {n}")
+        adv_g[g] = torch.tensor(_pass_at_k_advantages(n, c, passk_k, adv_eps))
+    adv_g = adv_g.to(rewards_b.device)
+    return torch.where(rewards_b == 1, adv_g[inverse_b, 0], adv_g[inverse_b, 1])
+
+
+def advantage_metrics(adv_b: torch.Tensor, mask_bt: torch.Tensor | None = None) -> dict[str, float]:
+    """Summary of a batch of advantages for logging (``algo/adv_*``): over sequences for [B], over the
+    response tokens in ``mask_bt`` for token-level [B, T] advantages (padding would pull the mean to 0)."""
+    if adv_b.dim() == 2 and mask_bt is not None:
+        adv_b = adv_b[mask_bt > 0]
     if adv_b.numel() == 0:
         return {"algo/adv_abs_mean": 0.0}
     return {

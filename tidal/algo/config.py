@@ -34,7 +34,8 @@ class AlgoConfig:
     # --- which components (registry names) ---
     advantage: str = "grpo"
     """``ADVANTAGES`` entry. ``grpo``: (r - mean_group) / (std_group + eps) (DeepSeekMath, arXiv 2402.03300
-    sec. 4.1.2). Others: ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``magistral``, ``vcpo``."""
+    sec. 4.1.2). Others: ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_token``, ``magistral``, ``vcpo``,
+    ``lite_ppo`` (= TRL's ``scale_rewards="batch"``), ``pass_at_k``."""
     policy_loss: str = "ppo_clip"
     """``POLICY_LOSSES`` entry. ``ppo_clip``: clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) with
     DAPO's decoupled clip range. Others: ``cispo``, ``gspo``, ``decoupled_ppo``, ``reinforce``."""
@@ -42,8 +43,9 @@ class AlgoConfig:
     """``LOSS_AGGREGATIONS`` entry, passed as ``agg``. None: the loss's paper default (``token_mean``, DAPO
     arXiv 2503.14476 sec. 3.3, for all but ``gspo``, whose objective is ``seq_mean_token_mean``, GSPO eq. 5)."""
     correction: str = "none"
-    """``CORRECTIONS`` entry for the engine/trainer mismatch: ``none``, ``tis`` (truncated IS, Yao et al. 2025)
-    or ``mis`` (masked IS, Liu, Yao et al. 2025). Its weight multiplies every loss's per-token term."""
+    """``CORRECTIONS`` entry for the engine/trainer mismatch: ``none``, ``tis`` (truncated IS, Yao et al. 2025),
+    ``mis`` (masked IS, Liu, Yao et al. 2025) or ``reject`` (the rejection knobs alone, weight 1 on what they
+    keep). Its weight multiplies every loss's per-token term."""
 
     # --- advantages ---
     adv_eps: float = 1e-6
@@ -94,16 +96,55 @@ class AlgoConfig:
     kl_coef * aggregated k to the loss (GRPO)."""
 
     # --- engine/trainer mismatch corrections ---
-    tis_level: Literal["token", "sequence"] = "token"
-    """``tis``: weight per token, min(ratio_t, C) (Yao et al. 2025), or per sequence, min(prod_t ratio_t, C)."""
+    tis_level: Literal["token", "sequence", "geometric"] = "token"
+    """``tis``: weight per token, min(ratio_t, C) (Yao et al. 2025), per sequence, min(prod_t ratio_t, C), or on the
+    sequence's geometric mean, min(exp(mean_t log ratio_t), C) (verl's and slime's ``geometric`` level)."""
     tis_cap: float = 2.0
     """``tis``: the truncation C; Yao et al.'s blog and verl's example use C = 2 for token-level TIS."""
-    mis_level: Literal["token", "sequence"] = "sequence"
-    """``mis``: mask per token (IcePop) or per sequence (Seq-MIS, Liu, Yao et al. 2025, which they recommend)."""
+    mis_level: Literal["token", "sequence", "geometric"] = "sequence"
+    """``mis``: mask per token (IcePop), per sequence (Seq-MIS, Liu, Yao et al. 2025, which they recommend) or on
+    the sequence's geometric-mean ratio (Geo-MIS; it needs a tight band, e.g. verl's 0.999 / 1.001)."""
     mis_low: float = 0.5
     """``mis``: lower edge of the kept ratio band (SkyRL's sequence product-mask default 0.5)."""
     mis_high: float = 2.0
     """``mis``: upper edge of the kept ratio band (SkyRL's sequence product-mask default 2.0)."""
+
+    # --- more advantage estimators and off-policy rejections (issue 17; docs/algorithms.md) ---
+    passk_k: int = 4
+    """``pass_at_k``: k of the pass@k a group is scored by (Chen et al., arXiv 2508.10751). The paper reports the
+    method robust to k and publishes no single default; 4 is tidal's. Must not exceed ``rollout.group_size``."""
+    adv_gamma: float = 1.0
+    """``reinforce_pp_token``: discount of the token-level return, in [0, 1]; 1 as in REINFORCE++'s advantage
+    (arXiv 2501.03262) and OpenRLHF's default."""
+    rpp_group_baseline: bool = True
+    """``reinforce_pp_token``: subtract the group's mean reward before the returns (REINFORCE++-baseline, the
+    paper's variant for several samples per prompt); False: plain REINFORCE++, the batch mean is the baseline."""
+    tis_floor: float = 0.0
+    """``tis``: lower bound on the truncated weight, w = clip(ratio, floor, C), in [0, min(1, C)]; 0: none
+    (slime's ``tis_clip_low`` default)."""
+    rs_stat: (
+        Literal["token_k2", "token_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "seq_max_ratio"]
+        | None
+    ) = None
+    """``tis``/``mis``/``reject``: reject tokens (``token_*``) or whole sequences whose divergence between
+    engine and trainer exceeds ``rs_threshold``: per-token k2 or k3 estimates of KL(pi_behav || pi_old), their
+    sequence mean or max (Trust Region Masking, arXiv 2512.23075), or the sequence's largest ratio (verl's
+    ``rollout_rs`` options). None: off."""
+    rs_threshold: float = 0.01
+    """Bound for ``rs_stat``; its scale follows the statistic: 0.01 is verl's k3 rejection preset (a KL), while
+    ``seq_max_ratio`` bounds a ratio and needs a value > 1 (e.g. 2.0)."""
+    is_veto_threshold: float | None = None
+    """``tis``/``mis``/``reject``: drop a whole sequence if any token's ratio pi_old / pi_behav is below this, in
+    (0, 1) (verl's ``rollout_is_veto_threshold``, 1e-4 in its examples). None: off."""
+    offpolicy_mask_delta: float | None = None
+    """``tis``/``mis``/``reject``: DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556): drop a sequence
+    with negative advantage whose mean log(pi_behav / pi_old) exceeds delta. 1e-4 is slime's default (we found
+    no published DeepSeek value). None: off."""
+    is_batch_norm: bool = False
+    """``tis``/``mis``/``reject``: rescale the weights to mean 1 over the response tokens (over sequences at
+    sequence/geometric level) of each call, rejected ones counted as 0 (verl's ``rollout_is_batch_normalize``).
+    The trainer calls a correction once per micro-batch, so with ``trainer.micro_batch_tokens`` set the mean is
+    the micro-batch's."""
 
     # --- VCPO ESS-scaled learning rate (Huang et al. 2026, arXiv 2602.17616) ---
     ess_lr_scaling: bool = False

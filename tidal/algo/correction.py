@@ -7,16 +7,40 @@ Secretly Brings You Off-Policy RL Training", 2025, fengyao.notion.site/off-polic
 turns the ratio rho_t = pi_old / pi_behav into a per-token weight [B, T] that multiplies any policy
 loss's per-token term (``is_weight_bt=``):
 
-- ``tis`` (truncated IS, Yao et al.): token level w_t = min(rho_t, C); sequence level
-  w = min(prod_t rho_t, C) for every token of the sequence. C = 2 in their experiments.
+- ``tis`` (truncated IS, Yao et al.): token level w_t = clip(rho_t, floor, C); sequence level
+  w = clip(prod_t rho_t, floor, C) for every token of the sequence. C = 2 in their experiments; the
+  floor (slime's ``tis_clip_low``) is 0 unless set.
 - ``mis`` (masked IS; Liu, Yao et al., "When Speed Kills Stability: Demystifying RL Collapse from
   the Training-Inference Mismatch", 2025; token-level: IcePop): w = rho if lo <= rho <= hi else 0,
   per token or per sequence. Instead of shrinking outliers it drops them, which keeps the kept
   ones unbiased.
+- ``reject``: weight 1 on what the rejection knobs below keep, 0 on the rest (rejection without
+  reweighting: verl's RS-only presets, DeepSeek-V3.2's off-policy sequence masking).
 
-Every weight is detached (a constant in the loss) and computed in log space, so extreme log-ratios
-(a sequence product of many tokens) neither overflow nor give NaN. With old == behav both are
-exactly 1: a no-op.
+Both ``tis`` and ``mis`` also take a ``geometric`` level: rho_geo = exp(mean_t log rho_t), the
+per-token geometric mean of the sequence ratio, which does not grow with length the way the product
+does (verl's and slime's ``geometric`` level; its useful band is tight, e.g. 0.999-1.001).
+
+Rejections, shared by ``tis``, ``mis`` and ``reject`` (each off by default) and applied after the
+correction's own weight; a rejected token gets weight 0:
+- ``rs_stat`` / ``rs_threshold``: a divergence between pi_behav and pi_old per token (``token_k2``,
+  ``token_k3``), its mean or maximum over the sequence (``seq_mean_k*``, ``seq_max_k*``, the max
+  being Trust Region Masking's criterion, Li et al., arXiv 2512.23075), or the sequence's largest
+  token ratio (``seq_max_ratio``); k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho, both estimating
+  KL(pi_behav || pi_old) from the engine's samples (verl's ``rollout_rs`` options).
+- ``is_veto_threshold``: drop a whole sequence if any of its tokens has rho < threshold (verl's
+  ``rollout_is_veto_threshold``, 1e-4 in its examples): one catastrophic token poisons the sequence.
+- ``offpolicy_mask_delta``: DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556): drop a
+  sequence when its advantage is negative and mean_t log(pi_behav / pi_old) > delta. Negative
+  samples the policy has drifted from are the ones whose gradient destabilizes training; positive
+  ones are kept whatever their drift. Needs the advantages, passed as data (``adv=``).
+- ``is_batch_norm``: divide the weights by their mean over the call's response tokens (over its
+  sequences at sequence/geometric level), so they average 1 (verl's ``rollout_is_batch_normalize``);
+  rejected tokens count as 0 in that mean, which makes the loss a self-normalized IS estimate.
+
+Every weight is detached (a constant in the loss), 0 on tokens outside ``mask_bt``, and computed in
+log space, so extreme log-ratios (a sequence product of many tokens) neither overflow nor give NaN.
+With old == behav every correction is exactly 1 on response tokens: a no-op.
 
 Effective sample size ESS = (sum w)^2 / (n sum w^2), normalized to (0, 1]: 1 when all weights are
 equal, 1/n when one dominates. VCPO (Huang et al., arXiv 2602.17616) finds collapse of asynchronous
@@ -74,32 +98,167 @@ def ess_lr_scale(ess: float, *, ess_base_ratio: float = 1.0, ess_lr_rule: str = 
     return rules[ess_lr_rule](ratio)
 
 
-def _log_rho(old_logp_bt: torch.Tensor, behav_logp_bt: torch.Tensor, mask_bt: torch.Tensor, level: str):
-    """Log weight per token [B, T] at ``level``: the token's own log ratio, or its sequence's sum."""
-    assert level in ("token", "sequence"), f"level must be 'token' or 'sequence', got {level!r}"
-    log_rho_bt = (old_logp_bt - behav_logp_bt).detach() * mask_bt
-    if level == "sequence":
-        log_rho_bt = log_rho_bt.sum(-1, keepdim=True).expand_as(mask_bt)
-    return log_rho_bt
+LEVELS = ("token", "sequence", "geometric")
+RS_STATS = ("token_k2", "token_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "seq_max_ratio")
 
 
-def _metrics(prefix: str, w_bt: torch.Tensor, hit_bt: torch.Tensor, mask_bt: torch.Tensor, level: str):
-    rows = (mask_bt.sum(-1) > 0).float()
-    if level == "sequence":
-        frac = (hit_bt[:, 0].float() * rows).sum() / rows.sum().clamp(min=1)
-        ess = effective_sample_size(w_bt[:, 0], rows)
+def _require(ok: bool, key: str, requirement: str, value: object) -> None:
+    """A knob value a correction cannot use is a ValueError naming the knob (its ``AlgoConfig`` field)."""
+    if not ok:
+        raise ValueError(f"{key} must be {requirement}, got {value!r}")
+
+
+def _row_mean(x_bt: torch.Tensor, valid_bt: torch.Tensor) -> torch.Tensor:
+    """Mean of each row over its response tokens [B]; 0 for a row without any."""
+    m_bt = valid_bt.to(x_bt.dtype)
+    return (x_bt * m_bt).sum(-1) / m_bt.sum(-1).clamp(min=1)
+
+
+def _token_log_rho(old_logp_bt: torch.Tensor, behav_logp_bt: torch.Tensor, valid_bt: torch.Tensor) -> torch.Tensor:
+    """log(pi_old / pi_behav) per response token, detached; exactly 0 elsewhere (even where a padded
+    log-prob is -inf, which a multiplication by the mask would turn into NaN)."""
+    return torch.where(valid_bt, (old_logp_bt - behav_logp_bt).detach(), 0.0)
+
+
+def _level_log_rho(tok_bt: torch.Tensor, valid_bt: torch.Tensor, level: str, key: str) -> torch.Tensor:
+    """Log weight per token [B, T] at ``level``: the token's own log ratio, its sequence's sum (the log of
+    the product of ratios) or its sequence's mean over response tokens (the log of their geometric mean)."""
+    _require(level in LEVELS, key, f"one of {LEVELS}", level)
+    if level == "token":
+        return tok_bt
+    seq_b = tok_bt.sum(-1) if level == "sequence" else _row_mean(tok_bt, valid_bt)
+    return seq_b[:, None].expand_as(tok_bt)
+
+
+def _share(hit_bt: torch.Tensor, valid_bt: torch.Tensor, per_sequence: bool) -> float:
+    """Share of sequences (rows with response tokens) with a hit on any response token, or of tokens hit."""
+    hit_bt = hit_bt & valid_bt
+    if per_sequence:
+        rows_b = valid_bt.any(-1)
+        return (hit_bt.any(-1).sum() / rows_b.sum().clamp(min=1)).item()
+    return (hit_bt.sum() / valid_bt.sum().clamp(min=1)).item()
+
+
+def _divergence_rejected(tok_bt: torch.Tensor, valid_bt: torch.Tensor, rs_stat: str, rs_threshold: float):
+    """Tokens rejected because ``rs_stat`` exceeds ``rs_threshold`` (every token of a rejected sequence for
+    the ``seq_*`` statistics). With rho = pi_old / pi_behav, k2 = (log rho)^2 / 2 and k3 = rho - 1 - log rho
+    are per-token estimates of KL(pi_behav || pi_old) from the engine's samples (Schulman 2020)."""
+    log_rho_bt = tok_bt.clamp(-_MAX_LOG, _MAX_LOG)
+    if rs_stat == "seq_max_ratio":
+        stat_b, bound = log_rho_bt.masked_fill(~valid_bt, -math.inf).amax(-1), math.log(rs_threshold)
+        return (stat_b > bound)[:, None].expand_as(valid_bt)
+    where, estimator = rs_stat.rsplit("_", 1)
+    k_bt = 0.5 * log_rho_bt**2 if estimator == "k2" else log_rho_bt.exp() - 1 - log_rho_bt
+    if where == "token":
+        return k_bt > rs_threshold
+    if where == "seq_mean":
+        stat_b = _row_mean(k_bt, valid_bt)
+    else:  # seq_max: Trust Region Masking's criterion, the sequence's worst token
+        stat_b = k_bt.masked_fill(~valid_bt, -math.inf).amax(-1)
+    return (stat_b > rs_threshold)[:, None].expand_as(valid_bt)
+
+
+def _vetoed(tok_bt: torch.Tensor, valid_bt: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Every token of a sequence in which some response token has rho < ``threshold``."""
+    catastrophic_b = ((tok_bt < math.log(threshold)) & valid_bt).any(-1)
+    return catastrophic_b[:, None].expand_as(valid_bt)
+
+
+def _offpolicy_masked(tok_bt: torch.Tensor, valid_bt: torch.Tensor, adv: torch.Tensor, delta: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: tokens with a negative advantage in a sequence whose mean
+    log(pi_behav / pi_old) over its response tokens exceeds ``delta``. ``adv`` is [B] or [B, T]."""
+    drift_b = -_row_mean(tok_bt, valid_bt)
+    adv_bt = torch.as_tensor(adv).detach().to(tok_bt.device)
+    adv_bt = (adv_bt if adv_bt.dim() == 2 else adv_bt[:, None]).expand_as(tok_bt)
+    return (adv_bt < 0) & (drift_b > delta)[:, None]
+
+
+def _rejections(tok_bt, valid_bt, *, rs_stat, rs_threshold, is_veto_threshold, offpolicy_mask_delta, adv):
+    """(metric name, rejected tokens [B, T], counted per sequence) for each rejection knob that is set."""
+    out = []
+    if rs_stat is not None:
+        _require(rs_stat in RS_STATS, "rs_stat", f"one of {RS_STATS} (or None)", rs_stat)
+        if rs_stat == "seq_max_ratio":
+            _require(
+                rs_threshold > 1,
+                "rs_threshold",
+                "> 1 for rs_stat=seq_max_ratio (a bound on rho, e.g. 2.0)",
+                rs_threshold,
+            )
+        _require(rs_threshold > 0, "rs_threshold", "> 0", rs_threshold)
+        out.append(("rs", _divergence_rejected(tok_bt, valid_bt, rs_stat, rs_threshold), rs_stat.startswith("seq")))
+    if is_veto_threshold is not None:
+        _require(0 < is_veto_threshold < 1, "is_veto_threshold", "in (0, 1) (or None)", is_veto_threshold)
+        out.append(("veto", _vetoed(tok_bt, valid_bt, is_veto_threshold), True))
+    if offpolicy_mask_delta is not None:
+        _require(offpolicy_mask_delta >= 0, "offpolicy_mask_delta", ">= 0 (or None)", offpolicy_mask_delta)
+        if adv is None:
+            raise ValueError(
+                "offpolicy_mask_delta needs the advantages: call the correction with adv= (the trainer "
+                "passes each micro-batch's)"
+            )
+        out.append(("opsm", _offpolicy_masked(tok_bt, valid_bt, adv, offpolicy_mask_delta), True))
+    return out
+
+
+def _batch_normalize(w_bt: torch.Tensor, valid_bt: torch.Tensor, per_sequence: bool) -> tuple[torch.Tensor, float]:
+    """w / mean(w), the mean over response tokens or (``per_sequence``) over sequences, rejected ones
+    included as 0; unchanged when that mean is 0 (everything rejected)."""
+    if per_sequence:
+        rows_b = valid_bt.any(-1)
+        mean = _row_mean(w_bt, valid_bt)[rows_b].mean() if rows_b.any() else w_bt.new_zeros(())
     else:
-        frac = (hit_bt.float() * mask_bt).sum() / mask_bt.sum().clamp(min=1)
-        ess = effective_sample_size(w_bt, mask_bt)
-    return {f"algo/{prefix}_frac": frac.item(), "algo/is_ess": ess}
+        mean = w_bt[valid_bt].mean() if valid_bt.any() else w_bt.new_zeros(())
+    if not mean > 0:
+        return w_bt, 1.0
+    return w_bt / mean, mean.item()
+
+
+def _finish(
+    w_bt,
+    tok_bt,
+    valid_bt,
+    hits,
+    *,
+    per_sequence,
+    rs_stat,
+    rs_threshold,
+    is_veto_threshold,
+    offpolicy_mask_delta,
+    adv,
+    is_batch_norm,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The tail every weighting correction shares: its own hit shares (``hits``, counted at its level), the
+    rejections, 0 outside the mask, optional batch normalization, and the ESS of the final weights."""
+    metrics = {f"algo/{name}_frac": _share(hit_bt, valid_bt, per_sequence) for name, hit_bt in hits.items()}
+    keep_bt = valid_bt
+    for name, rejected_bt, counted_per_sequence in _rejections(
+        tok_bt,
+        valid_bt,
+        rs_stat=rs_stat,
+        rs_threshold=rs_threshold,
+        is_veto_threshold=is_veto_threshold,
+        offpolicy_mask_delta=offpolicy_mask_delta,
+        adv=adv,
+    ):
+        metrics[f"algo/{name}_frac"] = _share(rejected_bt, valid_bt, counted_per_sequence)
+        keep_bt = keep_bt & ~rejected_bt
+    w_bt = torch.where(keep_bt, w_bt, 0.0)
+    if is_batch_norm:
+        w_bt, metrics["algo/is_norm_factor"] = _batch_normalize(w_bt, valid_bt, per_sequence)
+    if per_sequence:
+        metrics["algo/is_ess"] = effective_sample_size(_row_mean(w_bt, valid_bt)[valid_bt.any(-1)])
+    else:
+        metrics["algo/is_ess"] = effective_sample_size(w_bt, valid_bt)
+    return w_bt, metrics
 
 
 @CORRECTIONS.register("none")
 def no_correction(
     old_logp_bt: torch.Tensor, behav_logp_bt: torch.Tensor, mask_bt: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weight 1 everywhere: trust that trainer and engine agree."""
-    return torch.ones_like(mask_bt, dtype=old_logp_bt.dtype), {}
+    """Weight 1 on every response token (0 elsewhere): trust that trainer and engine agree."""
+    return (mask_bt > 0).to(old_logp_bt.dtype), {}
 
 
 @CORRECTIONS.register("tis")
@@ -110,15 +269,44 @@ def truncated_is(
     *,
     tis_level: str = "token",
     tis_cap: float = 2.0,
+    tis_floor: float = 0.0,
+    rs_stat: str | None = None,
+    rs_threshold: float = 0.01,
+    is_veto_threshold: float | None = None,
+    offpolicy_mask_delta: float | None = None,
+    is_batch_norm: bool = False,
+    adv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance sampling (Yao et al. 2025): w = min(rho, C), rho = pi_old / pi_behav per
-    token or, at ``sequence`` level, the product over the sequence's tokens. C = 2 (their default).
-    Returns weights [B, T] (detached) and ``algo/tis_frac`` (share truncated) and ``algo/is_ess``."""
-    assert tis_cap > 0, f"tis_cap must be positive, got {tis_cap}"
-    log_rho_bt = _log_rho(old_logp_bt, behav_logp_bt, mask_bt, tis_level)
+    """Truncated importance sampling (Yao et al. 2025): w = clip(rho, floor, C), rho = pi_old / pi_behav per
+    token, the product over the sequence's tokens (``sequence``) or their geometric mean (``geometric``).
+    C = 2 (their default). The floor (0: none, slime's ``tis_clip_low`` default) bounds how far a token the
+    engine over-sampled is down-weighted. Then the shared rejections (module docstring).
+    Returns weights [B, T] (detached, 0 outside the mask), ``algo/tis_frac`` (share truncated at C),
+    ``algo/tis_low_frac`` (share raised to the floor, when it is set), the rejections' shares, ``algo/is_ess``."""
+    _require(tis_cap > 0, "tis_cap", "> 0", tis_cap)
+    _require(0 <= tis_floor <= min(1.0, tis_cap), "tis_floor", "in [0, min(1, tis_cap)]", tis_floor)
+    valid_bt = mask_bt > 0
+    tok_bt = _token_log_rho(old_logp_bt, behav_logp_bt, valid_bt)
+    log_rho_bt = _level_log_rho(tok_bt, valid_bt, tis_level, "tis_level")
     log_cap = math.log(tis_cap)
-    w_bt = log_rho_bt.clamp(-_MAX_LOG, log_cap).exp()
-    return w_bt, _metrics("tis", w_bt, log_rho_bt > log_cap, mask_bt, tis_level)
+    log_floor = max(math.log(tis_floor), -_MAX_LOG) if tis_floor > 0 else -_MAX_LOG
+    w_bt = log_rho_bt.clamp(log_floor, log_cap).exp()
+    hits = {"tis": log_rho_bt > log_cap}
+    if tis_floor > 0:
+        hits["tis_low"] = log_rho_bt < log_floor
+    return _finish(
+        w_bt,
+        tok_bt,
+        valid_bt,
+        hits,
+        per_sequence=tis_level != "token",
+        rs_stat=rs_stat,
+        rs_threshold=rs_threshold,
+        is_veto_threshold=is_veto_threshold,
+        offpolicy_mask_delta=offpolicy_mask_delta,
+        adv=adv,
+        is_batch_norm=is_batch_norm,
+    )
 
 
 @CORRECTIONS.register("mis")
@@ -130,12 +318,76 @@ def masked_is(
     mis_level: str = "sequence",
     mis_low: float = 0.5,
     mis_high: float = 2.0,
+    rs_stat: str | None = None,
+    rs_threshold: float = 0.01,
+    is_veto_threshold: float | None = None,
+    offpolicy_mask_delta: float | None = None,
+    is_batch_norm: bool = False,
+    adv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Masked importance sampling (Liu, Yao et al. 2025): w = rho inside the band [lo, hi], 0 outside,
-    per token (IcePop) or per sequence (Seq-MIS). Band 0.5 / 2.0: SkyRL's sequence product-mask
-    defaults. Returns weights [B, T] (detached), ``algo/mis_frac`` (share masked), ``algo/is_ess``."""
-    assert 0 < mis_low <= 1 <= mis_high, f"need 0 < mis_low <= 1 <= mis_high, got {mis_low}, {mis_high}"
-    log_rho_bt = _log_rho(old_logp_bt, behav_logp_bt, mask_bt, mis_level)
+    per token (IcePop), per sequence (Seq-MIS) or on the sequence's geometric mean (Geo-MIS: verl's
+    ``geometric`` level, whose band is tight, e.g. 0.999 / 1.001). Band 0.5 / 2.0: SkyRL's sequence
+    product-mask defaults. Then the shared rejections (module docstring). Returns weights [B, T]
+    (detached, 0 outside the mask), ``algo/mis_frac`` (share masked), the rejections' shares, ``algo/is_ess``."""
+    _require(0 < mis_low <= 1, "mis_low", "in (0, 1]", mis_low)
+    _require(mis_high >= 1, "mis_high", ">= 1", mis_high)
+    valid_bt = mask_bt > 0
+    tok_bt = _token_log_rho(old_logp_bt, behav_logp_bt, valid_bt)
+    log_rho_bt = _level_log_rho(tok_bt, valid_bt, mis_level, "mis_level")
     keep_bt = (log_rho_bt >= math.log(mis_low)) & (log_rho_bt <= math.log(mis_high))
-    w_bt = torch.where(keep_bt, log_rho_bt.clamp(max=math.log(mis_high)).exp(), torch.zeros_like(log_rho_bt))
-    return w_bt, _metrics("mis", w_bt, ~keep_bt, mask_bt, mis_level)
+    w_bt = torch.where(keep_bt, log_rho_bt.clamp(max=math.log(mis_high)).exp(), 0.0)
+    return _finish(
+        w_bt,
+        tok_bt,
+        valid_bt,
+        {"mis": ~keep_bt},
+        per_sequence=mis_level != "token",
+        rs_stat=rs_stat,
+        rs_threshold=rs_threshold,
+        is_veto_threshold=is_veto_threshold,
+        offpolicy_mask_delta=offpolicy_mask_delta,
+        adv=adv,
+        is_batch_norm=is_batch_norm,
+    )
+
+
+@CORRECTIONS.register("reject")
+def rejection_only(
+    old_logp_bt: torch.Tensor,
+    behav_logp_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    rs_stat: str | None = None,
+    rs_threshold: float = 0.01,
+    is_veto_threshold: float | None = None,
+    offpolicy_mask_delta: float | None = None,
+    is_batch_norm: bool = False,
+    adv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rejection without reweighting: weight 1 on every response token the shared rejections keep, 0 on the
+    rest. ``rs_stat=seq_mean_k3, rs_threshold=0.01`` is verl's k3 rejection preset; ``offpolicy_mask_delta``
+    alone is DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556). Under any correction tidal's
+    trainer takes the loss's ratio against its own proximal log-probs (verl's "decoupled" mode), so the
+    engine gap of the kept tokens goes uncorrected; DeepSeek takes the ratio against the sampler instead.
+    At least one rejection must be set (otherwise use ``none``). Returns weights [B, T] (detached), the
+    rejections' shares and ``algo/is_ess``."""
+    if rs_stat is None and is_veto_threshold is None and offpolicy_mask_delta is None:
+        raise ValueError(
+            "correction 'reject' needs a criterion: set rs_stat, is_veto_threshold or offpolicy_mask_delta"
+        )
+    valid_bt = mask_bt > 0
+    tok_bt = _token_log_rho(old_logp_bt, behav_logp_bt, valid_bt)
+    return _finish(
+        valid_bt.to(old_logp_bt.dtype),
+        tok_bt,
+        valid_bt,
+        {},
+        per_sequence=False,
+        rs_stat=rs_stat,
+        rs_threshold=rs_threshold,
+        is_veto_threshold=is_veto_threshold,
+        offpolicy_mask_delta=offpolicy_mask_delta,
+        adv=adv,
+        is_batch_norm=is_batch_norm,
+    )

@@ -79,6 +79,12 @@ RULES: list[Rule] = [
     ("algo.tis_cap", _positive, "> 0"),
     ("algo.mis_low", NONNEG, ">= 0"),
     ("algo.ess_base_ratio", _positive, "> 0"),
+    ("algo.passk_k", COUNT, "an integer >= 1"),
+    ("algo.adv_gamma", _unit, "in [0, 1]"),
+    ("algo.tis_floor", _unit, "in [0, 1]"),
+    ("algo.rs_threshold", _positive, "> 0"),
+    ("algo.is_veto_threshold", _optional(lambda v: _number(v) and 0.0 < v < 1.0), "in (0, 1) (or null)"),
+    ("algo.offpolicy_mask_delta", _optional(NONNEG), ">= 0 (or null)"),
     ("optim.lr", _positive, "> 0"),
     ("optim.eps", _positive, "> 0"),
     ("optim.weight_decay", NONNEG, ">= 0"),
@@ -134,6 +140,29 @@ def _check(cfg: RunConfig, rules: list[Rule]) -> None:
             raise ConfigError(f"{key} must be {requirement}, got {value!r}")
 
 
+def _check_corrections(cfg: RunConfig) -> None:
+    """Advantage and correction knobs that only make sense together (issue 17's estimators and rejections)."""
+    a = cfg.algo
+    if a.advantage == "pass_at_k" and a.passk_k > cfg.rollout.group_size:
+        raise ConfigError(f"algo.passk_k={a.passk_k} must be <= rollout.group_size={cfg.rollout.group_size}: pass@k "
+                          "scores the k-subsets of a group")
+    if a.tis_floor > a.tis_cap:
+        raise ConfigError(f"algo.tis_floor={a.tis_floor} must be <= algo.tis_cap={a.tis_cap}")
+    if a.rs_stat == "seq_max_ratio" and a.rs_threshold <= 1:
+        raise ConfigError(f"algo.rs_threshold={a.rs_threshold} must be > 1 for algo.rs_stat=seq_max_ratio (a bound "
+                          "on the ratio pi_old / pi_behav, e.g. 2.0)")
+    rejections = {"rs_stat": a.rs_stat, "is_veto_threshold": a.is_veto_threshold,
+                  "offpolicy_mask_delta": a.offpolicy_mask_delta, "is_batch_norm": a.is_batch_norm or None}
+    if a.correction == "none":
+        for key, value in rejections.items():
+            if value is not None:
+                raise ConfigError(f"algo.{key}={value} has no effect with algo.correction=none (the trainer applies "
+                                  "no correction): use algo.correction=reject, tis or mis")
+    if a.correction == "reject" and all(v is None for k, v in rejections.items() if k != "is_batch_norm"):
+        raise ConfigError("algo.correction=reject needs a criterion: set algo.rs_stat, algo.is_veto_threshold or "
+                          "algo.offpolicy_mask_delta")
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Raise a ConfigError naming the first key whose value the run cannot use (see the module docstring)."""
     _check(cfg, RULES)
@@ -156,6 +185,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
     if cfg.algo.mis_high <= cfg.algo.mis_low:
         raise ConfigError(f"algo.mis_high={cfg.algo.mis_high} must be > algo.mis_low={cfg.algo.mis_low}")
+    _check_corrections(cfg)
     if cfg.trainer.temperature != r.temperature:
         raise ConfigError(f"trainer.temperature={cfg.trainer.temperature} must equal rollout.temperature="
                           f"{r.temperature}: the importance ratio compares the same distribution")
