@@ -6,8 +6,9 @@ One call to ``step`` consumes one TrainBatch and bumps the policy version once:
    needs them: decoupled PPO's pi_prox (AReaL), an engine/trainer mismatch correction (TIS/MIS,
    which weigh pi_old / pi_behav), or VCPO's importance-weighted baseline. With one minibatch they
    are the detached log-probs of the training forward itself (same weights), so they cost nothing.
-2. *Rewards to advantages*: an optional KL penalty (kl_in_reward) is subtracted from each reward,
-   then the configured estimator runs over the batch, or over each minibatch (Magistral).
+2. *Rewards to advantages*: an optional KL penalty (kl_in_reward) is subtracted from each reward (or
+   handed per token to a token-level estimator, REINFORCE++), then the configured estimator runs over
+   the batch, or over each minibatch (Magistral).
 3. Per minibatch (``num_minibatches`` optimizer steps, PPO-style reuse): the policy loss with its
    aggregation, weighted by the correction, plus an optional KL loss term; VCPO's ESS-scaled lr;
    clipped gradients; one optimizer step.
@@ -41,6 +42,7 @@ from tidal.algo import (
     ess_lr_scale,
     kl_loss,
     kl_reward_penalty,
+    kl_reward_penalty_tokens,
     sequence_log_ratio,
 )
 from tidal.algo.config import AlgoConfig
@@ -243,9 +245,11 @@ class Trainer:
         return self.dp.sum_(out)  # each row is non-zero on exactly one rank
 
     def _advantages(self, batch: TrainBatch, idx: torch.Tensor, rewards_b: torch.Tensor,
-                    prox_bt: torch.Tensor | None) -> torch.Tensor:
+                    prox_bt: torch.Tensor | None, kl_penalty_bt: torch.Tensor | None = None) -> torch.Tensor:
         mask = batch.loss_mask_bt[idx]
-        data = {"lengths_b": mask.sum(-1)}
+        data = {"lengths_b": mask.sum(-1), "mask_bt": mask}
+        if kl_penalty_bt is not None:  # a token-level estimator folds the KL into each token's reward
+            data["kl_penalty_bt"] = kl_penalty_bt[idx]
         if prox_bt is not None:  # VCPO: sequence importance ratio of the current policy to the sampler
             log_w = sequence_log_ratio(prox_bt[idx], batch.behav_logp_bt[idx], mask).clamp(-20, 20)
             data["seq_is_weight_b"] = log_w.exp()
@@ -269,16 +273,21 @@ class Trainer:
 
         rewards_b = batch.rewards_b
         step_metrics: dict[str, float] = {}
+        kl_penalty_bt = None
         if ref_bt is not None and algo.kl_in_reward:  # penalty on what the sampler did, vs the reference
-            penalty_b = bind(kl_reward_penalty, algo)(batch.behav_logp_bt, ref_bt, batch.loss_mask_bt)
-            rewards_b = rewards_b - penalty_b
+            if _accepts(self.advantage, "kl_penalty_bt"):  # per token (REINFORCE++), not summed into the reward
+                kl_penalty_bt = bind(kl_reward_penalty_tokens, algo)(batch.behav_logp_bt, ref_bt, batch.loss_mask_bt)
+                penalty_b = kl_penalty_bt.sum(-1)
+            else:
+                penalty_b = bind(kl_reward_penalty, algo)(batch.behav_logp_bt, ref_bt, batch.loss_mask_bt)
+                rewards_b = rewards_b - penalty_b
             step_metrics["algo/kl_reward_penalty"] = penalty_b.mean().item()
         per_minibatch = getattr(self.advantage, "scope", "group") == "minibatch"
-        adv_b = None if per_minibatch else self._advantages(batch, everything, rewards_b, prox_bt)
+        adv_b = None if per_minibatch else self._advantages(batch, everything, rewards_b, prox_bt, kl_penalty_bt)
 
         metrics_sum: dict[str, float] = {}
         for mb_index, idx in enumerate(chunks):
-            adv = self._advantages(batch, idx, rewards_b, prox_bt) if per_minibatch else adv_b[idx]
+            adv = self._advantages(batch, idx, rewards_b, prox_bt, kl_penalty_bt) if per_minibatch else adv_b[idx]
             metrics = self._minibatch_step(batch, idx, adv, prox_bt, ref_bt, first=mb_index == 0)
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / len(chunks)
@@ -316,14 +325,16 @@ class Trainer:
             metrics: dict[str, float] = {}
             if prox is not None:
                 data["prox_logp_bt"] = prox
-                if algo.correction != "none":
-                    data["is_weight_bt"], correction_metrics = bind(self.correction, algo)(prox, behav, mask)
+                if algo.correction != "none":  # adv: DeepSeek-V3.2's off-policy masking drops negative samples
+                    correct = bind(self.correction, algo, adv=adv[micro])
+                    data["is_weight_bt"], correction_metrics = correct(prox, behav, mask)
                     metrics.update(correction_metrics)
                     old = prox
             loss, loss_metrics = bind(self.policy_loss, algo, **data)(logp, old, adv[micro], mask)
             metrics.update(loss_metrics)
             if ref_bt is not None and not algo.kl_in_reward:
                 data["agg_weights_bt"] = kl_weights_mb[micro]
+                data["behav_logp_bt"] = behav  # k3_is weighs by pi / pi_behav: the tokens come from the sampler
                 kl_term, kl_metrics = bind(kl_loss, algo, **data)(logp, ref_bt[rows], mask)
                 loss = loss + kl_term
                 metrics.update(kl_metrics)
@@ -348,7 +359,7 @@ class Trainer:
                 group["lr"] *= lr_scale
         self.optimizer.step()
         self.scheduler.step()
-        totals.update(advantage_metrics(adv))
+        totals.update(advantage_metrics(adv, mask_mb))
         totals["algo/seq_ess"] = ess
         totals["algo/lr_scale"] = lr_scale
         totals["train/loss"] = loss_total
