@@ -204,8 +204,12 @@ def test_corrections_with_equal_logps_are_a_no_op(name, correction):
     assert torch.equal(torch.autograd.grad(corrected, logp)[0], torch.autograd.grad(plain, logp)[0])
 
 
-@pytest.mark.parametrize("name", POLICY_LOSSES.names())
-def test_is_weight_multiplies_each_tokens_term(name):
+def _scope(name):
+    return getattr(POLICY_LOSSES[name], "weight_scope", "token")
+
+
+def _weighted_and_plain(name):
+    """One token's loss (row 1, column 2, through one-hot aggregation weights) with and without weights."""
     logp, mask, adv = _batch(4)
     old = logp.detach() + 0.05 * torch.randn(4, 6)
     weight = torch.rand(4, 6) + 0.5
@@ -214,4 +218,69 @@ def test_is_weight_multiplies_each_tokens_term(name):
     mask[1, 2] = 1.0
     plain, _ = POLICY_LOSSES[name](logp, old, adv, mask, agg_weights_bt=onehot)
     weighted, _ = POLICY_LOSSES[name](logp, old, adv, mask, agg_weights_bt=onehot, is_weight_bt=weight)
+    return weighted, plain, weight, mask
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_LOSSES.names() if _scope(n) == "token"])
+def test_is_weight_multiplies_each_tokens_term(name):
+    weighted, plain, weight, _ = _weighted_and_plain(name)
     assert weighted.item() == pytest.approx(weight[1, 2].item() * plain.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_LOSSES.names() if _scope(n) == "sequence"])
+def test_sequence_level_losses_take_the_geometric_mean_weight_of_the_sequence(name):
+    weighted, plain, weight, mask = _weighted_and_plain(name)
+    keep = mask[1] > 0
+    geo_mean = math.exp(weight[1][keep].double().log().mean().item())
+    assert weighted.item() == pytest.approx(geo_mean * plain.item(), rel=1e-6)
+
+
+# --- issue 17: GSPO with token-level importance weights ---
+
+
+def test_gspo_reduces_token_weights_to_their_geometric_mean_per_sequence():
+    # The issue's input: logp = old = -1 on 3 tokens, A = 1, token weights (2, 1, 0.5), clip 3e-4 / 4e-4.
+    # s = exp(mean_t(logp - old)) = 1 lies inside [1 - 3e-4, 1 + 4e-4] (no clip) and ds/dlogp_t = s / 3.
+    # One weight per sequence, the geometric mean w = (2 * 1 * 0.5)^(1/3) = 1:
+    #   loss = -w s A = -1,   d loss / d logp_t = -w A s / 3 = -1/3 for every token.
+    # Not what tidal computes, for comparison:
+    # - slime and AReaL weight each token's copy of the shared, differentiable s by w_t, which is the
+    #   arithmetic mean 7/6: loss -7/6 = -1.16667 and gradient -7/18 = -0.38889 per token (the issue's numbers);
+    # - verl (and tidal before issue 17) weight GSPO-token's per-token terms: loss -7/6, gradient
+    #   -w_t / 3 = (-0.667, -0.333, -0.167), GSPO-token's gradient reweighted per token.
+    logp = t([[-1.0, -1.0, -1.0]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["gspo"](logp, t([[-1.0, -1.0, -1.0]]), t([1.0]), torch.ones(1, 3),
+                                    is_weight_bt=t([[2.0, 1.0, 0.5]]))
+    assert loss.item() == pytest.approx(-1.0)
+    assert torch.autograd.grad(loss, logp)[0][0].tolist() == approx([-1 / 3] * 3)
+    # weights (4, 1, 2): geometric mean 8^(1/3) = 2 -> loss -2, gradient -2/3 per token; the masked 4th
+    # token's weight (100) takes no part and its gradient is 0.
+    logp = t([[-1.0, -1.0, -1.0, -3.0]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["gspo"](logp, -torch.ones(1, 4), t([1.0]), t([[1.0, 1.0, 1.0, 0.0]]),
+                                    is_weight_bt=t([[4.0, 1.0, 2.0, 100.0]]))
+    assert loss.item() == pytest.approx(-2.0)
+    assert torch.autograd.grad(loss, logp)[0][0].tolist() == approx([-2 / 3, -2 / 3, -2 / 3, 0.0])
+
+
+def test_gspo_with_uncapped_token_weights_is_gspo_against_the_sampling_policy():
+    # w_t = pi_old / pi_behav: the geometric mean times s_i is exp(mean_t(logp - behav)), the sequence-level
+    # GSPO ratio to the policy that sampled (a clip range of 10 keeps every ratio unclipped).
+    torch.manual_seed(5)
+    behav = -torch.rand(2, 4) * 2
+    old = behav + 0.3 * torch.randn(2, 4)
+    logp = (old + 0.2 * torch.randn(2, 4)).requires_grad_(True)
+    mask, adv = t([[1.0, 1, 1, 0], [1, 1, 1, 1]]), t([1.0, -2.0])
+    kw = dict(eps_low=10.0, eps_high=10.0)
+    loss, _ = POLICY_LOSSES["gspo"](logp, old, adv, mask, is_weight_bt=(old - behav).exp(), **kw)
+    ref = gspo_sequence_form(logp, behav, adv, mask, **kw)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(ref, logp)[0], atol=1e-6)
+
+
+def test_gspo_drops_a_sequence_with_a_zero_token_weight():
+    # token-level MIS (IcePop) zeroes one token's weight: the sequence's geometric mean is 0
+    logp = t([[-1.0, -1.0], [-1.0, -1.0]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["gspo"](logp, -torch.ones(2, 2), t([1.0, 1.0]), torch.ones(2, 2),
+                                    is_weight_bt=t([[1.0, 0.0], [1.0, 1.0]]))
+    assert loss.item() == pytest.approx(-0.5)  # only sequence 1: -s A = -1, mean over 2 sequences
+    assert torch.autograd.grad(loss, logp)[0].flatten().tolist() == approx([0.0, 0.0, -0.25, -0.25])

@@ -6,8 +6,10 @@ Every loss is ``fn(logp_bt, old_logp_bt, adv, mask_bt, *, knobs) -> (loss, metri
   engine, or the trainer's own before the update); never differentiated;
 - ``adv``: [B] (one per sequence, broadcast over tokens) or [B, T];
 - ``mask_bt``: 1 on response tokens. Masked positions get exactly zero loss and zero gradient;
-- ``is_weight_bt=``: optional per-token weight (e.g. a ``CORRECTIONS`` weight) multiplying each
-  token's loss, detached, so every loss composes with every correction;
+- ``is_weight_bt=``: optional per-token weight (e.g. a ``CORRECTIONS`` weight), detached, so every
+  loss composes with every correction. Token-level losses multiply each token's loss by it; the
+  sequence-level objective ``gspo`` (attribute ``weight_scope = "sequence"``) first reduces it to one
+  weight per sequence, its geometric mean over the response tokens;
 - ``agg=`` and its inputs (``group_ids_b``, ``max_gen_len``, ``agg_weights_bt``): see
   ``tidal.algo.aggregation``.
 Metrics are plain floats: clip fractions, ratio statistics, ``algo/approx_kl`` (mean of
@@ -36,6 +38,25 @@ def _broadcast_adv(adv: torch.Tensor, logp_bt: torch.Tensor) -> torch.Tensor:
         adv = adv.unsqueeze(-1).expand_as(logp_bt)
     assert adv.shape == logp_bt.shape, f"adv must be [B] or [B, T]={tuple(logp_bt.shape)}, got {tuple(adv.shape)}"
     return adv
+
+
+def _sequence_is_weight(is_weight_bt: torch.Tensor | None, mask_bt: torch.Tensor) -> torch.Tensor | None:
+    """One importance weight per sequence for the sequence-level objective (gspo), broadcast to [B, T]: the
+    geometric mean of the per-token weights over the response tokens, exp(mean_t log w_t).
+
+    Why the geometric mean: GSPO's ratio is a length-normalized sequence ratio,
+    (pi / pi_old)^(1/|y|); the same normalization of the sampler's sequence weight prod_t rho_t is
+    exp(mean_t log rho_t). Uncapped, the product with the loss's own ratio is then (pi / pi_behav)^(1/|y|),
+    the same objective against the policy that sampled. Weighting each token's term by its own w_t
+    instead (the GSPO-token form) gives GSPO-token's gradient times per-token weights, not a
+    sequence-level objective (issue 17). A weight constant over a sequence (sequence-level TIS/MIS)
+    passes through unchanged; one zero weight (token-level MIS) drops the whole sequence."""
+    if is_weight_bt is None:
+        return None
+    keep_bt = mask_bt > 0
+    log_w_bt = torch.where(keep_bt, is_weight_bt.detach().log(), 0.0)
+    log_w_b = log_w_bt.sum(-1) / keep_bt.sum(-1).clamp(min=1)
+    return log_w_b.exp().unsqueeze(-1).expand_as(mask_bt)
 
 
 def _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt) -> torch.Tensor:
@@ -178,25 +199,40 @@ def gspo(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Qwen, arXiv 2507.18071): one length-normalized (geometric-mean) ratio per sequence,
 
-        s_i = exp(mean_t (logp - old_logp)),   loss_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+        s_i = exp(mean_t (logp - old_logp)),   loss_i = -w_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
 
     clipped with its own small range, 3e-4 / 4e-4 (sec. 5.1), averaged over sequences (eq. 5: the
     default ``seq_mean_token_mean``). Implemented in the GSPO-token form (sec. 4.3),
     s_it = sg(s_i) pi(y_t) / sg(pi(y_t)): with a per-sequence advantage [B] its value and gradient
-    equal GSPO's exactly; a token-level advantage [B, T] gives GSPO-token. Clip fraction is per token
+    equal GSPO's exactly; a token-level advantage [B, T] gives GSPO-token. ``is_weight_bt`` enters as
+    one weight per sequence, w_i = its geometric mean over the response tokens (``_sequence_is_weight``),
+    so a token-level correction keeps the objective sequence-level. Clip fraction is per token
     (per sequence for [B] advantages, as every token of a sequence shares s_i)."""
     adv_bt = _broadcast_adv(adv, logp_bt)
     seq_log_ratio_b = ((logp_bt - old_logp_bt) * mask_bt).sum(-1) / mask_bt.sum(-1).clamp(min=1)
     log_s_bt = logp_bt - logp_bt.detach() + seq_log_ratio_b.detach().unsqueeze(-1)
     loss_bt, metrics = _clipped_surrogate(log_s_bt, adv_bt, mask_bt, eps_low, eps_high, None)
-    loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    seq_weight_bt = _sequence_is_weight(is_weight_bt, mask_bt)
+    loss = _finish(loss_bt, mask_bt, seq_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
     with torch.no_grad():
-        rows = (mask_bt.sum(-1) > 0).float()
         seq_ratio_b = seq_log_ratio_b.detach().clamp(-_MAX_LOG, _MAX_LOG).exp()
         metrics.update(_ratio_metrics((logp_bt - old_logp_bt).detach(), mask_bt, torch.ones_like(mask_bt)))
-        metrics["algo/seq_ratio_mean"] = ((seq_ratio_b * rows).sum() / rows.sum().clamp(min=1)).item()
-        metrics["algo/ess"] = effective_sample_size(seq_ratio_b, rows)
+        metrics.update(_sequence_ratio_metrics(seq_ratio_b, seq_weight_bt, mask_bt))
     return loss, metrics
+
+
+gspo.weight_scope = "sequence"
+
+
+def _sequence_ratio_metrics(seq_ratio_b, seq_weight_bt, mask_bt) -> dict[str, float]:
+    """Mean sequence ratio over sequences with response tokens, and the ESS of the sequence weights
+    the loss applies (ratio times the reduced correction weight)."""
+    rows = (mask_bt.sum(-1) > 0).float()
+    weight_b = seq_ratio_b if seq_weight_bt is None else seq_ratio_b * seq_weight_bt[:, 0]
+    return {
+        "algo/seq_ratio_mean": ((seq_ratio_b * rows).sum() / rows.sum().clamp(min=1)).item(),
+        "algo/ess": effective_sample_size(weight_b, rows),
+    }
 
 
 @POLICY_LOSSES.register("decoupled_ppo")
