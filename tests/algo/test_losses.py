@@ -198,7 +198,9 @@ def test_corrections_with_equal_logps_are_a_no_op(name, correction):
     logp, mask, adv = _batch(3)
     old = logp.detach() + 0.1 * torch.randn(4, 6)
     weight, _ = CORRECTIONS[correction](old, old.clone(), mask)
+    torch.manual_seed(0)  # the same draw for clip_cov's random token selection
     plain, _ = POLICY_LOSSES[name](logp, old, adv, mask)
+    torch.manual_seed(0)
     corrected, _ = POLICY_LOSSES[name](logp, old, adv, mask, is_weight_bt=weight)
     assert corrected.item() == plain.item()
     assert torch.equal(torch.autograd.grad(corrected, logp)[0], torch.autograd.grad(plain, logp)[0])
@@ -216,7 +218,9 @@ def _weighted_and_plain(name):
     onehot = torch.zeros(4, 6)
     onehot[1, 2] = 1.0
     mask[1, 2] = 1.0
+    torch.manual_seed(0)  # the same draw for clip_cov's random token selection
     plain, _ = POLICY_LOSSES[name](logp, old, adv, mask, agg_weights_bt=onehot)
+    torch.manual_seed(0)
     weighted, _ = POLICY_LOSSES[name](logp, old, adv, mask, agg_weights_bt=onehot, is_weight_bt=weight)
     return weighted, plain, weight, mask
 
@@ -284,3 +288,89 @@ def test_gspo_drops_a_sequence_with_a_zero_token_weight():
                                     is_weight_bt=t([[1.0, 0.0], [1.0, 1.0]]))
     assert loss.item() == pytest.approx(-0.5)  # only sequence 1: -s A = -1, mean over 2 sequences
     assert torch.autograd.grad(loss, logp)[0].flatten().tolist() == approx([0.0, 0.0, -0.25, -0.25])
+
+
+# --- GMPO (arXiv 2507.20673) ---
+
+
+def gmpo_sequence_form(logp, old, adv, mask, eps=0.4):
+    """GMPO as its reference code writes it, one sequence at a time: the sign-aware clip of the log-ratios
+    in log space, exp of their mean, times -A; then the mean over sequences."""
+    losses = []
+    for i in range(logp.shape[0]):
+        sgn = 1.0 if adv[i] >= 0 else -1.0
+        d = (logp[i] - old[i])[mask[i] > 0]
+        d_clip = sgn * torch.minimum(sgn * d, sgn * d.clamp(-eps, eps))
+        losses.append(-adv[i] * torch.exp(d_clip.mean()))
+    return torch.stack(losses).mean()
+
+
+def test_gmpo_hand_computed():
+    # Sequence 0, A = +1, log-ratios (0.1, 0.6, -0.2): for A >= 0 only the upper log bound 0.4 binds:
+    #   c = (0.1, 0.4, -0.2), mean 0.1, s_0 = e^0.1, loss_0 = -e^0.1; token 1 is clipped (no gradient).
+    # Sequence 1, A = -2, log-ratios (-0.6, 0.5), third token masked: for A < 0 only the lower bound binds:
+    #   c = (-0.4, 0.5), mean 0.05, s_1 = e^0.05, loss_1 = 2 e^0.05; token 0 is clipped.
+    # Mean over sequences: (-e^0.1 + 2 e^0.05) / 2. Gradient through an unclipped token: -A_i s_i / |y_i| / 2:
+    #   row 0: (-e^0.1 / 6, 0, -e^0.1 / 6); row 1: (0, 2 e^0.05 / 4, 0).
+    logp = t([[0.1, 0.6, -0.2], [-0.6, 0.5, 9.0]], requires_grad=True)
+    mask = t([[1.0, 1, 1], [1, 1, 0]])
+    loss, m = POLICY_LOSSES["gmpo"](logp, torch.zeros(2, 3), t([1.0, -2.0]), mask)
+    assert loss.item() == pytest.approx((-E(0.1) + 2 * E(0.05)) / 2, rel=1e-6)
+    g = torch.autograd.grad(loss, logp)[0]
+    assert g[0].tolist() == approx([-E(0.1) / 6, 0.0, -E(0.1) / 6])
+    assert g[1].tolist() == approx([0.0, E(0.05) / 2, 0.0])
+    assert (m["algo/clip_frac"], m["algo/clip_frac_high"], m["algo/clip_frac_low"]) == approx([2 / 5, 1 / 5, 1 / 5])
+    assert m["algo/seq_ratio_mean"] == pytest.approx((E(0.1) + E(0.05)) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("adv_shape", ["b", "bt"])
+def test_gmpo_equals_its_reference_sequence_form(adv_shape):
+    torch.manual_seed(3)
+    old = -torch.rand(3, 5) * 3
+    logp = (old + 0.4 * torch.randn(3, 5)).requires_grad_(True)  # log-ratios beyond +-0.4: some tokens clip
+    mask = t([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    adv_b = t([1.5, -0.5, -2.0])
+    # a [B, T] advantage counts as its mean over the response tokens (here: the same per-sequence value)
+    adv = adv_b if adv_shape == "b" else adv_b[:, None] + torch.where(mask > 0, 0.0, 7.0)
+    loss, m = POLICY_LOSSES["gmpo"](logp, old, adv, mask)
+    ref = gmpo_sequence_form(logp, old, adv_b, mask)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(ref, logp)[0], atol=1e-6)
+    assert 0 < m["algo/clip_frac"] < 1
+
+
+# --- SAPO (arXiv 2511.20347) ---
+
+
+def test_sapo_soft_gate_hand_computed():
+    # f(r) = (4 / tau) sigmoid(tau (r - 1)), loss_t = -f(r_t) A_t, d loss_t / d logp_t = -4 s (1 - s) r A with
+    # s = sigmoid(tau (r - 1)); tau = 1 for A > 0, 1.05 for A <= 0 (SAPO's defaults). Float64 re-derivation:
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
+    ratios, adv = [1.0, 1.5, 0.5, 3.0], [1.0, 1.0, -1.0, -0.5]
+    values, grads = per_token("sapo", [math.log(r) for r in ratios], [0.0] * 4, adv)
+    taus = [1.0 if a > 0 else 1.05 for a in adv]
+    gates = [sig(tau * (r - 1)) for r, tau in zip(ratios, taus)]
+    assert values == approx([-(4 / tau) * s * a for s, tau, a in zip(gates, taus, adv)])
+    assert grads == approx([-4 * s * (1 - s) * r * a for s, r, a in zip(gates, ratios, adv)])
+    # on-policy (r = 1) the gradient is the plain policy gradient -A, the value -2 A / tau
+    assert (values[0], grads[0]) == approx([-2.0, -1.0])
+    # far off-policy the gate decays instead of cutting off: r = 3 with A < 0 keeps the weight
+    # 4 s (1 - s) = 0.39 (s = sigmoid(1.05 * 2)) of its policy gradient -r A, where PPO's clip would give 0
+    assert grads[3] == pytest.approx(0.389 * 3 * 0.5, rel=1e-3)
+
+
+def test_sapo_rejects_a_non_positive_temperature():
+    with pytest.raises(ValueError, match="sapo_tau_neg"):
+        POLICY_LOSSES["sapo"](torch.zeros(1, 2), torch.zeros(1, 2), t([1.0]), torch.ones(1, 2), sapo_tau_neg=0.0)
+
+
+@pytest.mark.parametrize("name", ["sapo", "gmpo", "kl_cov"])
+def test_new_losses_on_fresh_samples_have_the_reinforce_gradient(name):
+    # r = 1: SAPO's gate weight 4 s (1 - s) is 1, GMPO's s_i is 1 with nothing clipped, and KL-Cov's |log r|
+    # has zero gradient at 0; each is then the policy gradient -A grad log pi.
+    logp, mask, adv = _batch(1)
+    loss, _ = POLICY_LOSSES[name](logp, logp.detach(), adv, mask, agg="seq_mean_token_mean")
+    rf, _ = POLICY_LOSSES["reinforce"](logp, logp.detach(), adv, mask, agg="seq_mean_token_mean")
+    assert torch.allclose(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(rf, logp)[0], atol=1e-7)

@@ -52,6 +52,12 @@ BAD = [  # (override, the key the error must name)
     ("trainer.num_minibatches=0", "trainer.num_minibatches"),
     ("algo.kl_coef=-0.1", "algo.kl_coef"),
     ("algo.mis_high=0.4", "algo.mis_high"),
+    ("algo.sapo_tau_pos=0", "algo.sapo_tau_pos"),
+    ("algo.sapo_tau_neg=-1", "algo.sapo_tau_neg"),
+    ("algo.clip_cov_frac=0", "algo.clip_cov_frac"),
+    ("algo.clip_cov_high=0.5", "algo.clip_cov_high"),
+    ("algo.kl_cov_frac=2", "algo.kl_cov_frac"),
+    ("algo.kl_cov_coef=-1", "algo.kl_cov_coef"),
     ("model.num_heads=3", "model.hidden_size"),
     ("model.num_layers=0", "model.num_layers"),
 ]

@@ -21,6 +21,7 @@ KL_ESTIMATORS: Registry = Registry("KL estimator")
 CORRECTIONS: Registry = Registry("off-policy correction")
 
 # The modules register their entries on import (they import the registries above).
+from tidal.algo import covariance as _covariance  # noqa: E402,F401
 from tidal.algo import losses as _losses  # noqa: E402,F401
 from tidal.algo.advantages import advantage_metrics  # noqa: E402
 from tidal.algo.aggregation import aggregate, aggregation_weights, masked_mean  # noqa: E402
