@@ -58,6 +58,9 @@ BAD = [  # (override, the key the error must name)
     ("algo.clip_cov_high=0.5", "algo.clip_cov_high"),
     ("algo.kl_cov_frac=2", "algo.kl_cov_frac"),
     ("algo.kl_cov_coef=-1", "algo.kl_cov_coef"),
+    ("algo.entropy_coef=-0.01", "algo.entropy_coef"),
+    ("algo.top_entropy_frac=0", "algo.top_entropy_frac"),
+    ("algo.top_entropy_frac=1.5", "algo.top_entropy_frac"),
     ("model.num_heads=3", "model.hidden_size"),
     ("model.num_layers=0", "model.num_layers"),
 ]

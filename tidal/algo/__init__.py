@@ -7,6 +7,7 @@ are its paper's (docs/algorithms.md lists them all):
     loss, metrics = POLICY_LOSSES["cispo"](logp_bt, old_logp_bt, adv_b, mask_bt, agg="token_mean")
     w_bt, metrics = CORRECTIONS["tis"](old_logp_bt, behav_logp_bt, mask_bt, tis_cap=2.0)
     loss = aggregate(loss_bt, mask_bt, agg="group_length", group_ids_b=group_ids_b)
+    keep_bt, metrics = high_entropy_mask(entropy_bt, mask_bt, top_entropy_frac=0.2)  # train the forking tokens
 
 ``bind(fn, cfg, **data)`` fills in what an ``AlgoConfig`` (and per-batch data) has for ``fn``, so a
 trainer calls whatever is configured without branching on names.
@@ -34,6 +35,7 @@ from tidal.algo.correction import (  # noqa: E402
     sequence_log_ratio,
     truncated_is,
 )
+from tidal.algo.entropy import entropy_loss, high_entropy_mask  # noqa: E402
 from tidal.algo.kl import kl_k1, kl_k2, kl_k3, kl_loss, kl_reward_penalty  # noqa: E402
 
 __all__ = [
@@ -59,4 +61,6 @@ __all__ = [
     "kl_k3",
     "kl_loss",
     "kl_reward_penalty",
+    "entropy_loss",
+    "high_entropy_mask",
 ]

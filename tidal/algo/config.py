@@ -106,6 +106,15 @@ class AlgoConfig:
     """``seq_mean_token_sum_norm`` (Dr. GRPO, arXiv 2503.20783 sec. 3.2): the constant that replaces |o_i|,
     the generation budget. None: the batch's padded width T (verl's fallback); set it for a constant."""
 
+    # --- token entropy (tidal.algo.entropy) ---
+    entropy_coef: float = 0.0
+    """Entropy bonus: add -entropy_coef * aggregate(H) to the loss (A3C arXiv 1602.01783 and PPO arXiv
+    1707.06347 eq. 9 use 0.01). 0 (off), as GRPO, DAPO and most LLM recipes; only when > 0 does the trainer
+    compute differentiable entropies."""
+    top_entropy_frac: float = 1.0
+    """Train only this top fraction of response tokens by entropy ("Beyond the 80/20 Rule", arXiv 2506.01939,
+    uses 0.2); the others get no policy-loss weight, with every loss. 1.0: every token (off)."""
+
     # --- KL to a reference policy (Schulman, "Approximating KL divergence", 2020) ---
     kl_coef: float = 0.0
     """Weight of KL(pi || pi_ref). 0: no KL, as DAPO (sec. 2.3), Dr. GRPO and Magistral (sec. 2.1) drop it;

@@ -78,6 +78,8 @@ RULES: list[Rule] = [
     ("algo.clip_cov_frac", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
     ("algo.kl_cov_frac", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
     ("algo.kl_cov_coef", NONNEG, ">= 0"),
+    ("algo.entropy_coef", NONNEG, ">= 0 (an entropy bonus)"),
+    ("algo.top_entropy_frac", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1] (1: every token)"),
     ("algo.behav_weight_cap", _optional(_positive), "> 0 (or null)"),
     ("algo.max_gen_len", _optional(COUNT), "an integer >= 1 (or null)"),
     ("algo.kl_coef", NONNEG, ">= 0"),
