@@ -7,6 +7,10 @@ steps; held-out greedy accuracy is measured every ``eval_every`` steps. The clai
 - DAPO dynamic sampling leaves no zero-advantage groups in the trained batches (vs. none without it).
 - MiniMax-M1: CISPO reaches the target accuracy in fewer steps than DAPO (the paper reports 2x).
 - AReaL: decoupled PPO stays stable with stale data (eta = 8) where plain PPO degrades.
+- Clip-Cov (Cui et al., arXiv 2505.22617): detaching a few high-covariance tokens keeps entropy higher
+  than DAPO's clipping.
+- SAPO (Qwen, arXiv 2511.20347): the soft gate trains at least as well as DAPO's hard clip (final
+  accuracy).
 
 The algorithm arms run in sync mode (eta = 0) with 4 minibatch updates per batch (so the ratio moves
 away from 1 and the clip ranges matter), so they differ only in the objective and the runs are
@@ -25,7 +29,8 @@ from tidal.recipes import RECIPES
 from tidal.system.run import base_model_path, train
 from tidal.tasks import TASKS
 
-DESCRIPTION = "paper claims at small scale: clip-higher, dynamic sampling, CISPO vs DAPO, decoupled PPO at eta=8"
+DESCRIPTION = ("paper claims at small scale: clip-higher, dynamic sampling, CISPO vs DAPO, decoupled PPO at eta=8, "
+               "Clip-Cov entropy, SAPO vs DAPO")
 
 # lr 1e-4, half the quickstart's: with several updates per batch 2e-4 overshoots on this model
 # (measured: DAPO with 4 minibatches peaked at 0.71 with 2e-4, reached 0.83 by step 10 with 1e-4).
@@ -44,6 +49,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "cispo": ("cispo", SYNC),
     "ppo_eta8": ("quickstart", [*STALE, "algo.policy_loss=ppo_clip"]),
     "decoupled_ppo_eta8": ("areal", STALE),
+    # DAPO's recipe with the objective swapped; null clip ranges / aggregation = each loss's paper defaults
+    # (Clip-Cov: PPO range 1.0 / 1.0, token mean; SAPO has no clip and averages per sequence).
+    "clip_cov": ("dapo", [*SYNC, "algo.policy_loss=clip_cov", "algo.eps_low=null", "algo.eps_high=null"]),
+    "sapo": ("dapo", [*SYNC, "algo.policy_loss=sapo", "algo.loss_agg=null"]),
 }
 TARGET = 0.8
 
@@ -85,6 +94,14 @@ def _claims(rows: dict[str, dict]) -> dict[str, dict]:
         "cispo_fewer_steps_than_dapo": {
             "held": (rows["cispo"][steps] or never) < (rows["dapo"][steps] or never),
             "numbers": [rows["cispo"][steps], rows["dapo"][steps]],
+        },
+        "clip_cov_keeps_entropy": {
+            "held": rows["clip_cov"]["entropy_late"] > rows["dapo"]["entropy_late"],
+            "numbers": [rows["clip_cov"]["entropy_late"], rows["dapo"]["entropy_late"]],
+        },
+        "sapo_at_least_dapo": {
+            "held": rows["sapo"]["final_acc"] >= rows["dapo"]["final_acc"],
+            "numbers": [rows["sapo"]["final_acc"], rows["dapo"]["final_acc"]],
         },
         "decoupled_ppo_stable_at_eta8": {
             "held": rows["decoupled_ppo_eta8"]["min_acc_after_start"] >= rows["ppo_eta8"]["min_acc_after_start"]

@@ -45,6 +45,23 @@ def test_values_entropies_and_gradients_match_the_full_logits_path(model, batch,
         torch.testing.assert_close(got[name], g, rtol=0, atol=1e-5 * scale + 1e-9, msg=f"gradient of {name}")
 
 
+def test_entropy_grad_gives_the_full_logits_entropy_gradient(model, batch):
+    """For an entropy bonus: with ``entropy_grad`` the chunked entropies carry the gradient of the
+    textbook -sum p log p over the full logits (and the log-probs' gradient is unchanged)."""
+    ids, mask = batch
+    weight_bt = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    ref_ent = torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))
+    ref_grads = grads(model, ref_ent, weight_bt)
+    _, ent = token_logprobs(model, ids, mask, with_entropy=True, chunk_size=7, entropy_grad=True)
+    torch.testing.assert_close(ent, ref_ent.detach(), rtol=0, atol=1e-6)
+    got = grads(model, ent, weight_bt)
+    for name, g in ref_grads.items():
+        scale = g.abs().max().item()
+        torch.testing.assert_close(got[name], g, rtol=0, atol=1e-5 * scale + 1e-9, msg=f"gradient of {name}")
+
+
 def test_chunk_size_does_not_change_the_result(model, batch):
     ids, mask = batch
     with torch.no_grad():

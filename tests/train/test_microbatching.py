@@ -66,6 +66,22 @@ def test_micro_batches_with_corrections_and_kl(small_model, batch):
             assert torch.allclose(results[0][n], other[n], atol=1e-6, rtol=1e-4), n
 
 
+@pytest.mark.parametrize("loss", ["sapo", "gmpo"])
+def test_micro_batches_with_the_entropy_bonus_and_sequence_level_losses(small_model, batch, loss):
+    """Differentiable entropies go through padded, packed and prefix-shared layouts; the bonus (and SAPO's
+    and GMPO's per-sequence terms) still sum over micro-batches to the whole minibatch's gradient."""
+    algo = AlgoConfig(policy_loss=loss, entropy_coef=0.05)
+    whole, m_whole = grads_after_step(small_model, batch, algo, TrainerConfig())
+    for split in ({"micro_batch_tokens": 20}, {"micro_batch_tokens": 30, "packing": True, "pack_tokens": 16},
+                  {"micro_batch_tokens": 30, "share_prefixes": True}):
+        parts, m_parts = grads_after_step(small_model, batch, algo, TrainerConfig(**split))
+        for n in whole:
+            assert torch.allclose(whole[n], parts[n], atol=1e-6, rtol=1e-4), (split, n)
+        assert m_parts["algo/entropy_bonus"] == pytest.approx(m_whole["algo/entropy_bonus"], rel=1e-5)
+    plain, _ = grads_after_step(small_model, batch, AlgoConfig(policy_loss=loss), TrainerConfig())
+    assert any(not torch.allclose(whole[n], plain[n], atol=1e-6, rtol=1e-4) for n in whole), "no bonus gradient"
+
+
 def test_activation_checkpointing_keeps_the_gradient(small_model, batch):
     plain, _ = grads_after_step(small_model, batch, AlgoConfig(), TrainerConfig())
     ckpt, metrics = grads_after_step(small_model, batch, AlgoConfig(), TrainerConfig(activation_checkpointing=True,

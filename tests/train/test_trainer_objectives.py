@@ -54,6 +54,13 @@ def logp_of(model, batch):
     return token_logprobs(model, batch.input_ids_bt, batch.attention_mask_bt)[0]
 
 
+def entropy_of(model, batch):
+    """Per-token entropies of the next-token distribution, the textbook way: full logits, -sum p log p."""
+    logits = model(input_ids=batch.input_ids_bt, attention_mask=batch.attention_mask_bt).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    return torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))
+
+
 def test_tis_weights_each_token_by_the_truncated_engine_ratio(setup):
     """Yao et al.: loss = -min(pi_old / pi_behav, C) * A * pi / pi_old, token-mean; C = 2."""
     model, batch = setup
@@ -160,3 +167,42 @@ def test_overlong_filter_masks_truncated_samples(small_model, tokenizer):
     assert metrics["algo/overlong_filtered"] == cut
     trajs = [t for g in groups for t in g.trajectories]
     assert [batch.loss_mask_bt[i].sum().item() == 0 for i in range(4)] == [t.finish_reason == "length" for t in trajs]
+
+
+def test_entropy_bonus_subtracts_the_token_mean_entropy(setup):
+    """Entropy bonus (PPO eq. 9): loss -= c * token_mean(H), with H's own gradient."""
+    model, batch = setup
+    mask = batch.loss_mask_bt
+
+    def by_hand(m):
+        policy = -(ADV[:, None] * (logp_of(m, batch) - batch.behav_logp_bt).exp())
+        return ((policy - 0.05 * entropy_of(m, batch)) * mask).sum() / mask.sum()
+
+    want = grads_of(model, by_hand)
+    got, metrics = trainer_grads(model, batch, entropy_coef=0.05)
+    assert_same(got, want)
+    with torch.no_grad():
+        bonus = 0.05 * ((entropy_of(model, batch) * mask).sum() / mask.sum()).item()
+    assert metrics["algo/entropy_bonus"] == pytest.approx(bonus, rel=1e-4)
+
+
+def test_top_entropy_frac_trains_only_the_high_entropy_tokens(setup):
+    """Beyond the 80/20 Rule: only tokens with entropy >= the ceil(rho N)-th largest get the policy loss,
+    each with the weight it has in the full token mean."""
+    model, batch = setup
+    mask = batch.loss_mask_bt
+    with torch.no_grad():
+        ent = entropy_of(model, batch)
+    values = ent[mask > 0]
+    threshold = values.sort(descending=True).values[math.ceil(0.5 * values.numel()) - 1]
+    keep = ((mask > 0) & (ent >= threshold)).float()
+
+    def by_hand(m):
+        policy = -(ADV[:, None] * (logp_of(m, batch) - batch.behav_logp_bt).exp())
+        return (policy * keep).sum() / mask.sum()
+
+    want = grads_of(model, by_hand)
+    got, metrics = trainer_grads(model, batch, top_entropy_frac=0.5)
+    assert_same(got, want)
+    assert 0 < keep.sum() < mask.sum()
+    assert metrics["algo/entropy_kept_frac"] == pytest.approx((keep.sum() / mask.sum()).item())

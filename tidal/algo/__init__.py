@@ -7,6 +7,7 @@ are its paper's (docs/algorithms.md lists them all):
     loss, metrics = POLICY_LOSSES["cispo"](logp_bt, old_logp_bt, adv_b, mask_bt, agg="token_mean")
     w_bt, metrics = CORRECTIONS["tis"](old_logp_bt, behav_logp_bt, mask_bt, tis_cap=2.0)
     loss = aggregate(loss_bt, mask_bt, agg="group_length", group_ids_b=group_ids_b)
+    keep_bt, metrics = high_entropy_mask(entropy_bt, mask_bt, top_entropy_frac=0.2)  # train the forking tokens
 
 ``bind(fn, cfg, **data)`` fills in what an ``AlgoConfig`` (and per-batch data) has for ``fn``, so a
 trainer calls whatever is configured without branching on names.
@@ -21,6 +22,7 @@ KL_ESTIMATORS: Registry = Registry("KL estimator")
 CORRECTIONS: Registry = Registry("off-policy correction")
 
 # The modules register their entries on import (they import the registries above).
+from tidal.algo import covariance as _covariance  # noqa: E402,F401
 from tidal.algo import losses as _losses  # noqa: E402,F401
 from tidal.algo.advantages import advantage_metrics  # noqa: E402
 from tidal.algo.aggregation import aggregate, aggregation_weights, masked_mean  # noqa: E402
@@ -34,6 +36,7 @@ from tidal.algo.correction import (  # noqa: E402
     sequence_log_ratio,
     truncated_is,
 )
+from tidal.algo.entropy import entropy_loss, high_entropy_mask  # noqa: E402
 from tidal.algo.kl import (  # noqa: E402
     kl_k1,
     kl_k2,
@@ -70,4 +73,6 @@ __all__ = [
     "kl_loss",
     "kl_reward_penalty",
     "kl_reward_penalty_tokens",
+    "entropy_loss",
+    "high_entropy_mask",
 ]

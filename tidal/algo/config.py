@@ -38,10 +38,12 @@ class AlgoConfig:
     ``lite_ppo`` (= TRL's ``scale_rewards="batch"``), ``pass_at_k``."""
     policy_loss: str = "ppo_clip"
     """``POLICY_LOSSES`` entry. ``ppo_clip``: clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) with
-    DAPO's decoupled clip range. Others: ``cispo``, ``gspo``, ``decoupled_ppo``, ``reinforce``."""
+    DAPO's decoupled clip range. Others: ``cispo``, ``gspo``, ``gmpo``, ``sapo``, ``clip_cov``, ``kl_cov``,
+    ``decoupled_ppo``, ``reinforce``."""
     loss_agg: str | None = field(default=None, metadata=_own_default("agg"))
     """``LOSS_AGGREGATIONS`` entry, passed as ``agg``. None: the loss's paper default (``token_mean``, DAPO
-    arXiv 2503.14476 sec. 3.3, for all but ``gspo``, whose objective is ``seq_mean_token_mean``, GSPO eq. 5)."""
+    arXiv 2503.14476 sec. 3.3, for most; ``seq_mean_token_mean`` for ``gspo`` (GSPO eq. 5), ``gmpo`` and
+    ``sapo``, whose papers average over sequences)."""
     correction: str = "none"
     """``CORRECTIONS`` entry for the engine/trainer mismatch: ``none``, ``tis`` (truncated IS, Yao et al. 2025),
     ``mis`` (masked IS, Liu, Yao et al. 2025) or ``reject`` (the rejection knobs alone, weight 1 on what they
@@ -62,10 +64,13 @@ class AlgoConfig:
     # --- policy losses ---
     eps_low: float | None = field(default=None, metadata=_own_default())
     """Lower clip, ratio >= 1 - eps_low. None: the loss's default: 0.2 for ``ppo_clip`` and ``decoupled_ppo``
-    (PPO, kept by DAPO sec. 3.1), 3e-4 for ``gspo`` (GSPO, arXiv 2507.18071 sec. 5.1)."""
+    (PPO, kept by DAPO sec. 3.1), 3e-4 for ``gspo`` (GSPO, arXiv 2507.18071 sec. 5.1), 1.0 for ``clip_cov``
+    (the Entropy Mechanism paper's scripts). ``gmpo`` clips in log space, log ratio >= -eps_low: 0.4 (GMPO,
+    arXiv 2507.20673, range (e^-0.4, e^0.4))."""
     eps_high: float | None = field(default=None, metadata=_own_default())
     """Upper clip, ratio <= 1 + eps_high. None: the loss's default: 0.28 for ``ppo_clip`` (DAPO clip-higher,
-    sec. 3.1), 0.2 for ``decoupled_ppo`` (AReaL's symmetric 0.2), 4e-4 for ``gspo`` (GSPO sec. 5.1)."""
+    sec. 3.1), 0.2 for ``decoupled_ppo`` (AReaL's symmetric 0.2), 4e-4 for ``gspo`` (GSPO sec. 5.1), 1.0 for
+    ``clip_cov``. ``gmpo``: log ratio <= eps_high, 0.4 (GMPO)."""
     dual_clip: float | None = 3.0
     """Dual-clip c for negative advantages (Ye et al. 2020, arXiv 1912.09729: c = 3); None disables."""
     eps_low_is: float = 1.0
@@ -74,6 +79,25 @@ class AlgoConfig:
     eps_high_is: float = 4.0
     """CISPO: IS weight <= 1 + eps_high_is. MiniMax-M1 tunes it without publishing the value; 4.0 (bound 5)
     is ScaleRL's CISPO setting (arXiv 2510.13786)."""
+    sapo_tau_pos: float = 1.0
+    """``sapo``: gate temperature for tokens with A > 0, f(r) = (4 / tau) sigmoid(tau (r - 1)); larger decays
+    faster off-policy. 1.0 is SAPO's (Qwen, arXiv 2511.20347)."""
+    sapo_tau_neg: float = 1.05
+    """``sapo``: gate temperature for tokens with A <= 0; SAPO's 1.05 (> tau_pos: negative updates, which
+    raise many unsampled logits, are damped faster)."""
+    clip_cov_frac: float = 2e-4
+    """``clip_cov``: fraction r of response tokens (at least one) drawn from the covariance band whose gradient
+    is dropped; 2e-4 (Cui et al., arXiv 2505.22617)."""
+    clip_cov_low: float = 1.0
+    """``clip_cov``: lower edge of the covariance band Cov_t = (logp_t - mean)(A_t - mean) tokens are drawn
+    from; 1.0 (arXiv 2505.22617)."""
+    clip_cov_high: float = 5.0
+    """``clip_cov``: upper edge of that band; 5.0 (arXiv 2505.22617)."""
+    kl_cov_frac: float = 2e-3
+    """``kl_cov``: fraction k of response tokens (at least one), those of largest covariance, that get the KL
+    penalty; 2e-3 is the paper's Qwen2.5-7B setting (2e-4 for 32B; arXiv 2505.22617)."""
+    kl_cov_coef: float = 1.0
+    """``kl_cov``: weight beta of the |log r| penalty on those tokens; 1 (arXiv 2505.22617)."""
     behav_weight_cap: float | None = 5.0
     """``decoupled_ppo``: cap on the behaviour weight pi_prox / pi_behav (AReaL, arXiv 2505.24298; 5 in its
     example configs); None: uncapped."""
@@ -83,6 +107,15 @@ class AlgoConfig:
     max_gen_len: int | None = None
     """``seq_mean_token_sum_norm`` (Dr. GRPO, arXiv 2503.20783 sec. 3.2): the constant that replaces |o_i|,
     the generation budget. None: the batch's padded width T (verl's fallback); set it for a constant."""
+
+    # --- token entropy (tidal.algo.entropy) ---
+    entropy_coef: float = 0.0
+    """Entropy bonus: add -entropy_coef * aggregate(H) to the loss (A3C arXiv 1602.01783 and PPO arXiv
+    1707.06347 eq. 9 use 0.01). 0 (off), as GRPO, DAPO and most LLM recipes; only when > 0 does the trainer
+    compute differentiable entropies."""
+    top_entropy_frac: float = 1.0
+    """Train only this top fraction of response tokens by entropy ("Beyond the 80/20 Rule", arXiv 2506.01939,
+    uses 0.2); the others get no policy-loss weight, with every loss. 1.0: every token (off)."""
 
     # --- KL to a reference policy (Schulman, "Approximating KL divergence", 2020) ---
     kl_coef: float = 0.0

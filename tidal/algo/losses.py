@@ -6,8 +6,10 @@ Every loss is ``fn(logp_bt, old_logp_bt, adv, mask_bt, *, knobs) -> (loss, metri
   engine, or the trainer's own before the update); never differentiated;
 - ``adv``: [B] (one per sequence, broadcast over tokens) or [B, T];
 - ``mask_bt``: 1 on response tokens. Masked positions get exactly zero loss and zero gradient;
-- ``is_weight_bt=``: optional per-token weight (e.g. a ``CORRECTIONS`` weight) multiplying each
-  token's loss, detached, so every loss composes with every correction;
+- ``is_weight_bt=``: optional per-token weight (e.g. a ``CORRECTIONS`` weight), detached, so every
+  loss composes with every correction. Token-level losses multiply each token's loss by it; the
+  sequence-level objectives (``gspo``, ``gmpo``, attribute ``weight_scope = "sequence"``) first reduce
+  it to one weight per sequence, its geometric mean over the response tokens;
 - ``agg=`` and its inputs (``group_ids_b``, ``max_gen_len``, ``agg_weights_bt``): see
   ``tidal.algo.aggregation``.
 Metrics are plain floats: clip fractions, ratio statistics, ``algo/approx_kl`` (mean of
@@ -25,7 +27,7 @@ from tidal.algo import POLICY_LOSSES
 from tidal.algo.aggregation import aggregate, masked_mean
 from tidal.algo.correction import effective_sample_size
 
-__all__ = ["masked_mean", "ppo_clip", "cispo", "gspo", "decoupled_ppo", "reinforce"]
+__all__ = ["masked_mean", "ppo_clip", "cispo", "gspo", "gmpo", "sapo", "decoupled_ppo", "reinforce"]
 
 _MAX_LOG = 20.0
 
@@ -36,6 +38,41 @@ def _broadcast_adv(adv: torch.Tensor, logp_bt: torch.Tensor) -> torch.Tensor:
         adv = adv.unsqueeze(-1).expand_as(logp_bt)
     assert adv.shape == logp_bt.shape, f"adv must be [B] or [B, T]={tuple(logp_bt.shape)}, got {tuple(adv.shape)}"
     return adv
+
+
+def _sequence_adv(adv: torch.Tensor, logp_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    """One advantage per sequence [B]: ``adv`` itself, or a [B, T] advantage's mean over each sequence's
+    response tokens (for objectives defined with one advantage per sequence, as AReaL's sequence level)."""
+    adv = torch.as_tensor(adv).to(logp_bt).detach()
+    if adv.dim() == 1:
+        return adv
+    adv_bt = _broadcast_adv(adv, logp_bt)
+    return torch.where(mask_bt > 0, adv_bt, 0.0).sum(-1) / mask_bt.sum(-1).clamp(min=1)
+
+
+def _sequence_is_weight(is_weight_bt: torch.Tensor | None, mask_bt: torch.Tensor) -> torch.Tensor | None:
+    """One importance weight per sequence for the sequence-level objectives, broadcast to [B, T]: the
+    geometric mean of the per-token weights over the response tokens, exp(mean_t log w_t).
+
+    Why the geometric mean: GSPO's and GMPO's ratios are length-normalized sequence ratios,
+    (pi / pi_old)^(1/|y|); the same normalization of the sampler's sequence weight prod_t rho_t is
+    exp(mean_t log rho_t). Uncapped, the product with the loss's own ratio is then (pi / pi_behav)^(1/|y|),
+    the same objective against the policy that sampled. Weighting each token's term by its own w_t
+    instead (the GSPO-token form) gives GSPO-token's gradient times per-token weights, not a
+    sequence-level objective (issue 17). A weight constant over a sequence (sequence-level TIS/MIS)
+    passes through unchanged; one zero weight (token-level MIS) drops the whole sequence."""
+    if is_weight_bt is None:
+        return None
+    keep_bt = mask_bt > 0
+    log_w_bt = torch.where(keep_bt, is_weight_bt.detach().log(), 0.0)
+    log_w_b = log_w_bt.sum(-1) / keep_bt.sum(-1).clamp(min=1)
+    return log_w_b.exp().unsqueeze(-1).expand_as(mask_bt)
+
+
+def _check(name: str, value: float, ok: bool, requirement: str) -> None:
+    """A knob value the math cannot use is a ValueError naming the knob (its ``AlgoConfig`` field)."""
+    if not ok:
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
 def _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt) -> torch.Tensor:
@@ -66,12 +103,8 @@ def _ratio_metrics(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, weight_bt:
 def _clipped_surrogate(log_ratio_bt, adv_bt, mask_bt, eps_low, eps_high, dual_clip):
     """PPO's per-token loss -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), capped at -c A for A < 0
     when ``dual_clip`` = c is set, and its clip metrics."""
-    ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
-    unclipped_bt = -adv_bt * ratio_bt
-    clipped_bt = -adv_bt * ratio_bt.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss_bt = torch.maximum(unclipped_bt, clipped_bt)
+    loss_bt, was_clipped = _ppo_surrogate(log_ratio_bt, adv_bt, eps_low, eps_high)
     with torch.no_grad():
-        was_clipped = clipped_bt > unclipped_bt
         metrics = {
             "algo/clip_frac": _frac(was_clipped, mask_bt),
             "algo/clip_frac_low": _frac(was_clipped & (adv_bt < 0), mask_bt),
@@ -84,6 +117,15 @@ def _clipped_surrogate(log_ratio_bt, adv_bt, mask_bt, eps_low, eps_high, dual_cl
             metrics["algo/dual_clip_frac"] = _frac((adv_bt < 0) & (loss_bt > cap_bt), mask_bt)
         loss_bt = torch.where(adv_bt < 0, torch.minimum(loss_bt, cap_bt), loss_bt)
     return loss_bt, metrics
+
+
+def _ppo_surrogate(log_ratio_bt, adv_bt, eps_low, eps_high) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, and where the clipped term won (no
+    gradient there)."""
+    ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
+    unclipped_bt = -adv_bt * ratio_bt
+    clipped_bt = -adv_bt * ratio_bt.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(unclipped_bt, clipped_bt), (clipped_bt > unclipped_bt).detach()
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -178,24 +220,142 @@ def gspo(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Qwen, arXiv 2507.18071): one length-normalized (geometric-mean) ratio per sequence,
 
-        s_i = exp(mean_t (logp - old_logp)),   loss_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+        s_i = exp(mean_t (logp - old_logp)),   loss_i = -w_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
 
     clipped with its own small range, 3e-4 / 4e-4 (sec. 5.1), averaged over sequences (eq. 5: the
     default ``seq_mean_token_mean``). Implemented in the GSPO-token form (sec. 4.3),
     s_it = sg(s_i) pi(y_t) / sg(pi(y_t)): with a per-sequence advantage [B] its value and gradient
-    equal GSPO's exactly; a token-level advantage [B, T] gives GSPO-token. Clip fraction is per token
+    equal GSPO's exactly; a token-level advantage [B, T] gives GSPO-token. ``is_weight_bt`` enters as
+    one weight per sequence, w_i = its geometric mean over the response tokens (``_sequence_is_weight``),
+    so a token-level correction keeps the objective sequence-level. Clip fraction is per token
     (per sequence for [B] advantages, as every token of a sequence shares s_i)."""
     adv_bt = _broadcast_adv(adv, logp_bt)
     seq_log_ratio_b = ((logp_bt - old_logp_bt) * mask_bt).sum(-1) / mask_bt.sum(-1).clamp(min=1)
     log_s_bt = logp_bt - logp_bt.detach() + seq_log_ratio_b.detach().unsqueeze(-1)
     loss_bt, metrics = _clipped_surrogate(log_s_bt, adv_bt, mask_bt, eps_low, eps_high, None)
-    loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    seq_weight_bt = _sequence_is_weight(is_weight_bt, mask_bt)
+    loss = _finish(loss_bt, mask_bt, seq_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
     with torch.no_grad():
-        rows = (mask_bt.sum(-1) > 0).float()
         seq_ratio_b = seq_log_ratio_b.detach().clamp(-_MAX_LOG, _MAX_LOG).exp()
         metrics.update(_ratio_metrics((logp_bt - old_logp_bt).detach(), mask_bt, torch.ones_like(mask_bt)))
-        metrics["algo/seq_ratio_mean"] = ((seq_ratio_b * rows).sum() / rows.sum().clamp(min=1)).item()
-        metrics["algo/ess"] = effective_sample_size(seq_ratio_b, rows)
+        metrics.update(_sequence_ratio_metrics(seq_ratio_b, seq_weight_bt, mask_bt))
+    return loss, metrics
+
+
+gspo.weight_scope = "sequence"
+
+
+def _sequence_ratio_metrics(seq_ratio_b, seq_weight_bt, mask_bt) -> dict[str, float]:
+    """Mean sequence ratio over sequences with response tokens, and the ESS of the sequence weights
+    the loss applies (ratio times the reduced correction weight)."""
+    rows = (mask_bt.sum(-1) > 0).float()
+    weight_b = seq_ratio_b if seq_weight_bt is None else seq_ratio_b * seq_weight_bt[:, 0]
+    return {
+        "algo/seq_ratio_mean": ((seq_ratio_b * rows).sum() / rows.sum().clamp(min=1)).item(),
+        "algo/ess": effective_sample_size(weight_b, rows),
+    }
+
+
+@POLICY_LOSSES.register("gmpo")
+def gmpo(
+    logp_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    eps_low: float = 0.4,
+    eps_high: float = 0.4,
+    is_weight_bt: torch.Tensor | None = None,
+    agg: str = "seq_mean_token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673): maximize the geometric mean of the
+    token-level clipped objectives instead of their arithmetic mean, so one outlier ratio moves the
+    sequence's objective by its |y|-th root only. Clipping is per token and in log space:
+
+        c_t = min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps_low, eps_high)) * sgn(A)
+        s_i = exp(mean_t c_t),   loss_i = -w_i A_i s_i
+
+    i.e. log r_t capped at eps_high for A >= 0 and floored at -eps_low for A < 0 (PPO's pessimism,
+    per token). The paper's range is (e^-0.4, e^0.4), wider than PPO's, which the geometric mean makes
+    stable (sec. 3, ablations): eps_low = eps_high = 0.4 here are log-space bounds, unlike
+    ``ppo_clip``'s. Default aggregation ``seq_mean_token_mean``: the paper's mean over sequences.
+
+    Written in the token form sg(s_i) exp(c_t - sg(c_t)), so its value is s_i and its gradient through
+    token t is s_i / |y_i| where c_t is unclipped, 0 where clipped: exactly GMPO's. GMPO has one
+    advantage per sequence; a [B, T] advantage is averaged over the sequence's response tokens.
+    ``is_weight_bt`` enters as one weight per sequence, its geometric mean w_i
+    (``_sequence_is_weight``): the geometric mean of w_t r_t splits into w_i s_i."""
+    _check("eps_low", eps_low, eps_low >= 0, ">= 0 (a log-space bound)")
+    _check("eps_high", eps_high, eps_high >= 0, ">= 0 (a log-space bound)")
+    adv_b = _sequence_adv(adv, logp_bt, mask_bt)
+    log_ratio_bt = (logp_bt - old_logp_bt.detach()).clamp(-_MAX_LOG, _MAX_LOG)
+    positive_b1 = (adv_b >= 0).unsqueeze(-1)
+    clipped_bt = torch.where(positive_b1, log_ratio_bt.clamp(max=eps_high), log_ratio_bt.clamp(min=-eps_low))
+    keep_bt = mask_bt > 0
+    seq_log_b = torch.where(keep_bt, clipped_bt, 0.0).sum(-1) / mask_bt.sum(-1).clamp(min=1)
+    log_s_bt = clipped_bt - clipped_bt.detach() + seq_log_b.detach().unsqueeze(-1)
+    loss_bt = -adv_b.unsqueeze(-1) * log_s_bt.exp()
+    seq_weight_bt = _sequence_is_weight(is_weight_bt, mask_bt)
+    loss = _finish(loss_bt, mask_bt, seq_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    with torch.no_grad():
+        was_clipped = clipped_bt != log_ratio_bt
+        metrics = {
+            "algo/clip_frac": _frac(was_clipped, mask_bt),
+            "algo/clip_frac_low": _frac(was_clipped & ~positive_b1, mask_bt),
+            "algo/clip_frac_high": _frac(was_clipped & positive_b1, mask_bt),
+        }
+        metrics.update(_ratio_metrics(log_ratio_bt.detach(), mask_bt, torch.ones_like(mask_bt)))
+        metrics.update(_sequence_ratio_metrics(seq_log_b.detach().exp(), seq_weight_bt, mask_bt))
+    return loss, metrics
+
+
+gmpo.weight_scope = "sequence"
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo(
+    logp_bt: torch.Tensor,
+    old_logp_bt: torch.Tensor,
+    adv: torch.Tensor,
+    mask_bt: torch.Tensor,
+    *,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    is_weight_bt: torch.Tensor | None = None,
+    agg: str = "seq_mean_token_mean",
+    group_ids_b: torch.Tensor | None = None,
+    max_gen_len: int | None = None,
+    agg_weights_bt: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Soft Adaptive Policy Optimization, Qwen, arXiv 2511.20347): a smooth, temperature-
+    controlled gate on the token ratio instead of a hard clip,
+
+        loss_t = -f(r_t) A_t,   f(r) = (4 / tau) sigmoid(tau (r - 1)),   tau = tau_pos if A_t > 0 else tau_neg
+
+    Its gradient is -4 sigma (1 - sigma) r A grad log pi: exactly the policy gradient at r = 1 (the 4 /
+    tau normalization), decaying smoothly as r leaves 1, so an off-policy token is down-weighted
+    rather than cut off and the rest of its sequence keeps learning (PPO and GSPO drop it entirely).
+    tau_neg > tau_pos makes negative-advantage updates, which raise many unsampled logits, decay
+    faster. Defaults are the paper's, tau_pos = 1.0, tau_neg = 1.05; aggregation ``seq_mean_token_mean``,
+    the paper's 1/G sum_i 1/|y_i| sum_t. ``algo/soft_gate_mean`` is the mean gradient weight
+    4 sigma (1 - sigma) over response tokens (1 on-policy)."""
+    _check("sapo_tau_pos", sapo_tau_pos, sapo_tau_pos > 0, "> 0 (a gate temperature)")
+    _check("sapo_tau_neg", sapo_tau_neg, sapo_tau_neg > 0, "> 0 (a gate temperature)")
+    adv_bt = _broadcast_adv(adv, logp_bt)
+    log_ratio_bt = logp_bt - old_logp_bt.detach()
+    ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
+    tau_bt = torch.where(adv_bt > 0, sapo_tau_pos, sapo_tau_neg).to(ratio_bt)
+    gate_bt = torch.sigmoid(tau_bt * (ratio_bt - 1.0))
+    loss_bt = -(4.0 / tau_bt) * gate_bt * adv_bt
+    loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
+    with torch.no_grad():
+        gate_weight_bt = 4 * gate_bt * (1 - gate_bt)
+        metrics = {"algo/clip_frac": 0.0, "algo/soft_gate_mean": masked_mean(gate_weight_bt, mask_bt).item()}
+        weight_bt = ratio_bt * (1 if is_weight_bt is None else is_weight_bt)
+        metrics.update(_ratio_metrics(log_ratio_bt.detach(), mask_bt, weight_bt))
     return loss, metrics
 
 

@@ -49,9 +49,11 @@ def token_logprobs(
     position_ids: torch.Tensor | None = None,
     parents_bt: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``logp_bt`` [B, T] (float32, differentiable) and, if asked, entropies [B, T]
-    (float32, no gradient). ``attention_mask_bt`` and ``position_ids`` [B, T] go to the model unchanged,
+    (float32; no gradient unless ``entropy_grad``, for an entropy bonus: the metric alone keeps no graph
+    and costs no backward). ``attention_mask_bt`` and ``position_ids`` [B, T] go to the model unchanged,
     so a packed batch can pass per-sequence position ids and a block-causal [B, 1, T, T] mask (or, on
     transformers versions that detect packing from position ids, no mask).
 
@@ -73,10 +75,10 @@ def token_logprobs(
         index = parents_bt.clamp(min=0)[..., None].expand(-1, -1, out_btx.shape[-1])
         preceding, targets = out_btx.gather(1, index), input_ids_bt
     if head is None:
-        logp, ent = _logp_and_entropy(preceding.float(), targets, temperature, with_entropy)
+        logp, ent = _logp_and_entropy(preceding.float(), targets, temperature, with_entropy, entropy_grad)
     else:
         logp, ent = chunked_head_logprobs(preceding, head.weight, head.bias, targets, temperature,
-                                          with_entropy, chunk_size)
+                                          with_entropy, chunk_size, entropy_grad)
     if parents_bt is None:
         return torch.nn.functional.pad(logp, (1, 0)), torch.nn.functional.pad(ent, (1, 0)) if with_entropy else None
     orphan = parents_bt < 0
@@ -91,9 +93,10 @@ def chunked_head_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T + bias)[target] per position, in float32, ``chunk_size`` positions at
-    a time; returns ([B, T] log-probs, [B, T] entropies or None)."""
+    a time; returns ([B, T] log-probs, [B, T] entropies or None; differentiable if ``entropy_grad``)."""
     b, t, h = hidden_bth.shape
     # Cast once, outside the chunks: a bf16 weight's gradient is then summed over chunks in float32 and
     # rounded to bf16 once, as in the unchunked head, rather than once per chunk.
@@ -106,7 +109,7 @@ def chunked_head_logprobs(
     logps, ents = [], []
     for start in range(0, b * t, chunk_size):
         args = (hidden_nh[start:start + chunk_size], weight_vh, bias_v, targets_n[start:start + chunk_size],
-                temperature, with_entropy)
+                temperature, with_entropy, entropy_grad)
         if needs_grad:
             logp_n, ent_n = checkpoint(_head_chunk, *args, use_reentrant=False, preserve_rng_state=False)
         else:
@@ -118,22 +121,23 @@ def chunked_head_logprobs(
     return logp_bt, ent_bt
 
 
-def _head_chunk(hidden_nh, weight_vh, bias_v, targets_n, temperature, with_entropy):
+def _head_chunk(hidden_nh, weight_vh, bias_v, targets_n, temperature, with_entropy, entropy_grad):
     # Under a caller's bf16 autocast the matmul would silently drop back to bf16: keep the head in fp32.
     with torch.autocast(hidden_nh.device.type, enabled=False):
         logits_nv = torch.nn.functional.linear(hidden_nh, weight_vh, bias_v)
-        return _logp_and_entropy(logits_nv, targets_n, temperature, with_entropy)
+        return _logp_and_entropy(logits_nv, targets_n, temperature, with_entropy, entropy_grad)
 
 
-def _logp_and_entropy(logits, targets, temperature, with_entropy):
-    """Log-prob of ``targets`` under softmax(logits / T) over the last dim, and its entropy (no grad)."""
+def _logp_and_entropy(logits, targets, temperature, with_entropy, entropy_grad=False):
+    """Log-prob of ``targets`` under softmax(logits / T) over the last dim, and its entropy (with a
+    gradient only if ``entropy_grad``)."""
     if temperature not in (0.0, 1.0):  # 0 means greedy sampling, which scores the unscaled logits
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
 

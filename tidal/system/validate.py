@@ -73,6 +73,13 @@ RULES: list[Rule] = [
     ("algo.dual_clip", _optional(lambda v: _number(v) and v > 1.0), "> 1 (or null)"),
     ("algo.eps_low_is", NONNEG, ">= 0"),
     ("algo.eps_high_is", NONNEG, ">= 0"),
+    ("algo.sapo_tau_pos", _positive, "> 0 (a gate temperature)"),
+    ("algo.sapo_tau_neg", _positive, "> 0 (a gate temperature)"),
+    ("algo.clip_cov_frac", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    ("algo.kl_cov_frac", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    ("algo.kl_cov_coef", NONNEG, ">= 0"),
+    ("algo.entropy_coef", NONNEG, ">= 0 (an entropy bonus)"),
+    ("algo.top_entropy_frac", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1] (1: every token)"),
     ("algo.behav_weight_cap", _optional(_positive), "> 0 (or null)"),
     ("algo.max_gen_len", _optional(COUNT), "an integer >= 1 (or null)"),
     ("algo.kl_coef", NONNEG, ">= 0"),
@@ -183,6 +190,10 @@ def validate_run_config(cfg: RunConfig) -> None:
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(_fraction(b) for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+    if not (_number(cfg.algo.clip_cov_high) and _number(cfg.algo.clip_cov_low)
+            and cfg.algo.clip_cov_high > cfg.algo.clip_cov_low):
+        raise ConfigError(f"algo.clip_cov_high={cfg.algo.clip_cov_high} must be > algo.clip_cov_low="
+                          f"{cfg.algo.clip_cov_low}")
     if cfg.algo.mis_high <= cfg.algo.mis_low:
         raise ConfigError(f"algo.mis_high={cfg.algo.mis_high} must be > algo.mis_low={cfg.algo.mis_low}")
     _check_corrections(cfg)

@@ -164,9 +164,10 @@ class LogprobModule(torch.nn.Module):
         self.lm = lm
 
     def forward(self, input_ids_bt, attention_mask_bt, temperature=1.0, with_entropy=False, *,
-                position_ids=None, parents_bt=None, chunk_size=1024):
+                position_ids=None, parents_bt=None, chunk_size=1024, entropy_grad=False):
         return token_logprobs(self.lm, input_ids_bt, attention_mask_bt, temperature, with_entropy,
-                              position_ids=position_ids, parents_bt=parents_bt, chunk_size=chunk_size)
+                              position_ids=position_ids, parents_bt=parents_bt, chunk_size=chunk_size,
+                              entropy_grad=entropy_grad)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

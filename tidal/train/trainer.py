@@ -10,7 +10,8 @@ One call to ``step`` consumes one TrainBatch and bumps the policy version once:
    handed per token to a token-level estimator, REINFORCE++), then the configured estimator runs over
    the batch, or over each minibatch (Magistral).
 3. Per minibatch (``num_minibatches`` optimizer steps, PPO-style reuse): the policy loss with its
-   aggregation, weighted by the correction, plus an optional KL loss term; VCPO's ESS-scaled lr;
+   aggregation, weighted by the correction (and, with ``algo.top_entropy_frac`` < 1, over the
+   high-entropy tokens only), plus optional KL and entropy-bonus terms; VCPO's ESS-scaled lr;
    clipped gradients; one optimizer step.
 
 Which ratio a loss sees: ``old_logp`` is the engine's behaviour log-prob, except under a mismatch
@@ -39,7 +40,9 @@ from tidal.algo import (
     aggregation_weights,
     bind,
     effective_sample_size_log,
+    entropy_loss,
     ess_lr_scale,
+    high_entropy_mask,
     kl_loss,
     kl_reward_penalty,
     kl_reward_penalty_tokens,
@@ -205,10 +208,11 @@ class Trainer:
             split = greedy_collation(lengths, budget)
         return [torch.tensor(sorted(m)) for m in split]
 
-    def _forward(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor, with_entropy: bool = False):
-        """Per-token log-probs (and entropies) of ``rows`` in the batch's [len(rows), T] layout, computed
-        padded to the longest of these rows, packed without padding (``packing``), or packed as one
-        token trie per group (``share_prefixes``)."""
+    def _forward(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor, with_entropy: bool = False,
+                 entropy_grad: bool = False):
+        """Per-token log-probs (and entropies, differentiable if ``entropy_grad``) of ``rows`` in the batch's
+        [len(rows), T] layout, computed padded to the longest of these rows, packed without padding
+        (``packing``), or packed as one token trie per group (``share_prefixes``)."""
         width = batch.input_ids_bt.shape[1]
         lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
         if self.cfg.share_prefixes:
@@ -216,7 +220,7 @@ class Trainer:
                                       self.cfg.pack_tokens)
             logp, ent = self._logprobs(model, trees.input_ids_rl, trees.attention_mask_r1ll, self.cfg.temperature,
                                        with_entropy, position_ids=trees.position_ids_rl, parents_bt=trees.parents_rl,
-                                       chunk_size=self.cfg.logprob_chunk_size)
+                                       chunk_size=self.cfg.logprob_chunk_size, entropy_grad=entropy_grad)
             return unpack_trees(logp, trees, width), unpack_trees(ent, trees, width) if ent is not None else None
         if self.cfg.packing:
             packed = pack(batch.input_ids_bt[rows], lengths, self.cfg.pack_tokens)
@@ -224,11 +228,12 @@ class Trainer:
             flash = _flash_attention(model)
             logp, ent = self._logprobs(model, packed.input_ids_rl, None if flash else packed.attention_mask_r1ll,
                                        self.cfg.temperature, with_entropy, position_ids=packed.position_ids_rl,
-                                       chunk_size=self.cfg.logprob_chunk_size)
+                                       chunk_size=self.cfg.logprob_chunk_size, entropy_grad=entropy_grad)
             return unpack(logp, packed, width), unpack(ent, packed, width) if ent is not None else None
         used = max(lengths)  # right-padded rows: drop the columns none of them uses
         logp, ent = self._logprobs(model, batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used],
-                                   self.cfg.temperature, with_entropy, chunk_size=self.cfg.logprob_chunk_size)
+                                   self.cfg.temperature, with_entropy, chunk_size=self.cfg.logprob_chunk_size,
+                                   entropy_grad=entropy_grad)
         pad = (0, width - used)
         return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad) if ent is not None else None
 
@@ -306,6 +311,8 @@ class Trainer:
         groups_mb = batch.group_index_b[idx]
         weights_mb = self._agg_weights(self.policy_loss, mask_mb, groups_mb)
         kl_weights_mb = self._agg_weights(kl_loss, mask_mb, groups_mb) if ref_bt is not None else None
+        bonus = algo.entropy_coef > 0  # only then do entropies carry a gradient (the default path is unchanged)
+        entropy_weights_mb = self._agg_weights(entropy_loss, mask_mb, groups_mb) if bonus else None
         logp_mb = torch.zeros_like(mask_mb)
         entropy_mb = torch.zeros_like(mask_mb)
         totals: dict[str, float] = {}
@@ -318,11 +325,15 @@ class Trainer:
                 continue
             rows = idx[micro]
             mask, behav = batch.loss_mask_bt[rows], batch.behav_logp_bt[rows]
-            logp, entropy = self._forward(self.model, batch, rows, with_entropy=True)
+            logp, entropy = self._forward(self.model, batch, rows, with_entropy=True, entropy_grad=bonus)
             prox = prox_bt[rows] if prox_bt is not None else logp.detach() if self._needs_prox else None
             data = {"group_ids_b": batch.group_index_b[rows], "agg_weights_bt": weights_mb[micro]}
             old = behav
             metrics: dict[str, float] = {}
+            if algo.top_entropy_frac < 1.0:  # Beyond the 80/20 Rule: only the high-entropy tokens get loss weight
+                keep, entropy_metrics = bind(high_entropy_mask, algo)(entropy.detach(), mask)
+                data["agg_weights_bt"] = data["agg_weights_bt"] * keep
+                metrics.update(entropy_metrics)
             if prox is not None:
                 data["prox_logp_bt"] = prox
                 if algo.correction != "none":  # adv: DeepSeek-V3.2's off-policy masking drops negative samples
@@ -338,9 +349,14 @@ class Trainer:
                 kl_term, kl_metrics = bind(kl_loss, algo, **data)(logp, ref_bt[rows], mask)
                 loss = loss + kl_term
                 metrics.update(kl_metrics)
+            if bonus:
+                bonus_term, bonus_metrics = bind(entropy_loss, algo, agg_weights_bt=entropy_weights_mb[micro])(
+                    entropy, mask)
+                loss = loss + bonus_term
+                metrics.update(bonus_metrics)
             loss.backward()
             loss_total += loss.item()
-            logp_mb[micro], entropy_mb[micro] = logp.detach(), entropy
+            logp_mb[micro], entropy_mb[micro] = logp.detach(), entropy.detach()
             share = float(mask.sum()) / num_tokens  # per-token metrics: a token-weighted mean
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v * share
