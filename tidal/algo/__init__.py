@@ -7,6 +7,7 @@ are its paper's (docs/algorithms.md lists them all):
     loss, metrics = POLICY_LOSSES["cispo"](logp_bt, old_logp_bt, adv_b, mask_bt, agg="token_mean")
     w_bt, metrics = CORRECTIONS["tis"](old_logp_bt, behav_logp_bt, mask_bt, tis_cap=2.0)
     loss = aggregate(loss_bt, mask_bt, agg="group_length", group_ids_b=group_ids_b)
+    adv_bt, returns_bt = VALUE_ADVANTAGES["gae"](rewards_b, values_bt, mask_bt, gamma=1.0, lam=1.0)  # PPO + critic
 
 ``bind(fn, cfg, **data)`` fills in what an ``AlgoConfig`` (and per-batch data) has for ``fn``, so a
 trainer calls whatever is configured without branching on names.
@@ -19,6 +20,9 @@ POLICY_LOSSES: Registry = Registry("policy loss")
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 CORRECTIONS: Registry = Registry("off-policy correction")
+VALUE_ADVANTAGES: Registry = Registry("value-based advantage estimator")
+"""Per-token estimators from a learned critic (``gae``): ``fn(rewards_b, values_bt, mask_bt) -> (adv_bt,
+returns_bt)``, a sibling of ``ADVANTAGES`` because they need values and return the critic's targets."""
 
 # The modules register their entries on import (they import the registries above).
 from tidal.algo import losses as _losses  # noqa: E402,F401
@@ -34,6 +38,7 @@ from tidal.algo.correction import (  # noqa: E402
     truncated_is,
 )
 from tidal.algo.kl import kl_k1, kl_k2, kl_k3, kl_loss, kl_reward_penalty  # noqa: E402
+from tidal.algo.value import explained_variance, value_loss  # noqa: E402
 
 __all__ = [
     "ADVANTAGES",
@@ -41,6 +46,7 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "KL_ESTIMATORS",
     "CORRECTIONS",
+    "VALUE_ADVANTAGES",
     "AlgoConfig",
     "bind",
     "aggregate",
@@ -58,4 +64,6 @@ __all__ = [
     "kl_k3",
     "kl_loss",
     "kl_reward_penalty",
+    "value_loss",
+    "explained_variance",
 ]

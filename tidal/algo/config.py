@@ -34,7 +34,8 @@ class AlgoConfig:
     # --- which components (registry names) ---
     advantage: str = "grpo"
     """``ADVANTAGES`` entry. ``grpo``: (r - mean_group) / (std_group + eps) (DeepSeekMath, arXiv 2402.03300
-    sec. 4.1.2). Others: ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``magistral``, ``vcpo``."""
+    sec. 4.1.2). Others: ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``magistral``, ``vcpo``; or a ``VALUE_ADVANTAGES``
+    entry, ``gae``: PPO with a learned critic trained alongside the policy (``train/critic.py``)."""
     policy_loss: str = "ppo_clip"
     """``POLICY_LOSSES`` entry. ``ppo_clip``: clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) with
     DAPO's decoupled clip range. Others: ``cispo``, ``gspo``, ``decoupled_ppo``, ``reinforce``."""
@@ -112,6 +113,23 @@ class AlgoConfig:
     """ESS ratio at which the lr is unscaled: scale = rule(min(1, ess / base)) (VCPO's default 1.0)."""
     ess_lr_rule: Literal["sqrt", "linear"] = "sqrt"
     """VCPO: sqrt scaling for AdamW-style optimizers (eta_eff proportional to sqrt(ESS/B))."""
+
+    # --- PPO with a learned critic (advantage=gae; Schulman et al. 2015 / 2017) ---
+    gamma: float = 1.0
+    """GAE discount per response token (arXiv 1506.02438). 1.0: verl's ``algorithm.gamma`` and OpenRLHF's
+    default for LLM RL, where the only reward comes at the end of a response of bounded length."""
+    lam: float = 1.0
+    """GAE lambda: 1 uses the Monte Carlo return (no critic bias, most variance), 0 the one-step TD error.
+    1.0 is verl's ``algorithm.lam`` and OpenRLHF's default (TRL: 0.95)."""
+    gae_whiten: bool = True
+    """Normalize GAE advantages to mean 0, std 1 over the batch's response tokens, as verl does."""
+    value_clip: float | None = 0.5
+    """Clipped value loss: the prediction may move at most this far from the value the advantages were
+    computed with before the clipped error takes over (PPO2 baselines). 0.5: verl's
+    ``critic.cliprange_value`` and OpenRLHF's ``--critic.value_clip``; TRL uses 0.2. None: no clipping."""
+    vf_coef: float = 1.0
+    """Weight of the value loss. The critic has its own optimizer (``critic.optim``), as in verl and
+    OpenRLHF, so 1.0; TRL's 0.1 weighs it inside one loss shared with the policy."""
 
     def kwargs_for(self, fn: Callable[..., Any]) -> dict[str, Any]:
         """The fields ``fn`` accepts as keyword arguments, under the names ``fn`` uses."""
