@@ -21,7 +21,8 @@ def test_every_logged_key_is_documented(tmp_path):
     for extra in (["system.mode=async", "rollout.dynamic_sampling=true", "algo.correction=tis"],
                   ["system.mode=sync", "algo.policy_loss=decoupled_ppo", "trainer.num_minibatches=2",
                    "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"],
-                  ["system.mode=async", "task.name=sum_chain", "env.name=calculator"]):
+                  ["system.mode=async", "task.name=sum_chain", "env.name=calculator"],
+                  ["system.mode=sync", "algo.advantage=gae"]):
         controller = prepare(tiny_cfg(tmp_path, *extra, "max_steps=2"), tmp_path / str(len(logged)))
         try:
             result = controller.run()

@@ -230,7 +230,7 @@ def test_reinforce_pp_token_plain_variant_discounts_and_keeps_raw_rewards():
         t([0, 1]),
         mask_bt=MASK[:2],
         kl_penalty_bt=0.2 * MASK[:2],
-        adv_gamma=0.5,
+        gamma=0.5,
         rpp_group_baseline=False,
         adv_eps=0.0,
     )
@@ -243,19 +243,19 @@ def test_reinforce_pp_token_discount_skips_observation_tokens():
     #   row 0 [1, 0, 0, 1]: G_3 = 1, G_0 = 0.5 * 1 = 0.5;  row 1 [1, 1, 0, 0]: G_1 = -1, G_0 = -0.5
     mask = t([[1, 0, 0, 1], [1, 1, 0, 0]])
     w = _whiten([0.5, 1.0, -0.5, -1.0])
-    adv = ADVANTAGES["reinforce_pp_token"](t([2.0, 0.0]), t([0, 0]), mask_bt=mask, adv_gamma=0.5, adv_eps=0.0)
+    adv = ADVANTAGES["reinforce_pp_token"](t([2.0, 0.0]), t([0, 0]), mask_bt=mask, gamma=0.5, adv_eps=0.0)
     _close(adv, [[w[0], 0.0, 0.0, w[1]], [w[2], w[3], 0.0, 0.0]], tol=1e-5)
 
 
 def test_reinforce_pp_token_without_kl_on_one_token_is_reinforce_pp():
     rewards, groups = t([1.0, 0.0, 3.0, 1.0, 2.0]), t([0, 0, 1, 1, 1])
-    token = ADVANTAGES["reinforce_pp_token"](rewards, groups, mask_bt=torch.ones(5, 1), adv_gamma=0.3)
+    token = ADVANTAGES["reinforce_pp_token"](rewards, groups, mask_bt=torch.ones(5, 1), gamma=0.3)
     _close(token[:, 0], ADVANTAGES["reinforce_pp"](rewards, groups))
 
 
 def test_reinforce_pp_token_rejects_a_discount_outside_the_unit_interval():
-    with pytest.raises(ValueError, match="adv_gamma"):
-        ADVANTAGES["reinforce_pp_token"](t([1.0, 0.0]), t([0, 0]), mask_bt=torch.ones(2, 1), adv_gamma=1.5)
+    with pytest.raises(ValueError, match="gamma"):
+        ADVANTAGES["reinforce_pp_token"](t([1.0, 0.0]), t([0, 0]), mask_bt=torch.ones(2, 1), gamma=1.5)
 
 
 def test_advantage_metrics_of_token_level_advantages_count_response_tokens_only():

@@ -5,7 +5,16 @@ import inspect
 import pytest
 import torch
 
-from tidal.algo import ADVANTAGES, CORRECTIONS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, AlgoConfig, bind
+from tidal.algo import (
+    ADVANTAGES,
+    CORRECTIONS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    VALUE_ADVANTAGES,
+    AlgoConfig,
+    bind,
+)
 from tidal.algo import config as config_module
 from tidal.config import apply_overrides
 
@@ -49,13 +58,15 @@ def test_every_field_reaches_some_component():
     import tidal.algo.correction as correction
     import tidal.algo.entropy as entropy
     import tidal.algo.kl as kl
+    import tidal.algo.value as value
 
     fns = [
         f
-        for reg in (ADVANTAGES, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, CORRECTIONS)
+        for reg in (ADVANTAGES, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, CORRECTIONS, VALUE_ADVANTAGES)
         for f in map(reg.get, reg)
     ]
-    fns += [kl.kl_loss, kl.kl_reward_penalty, correction.ess_lr_scale, entropy.entropy_loss, entropy.high_entropy_mask]
+    fns += [kl.kl_loss, kl.kl_reward_penalty, correction.ess_lr_scale, entropy.entropy_loss, entropy.high_entropy_mask,
+            value.value_loss]
     params = set().union(*(inspect.signature(f).parameters for f in fns))
     trainer_side = {"advantage", "policy_loss", "correction", "skip_zero_adv_groups", "overlong_filter", "kl_in_reward",
                     "ess_lr_scaling"}

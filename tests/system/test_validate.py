@@ -53,7 +53,7 @@ BAD = [  # (override, the key the error must name)
     ("algo.kl_coef=-0.1", "algo.kl_coef"),
     ("algo.mis_high=0.4", "algo.mis_high"),
     ("algo.passk_k=0", "algo.passk_k"),
-    ("algo.adv_gamma=1.5", "algo.adv_gamma"),
+    ("algo.gamma=1.5", "algo.gamma"),
     ("algo.tis_floor=-0.1", "algo.tis_floor"),
     ("algo.rs_threshold=0", "algo.rs_threshold"),
     ("algo.is_veto_threshold=2", "algo.is_veto_threshold"),
@@ -101,7 +101,7 @@ def test_knobs_that_need_another_are_one_error_naming_the_key(overrides, key):
 
 
 def test_the_new_estimators_and_corrections_validate():
-    for overrides in (["algo.advantage=pass_at_k"], ["algo.advantage=reinforce_pp_token", "algo.adv_gamma=0.9"],
+    for overrides in (["algo.advantage=pass_at_k"], ["algo.advantage=reinforce_pp_token", "algo.gamma=0.9"],
                       ["algo.correction=reject", "algo.offpolicy_mask_delta=1e-4"],
                       ["algo.correction=mis", "algo.mis_level=geometric", "algo.mis_low=0.999", "algo.mis_high=1.001",
                        "algo.is_veto_threshold=1e-4", "algo.rs_stat=seq_max_k3", "algo.is_batch_norm=true"]):

@@ -8,6 +8,7 @@ are its paper's (docs/algorithms.md lists them all):
     w_bt, metrics = CORRECTIONS["tis"](old_logp_bt, behav_logp_bt, mask_bt, tis_cap=2.0)
     loss = aggregate(loss_bt, mask_bt, agg="group_length", group_ids_b=group_ids_b)
     keep_bt, metrics = high_entropy_mask(entropy_bt, mask_bt, top_entropy_frac=0.2)  # train the forking tokens
+    adv_bt, returns_bt = VALUE_ADVANTAGES["gae"](rewards_b, values_bt, mask_bt, gamma=1.0, lam=1.0)  # PPO + critic
 
 ``bind(fn, cfg, **data)`` fills in what an ``AlgoConfig`` (and per-batch data) has for ``fn``, so a
 trainer calls whatever is configured without branching on names.
@@ -20,6 +21,9 @@ POLICY_LOSSES: Registry = Registry("policy loss")
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 CORRECTIONS: Registry = Registry("off-policy correction")
+VALUE_ADVANTAGES: Registry = Registry("value-based advantage estimator")
+"""Per-token estimators from a learned critic (``gae``): ``fn(rewards_b, values_bt, mask_bt) -> (adv_bt,
+returns_bt)``, a sibling of ``ADVANTAGES`` because they need values and return the critic's targets."""
 
 # The modules register their entries on import (they import the registries above).
 from tidal.algo import covariance as _covariance  # noqa: E402,F401
@@ -46,6 +50,7 @@ from tidal.algo.kl import (  # noqa: E402
     kl_reward_penalty,
     kl_reward_penalty_tokens,
 )
+from tidal.algo.value import explained_variance, value_loss  # noqa: E402
 
 __all__ = [
     "ADVANTAGES",
@@ -53,6 +58,7 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "KL_ESTIMATORS",
     "CORRECTIONS",
+    "VALUE_ADVANTAGES",
     "AlgoConfig",
     "bind",
     "aggregate",
@@ -75,4 +81,6 @@ __all__ = [
     "kl_reward_penalty_tokens",
     "entropy_loss",
     "high_entropy_mask",
+    "value_loss",
+    "explained_variance",
 ]

@@ -161,7 +161,7 @@ def reinforce_pp_token(
     *,
     mask_bt: torch.Tensor,
     kl_penalty_bt: torch.Tensor | None = None,
-    adv_gamma: float = 1.0,
+    gamma: float = 1.0,
     rpp_group_baseline: bool = True,
     adv_eps: float = 1e-6,
 ) -> torch.Tensor:
@@ -180,7 +180,7 @@ def reinforce_pp_token(
     OpenRLHF's default; the std is the population std over tokens (OpenRLHF's whitening). Without a
     KL penalty, with gamma = 1 and one token per sequence it equals ``reinforce_pp``. With the group
     baseline a sample alone in its group gets 0. Masked tokens get 0."""
-    _require_unit(adv_gamma, "adv_gamma")
+    _require_unit(gamma, "gamma")
     if rpp_group_baseline:
         outcome_b, inverse_b, count_g = _centred(rewards_b, group_ids_b)
     else:
@@ -193,7 +193,7 @@ def reinforce_pp_token(
     rows_b = valid_bt.any(-1)
     last_b = valid_bt.shape[1] - 1 - valid_bt.flip(-1).to(torch.uint8).argmax(-1)
     reward_bt[rows_b, last_b[rows_b]] += outcome_b[rows_b]
-    returns_bt = _discounted_returns(reward_bt, valid_bt, adv_gamma)
+    returns_bt = _discounted_returns(reward_bt, valid_bt, gamma)
     adv_bt = torch.zeros_like(returns_bt)
     if valid_bt.any():
         values = returns_bt[valid_bt]

@@ -35,7 +35,9 @@ class AlgoConfig:
     advantage: str = "grpo"
     """``ADVANTAGES`` entry. ``grpo``: (r - mean_group) / (std_group + eps) (DeepSeekMath, arXiv 2402.03300
     sec. 4.1.2). Others: ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_token``, ``magistral``, ``vcpo``,
-    ``lite_ppo`` (= TRL's ``scale_rewards="batch"``), ``pass_at_k``."""
+    ``lite_ppo`` (= TRL's ``scale_rewards="batch"``), ``pass_at_k``.;
+    or a ``VALUE_ADVANTAGES`` entry, ``gae``: PPO with a learned critic trained alongside the policy
+    (``train/critic.py``)."""
     policy_loss: str = "ppo_clip"
     """``POLICY_LOSSES`` entry. ``ppo_clip``: clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) with
     DAPO's decoupled clip range. Others: ``cispo``, ``gspo``, ``gmpo``, ``sapo``, ``clip_cov``, ``kl_cov``,
@@ -146,9 +148,6 @@ class AlgoConfig:
     passk_k: int = 4
     """``pass_at_k``: k of the pass@k a group is scored by (Chen et al., arXiv 2508.10751). The paper reports the
     method robust to k and publishes no single default; 4 is tidal's. Must not exceed ``rollout.group_size``."""
-    adv_gamma: float = 1.0
-    """``reinforce_pp_token``: discount of the token-level return, in [0, 1]; 1 as in REINFORCE++'s advantage
-    (arXiv 2501.03262) and OpenRLHF's default."""
     rpp_group_baseline: bool = True
     """``reinforce_pp_token``: subtract the group's mean reward before the returns (REINFORCE++-baseline, the
     paper's variant for several samples per prompt); False: plain REINFORCE++, the batch mean is the baseline."""
@@ -186,6 +185,25 @@ class AlgoConfig:
     """ESS ratio at which the lr is unscaled: scale = rule(min(1, ess / base)) (VCPO's default 1.0)."""
     ess_lr_rule: Literal["sqrt", "linear"] = "sqrt"
     """VCPO: sqrt scaling for AdamW-style optimizers (eta_eff proportional to sqrt(ESS/B))."""
+
+    # --- PPO with a learned critic (advantage=gae; Schulman et al. 2015 / 2017) ---
+    gamma: float = 1.0
+    """Discount per response token of token-level returns, for ``gae`` (arXiv 1506.02438) and
+    ``reinforce_pp_token`` (REINFORCE++, arXiv 2501.03262, whose advantage uses 1). 1.0: verl's
+    ``algorithm.gamma`` and OpenRLHF's default for LLM RL, where the only reward comes at the end of a
+    response of bounded length."""
+    lam: float = 1.0
+    """GAE lambda: 1 uses the Monte Carlo return (no critic bias, most variance), 0 the one-step TD error.
+    1.0 is verl's ``algorithm.lam`` and OpenRLHF's default (TRL: 0.95)."""
+    gae_whiten: bool = True
+    """Normalize GAE advantages to mean 0, std 1 over the batch's response tokens, as verl does."""
+    value_clip: float | None = 0.5
+    """Clipped value loss: the prediction may move at most this far from the value the advantages were
+    computed with before the clipped error takes over (PPO2 baselines). 0.5: verl's
+    ``critic.cliprange_value`` and OpenRLHF's ``--critic.value_clip``; TRL uses 0.2. None: no clipping."""
+    vf_coef: float = 1.0
+    """Weight of the value loss. The critic has its own optimizer (``critic.optim``), as in verl and
+    OpenRLHF, so 1.0; TRL's 0.1 weighs it inside one loss shared with the policy."""
 
     def kwargs_for(self, fn: Callable[..., Any]) -> dict[str, Any]:
         """The fields ``fn`` accepts as keyword arguments, under the names ``fn`` uses."""

@@ -13,6 +13,7 @@ from tidal.rewards.pool import RewardConfig
 from tidal.rollout.local import SamplingConfig
 from tidal.rollout.vllm_engine import VllmOptions
 from tidal.tasks.arithmetic import TaskConfig
+from tidal.train.critic import CriticConfig
 from tidal.train.sft import SFTConfig
 from tidal.train.trainer import TrainerConfig
 
@@ -131,5 +132,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model of ``algo.advantage=gae`` (PPO with a learned critic); unused otherwise."""
     system: SystemConfig = field(default_factory=SystemConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -44,7 +44,7 @@ from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
 from tidal.system.staleness import StalenessManager
 from tidal.train.batch import build_train_batch
-from tidal.train.checkpoint import TrainingState, save_checkpoint
+from tidal.train.checkpoint import TrainingState
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
 from tidal.utils.progress import progress_bar
@@ -219,9 +219,8 @@ class Controller:
 
     def checkpoint(self, elapsed_s: float) -> Path:
         self.state.extra["elapsed_s"] = elapsed_s
-        path = save_checkpoint(self.out_dir / "checkpoints", self.trainer.model, self.tokenizer,
-                               self.trainer.optimizer, self.trainer.scheduler, self.state,
-                               keep=self.cfg.keep_checkpoints)
+        path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", self.tokenizer, self.state,
+                                            keep=self.cfg.keep_checkpoints)  # policy (and critic) state
         if self.journal is not None:
             self.journal.compact(self.state.next_group)  # what this checkpoint trained is no longer needed
         return path

@@ -31,7 +31,7 @@ from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
 from tidal.system.validate import validate_run_config
 from tidal.tasks import TASKS
-from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint
+from tidal.train.checkpoint import TrainingState, latest_checkpoint
 from tidal.train.sft import warm_start
 from tidal.train.trainer import Trainer
 from tidal.utils.metrics import JsonlTracker, MlflowTracker, MultiTracker, TensorBoardTracker, WandbTracker
@@ -150,12 +150,11 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base
-    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model)
+    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, critic=cfg.critic)
 
     state = TrainingState(step=0, version=0, next_group=0, extra={})
     if ckpt is not None:
-        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer, trainer.scheduler)
-        trainer.version = state.version
+        state = trainer.load_checkpoint(ckpt)  # weights, optimizer, scheduler, RNG, version (and critic)
 
     make_engine = ENGINES.get(cfg.rollout.engine)
     make_env = env_factory(cfg)

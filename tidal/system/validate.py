@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from tidal.algo import VALUE_ADVANTAGES
 from tidal.config import ConfigError
 from tidal.system.config import RunConfig
 from tidal.train.trainer import validate as validate_trainer
@@ -87,11 +88,14 @@ RULES: list[Rule] = [
     ("algo.mis_low", NONNEG, ">= 0"),
     ("algo.ess_base_ratio", _positive, "> 0"),
     ("algo.passk_k", COUNT, "an integer >= 1"),
-    ("algo.adv_gamma", _unit, "in [0, 1]"),
     ("algo.tis_floor", _unit, "in [0, 1]"),
     ("algo.rs_threshold", _positive, "> 0"),
     ("algo.is_veto_threshold", _optional(lambda v: _number(v) and 0.0 < v < 1.0), "in (0, 1) (or null)"),
     ("algo.offpolicy_mask_delta", _optional(NONNEG), ">= 0 (or null)"),
+    ("algo.gamma", _unit, "in [0, 1]"),
+    ("algo.lam", _unit, "in [0, 1]"),
+    ("algo.value_clip", _optional(_positive), "> 0 (or null: no value clipping)"),
+    ("algo.vf_coef", _positive, "> 0"),
     ("optim.lr", _positive, "> 0"),
     ("optim.eps", _positive, "> 0"),
     ("optim.weight_decay", NONNEG, ">= 0"),
@@ -126,6 +130,9 @@ RULES: list[Rule] = [
     ("env.num_workers", COUNT, "an integer >= 1"),
     ("env.latency_median_s", NONNEG, ">= 0 seconds (0: no simulated latency)"),
     ("env.latency_sigma", NONNEG, ">= 0"),
+]
+CRITIC_RULES: list[Rule] = [  # the critic's optimizer (algo.advantage=gae): the policy optimizer's rules
+    (f"critic.{key}", ok, requirement) for key, ok, requirement in RULES if key.startswith("optim.")
 ]
 MODEL_RULES: list[Rule] = [  # the tiny model built when model.path is not set
     (f"model.{name}", COUNT, "an integer >= 1")
@@ -210,3 +217,8 @@ def validate_run_config(cfg: RunConfig) -> None:
         if cfg.env.name not in ENVS:
             raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
     validate_trainer(cfg.trainer)
+    if cfg.algo.advantage in VALUE_ADVANTAGES:
+        _check(cfg, CRITIC_RULES)
+        betas = cfg.critic.optim.betas
+        if len(betas) != 2 or not all(_fraction(b) for b in betas):
+            raise ConfigError(f"critic.optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")

@@ -2,12 +2,13 @@
 
 ``checkpoints/step_<k>/`` holds the policy (``save_pretrained``, safetensors, loadable by any HF
 tool), the tokenizer, and ``trainer_state.pt``: optimizer and scheduler state, RNG states, the
-policy version, the step and the data position. A checkpoint is written to a temporary directory
-(``.tmp_step_<k>``) and renamed into place, and ``latest`` is updated last, so a crash mid-save leaves
-the previous checkpoint intact. A save that fails (a full disk) removes its temporary directory and
-raises ``CheckpointError``, one line naming the step and the cause; a ``.tmp_*`` left by a process
-that died mid-save is never read as a checkpoint and is removed by the next save. Older checkpoints
-beyond ``keep`` are removed.
+policy version, the step and the data position; plus one ``<name>.pt`` per extra trained component
+(``critic.pt``: the value model of ``algo.advantage=gae``, its optimizer and scheduler). A checkpoint
+is written to a temporary directory (``.tmp_step_<k>``) and renamed into place, and ``latest`` is
+updated last, so a crash mid-save leaves the previous checkpoint intact. A save that fails (a full
+disk) removes its temporary directory and raises ``CheckpointError``, one line naming the step and the
+cause; a ``.tmp_*`` left by a process that died mid-save is never read as a checkpoint and is removed
+by the next save. Older checkpoints beyond ``keep`` are removed.
 
 A model sharded with FSDP (``distributed.py``) is saved as full weights and full optimizer state
 gathered on rank 0, in the same files and numbering as one process writes, so a run can resume with
@@ -42,10 +43,12 @@ class TrainingState:
 
 
 def save_checkpoint(
-    root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2
+    root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2,
+    components: dict[str, Any] | None = None,
 ) -> Path | None:
     """Write ``step_<k>/``. A sharded model: every rank takes part in the gather and rank 0 writes
-    (the others get None)."""
+    (the others get None). ``components``: name -> an object with ``state_dict()``, each written to
+    ``<name>.pt`` inside the same atomic save."""
     model_state_dict = optimizer_state = None
     if distributed.root_of(model) is not None:
         model_state_dict, optimizer_state = distributed.gather_full_state(model, optimizer)
@@ -70,6 +73,8 @@ def save_checkpoint(
             },
             tmp / "trainer_state.pt",
         )
+        for name, component in (components or {}).items():
+            torch.save(component.state_dict(), tmp / f"{name}.pt")
         if final.exists():  # the same step saved again (a resumed run): move the old one aside first
             final.rename(root / f".tmp_old_step_{state.step}")
         tmp.rename(final)
@@ -111,11 +116,18 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return root / f"step_{steps[-1]}" if steps else None
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingState:
+def load_checkpoint(path: str | Path, model, optimizer, scheduler,
+                    components: dict[str, Any] | None = None) -> TrainingState:
     """Load weights, optimizer, scheduler and RNG state in place; return the counters. A sharded model:
-    every rank calls it, rank 0 reads the files."""
+    every rank calls it, rank 0 reads the files. ``components``: name -> an object with
+    ``load_state_dict``, restored from ``<name>.pt`` (a checkpoint without it is an error)."""
     if distributed.root_of(model) is not None:
+        assert not components, "extra components are not supported with a sharded model"
         return distributed.load_full_checkpoint(path, model, optimizer, scheduler)
+    for name in components or {}:
+        if not (Path(path) / f"{name}.pt").exists():
+            raise RuntimeError(f"checkpoint {path} has no {name}.pt: it was saved by a run without a {name} "
+                               "(a run with algo.advantage=gae cannot resume from it)")
     weights, blob = read_checkpoint(path)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # Tied embeddings are saved once; anything else missing means a different architecture.
@@ -125,6 +137,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> TrainingSt
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     set_rng_state(blob["rng"])
+    for name, component in (components or {}).items():
+        component.load_state_dict(torch.load(Path(path) / f"{name}.pt", weights_only=False))
     return TrainingState(**blob["state"])
 
 

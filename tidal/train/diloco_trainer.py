@@ -40,6 +40,7 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
+from tidal.train.critic import check_supported
 from tidal.train.diloco import DiLoCoConfig, diloco_worker
 from tidal.train.distributed import DataParallel
 from tidal.train.trainer import Trainer, minibatches
@@ -66,6 +67,8 @@ class DiLoCoTrainer:
 
     def __init__(self, trainer: Trainer, cfg: DiLoCoConfig, dp: DataParallel, lighthouse_addr: str):
         assert not trainer.dp.enabled, "a DiLoCo worker's trainer is a plain 1-process trainer (no FSDP)"
+        if trainer.critic is not None:  # each replica would train its own critic, never synced
+            check_supported(trainer.cfg, data_parallel=True)
         self.trainer = trainer
         self.dp = dp
         self._stack = ExitStack()

@@ -14,6 +14,11 @@ One call to ``step`` consumes one TrainBatch and bumps the policy version once:
    high-entropy tokens only), plus optional KL and entropy-bonus terms; VCPO's ESS-scaled lr;
    clipped gradients; one optimizer step.
 
+PPO with a learned critic (``algo.advantage=gae``, a ``VALUE_ADVANTAGES`` estimator): in step 2 the
+critic (``train/critic.py``) predicts V for every response token and GAE gives [B, T] advantages and
+the critic's returns; in step 3, after each minibatch's policy update, the critic takes one step of its
+own optimizer on the same rows and micro-batches.
+
 Which ratio a loss sees: ``old_logp`` is the engine's behaviour log-prob, except under a mismatch
 correction, where the loss's ratio is taken against the trainer's own proximal log-probs and the
 engine gap is carried by the correction weight instead (Yao et al. 2025).
@@ -36,6 +41,7 @@ from tidal.algo import (
     ADVANTAGES,
     CORRECTIONS,
     POLICY_LOSSES,
+    VALUE_ADVANTAGES,
     advantage_metrics,
     aggregation_weights,
     bind,
@@ -57,6 +63,7 @@ from tidal.models.quant import linear_weight_names, quantize_state_dict
 from tidal.optim import OptimConfig, build_optimizer
 from tidal.train import distributed
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from tidal.train.critic import Critic, CriticConfig, CriticTargets, check_supported
 from tidal.train.diloco import DiLoCoConfig
 from tidal.train.distributed import LOCAL, DataParallel
 from tidal.train.microbatch import greedy_collation, pack_sequences
@@ -142,7 +149,8 @@ def minibatches(group_index_b: torch.Tensor, num_minibatches: int) -> list[torch
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, optim: OptimConfig, cfg: TrainerConfig,
-                 ref_model: torch.nn.Module | None = None, dp: DataParallel = LOCAL):
+                 ref_model: torch.nn.Module | None = None, dp: DataParallel = LOCAL,
+                 critic: CriticConfig | None = None):
         self.model = model.train()
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -168,7 +176,11 @@ class Trainer:
         """Bytes and gather time of the last ``state_dict_for_engine`` (``perf/weight_sync_bytes``, ...)."""
         self.optimizer, self.scheduler = build_optimizer(model, optim)
         self.policy_loss = POLICY_LOSSES[algo.policy_loss]
-        self.advantage = ADVANTAGES[algo.advantage]
+        self.critic: Critic | None = None  # a learned value model, for a VALUE_ADVANTAGES estimator (gae)
+        if algo.advantage in VALUE_ADVANTAGES:
+            check_supported(cfg, data_parallel=dp.enabled)
+            self.critic = Critic(model, critic or CriticConfig(), cfg)
+        self.advantage = (VALUE_ADVANTAGES if self.critic is not None else ADVANTAGES)[algo.advantage]
         self.correction = CORRECTIONS[algo.correction]
         if algo.kl_coef > 0 and ref_model is None:
             raise ValueError("algo.kl_coef > 0 needs a reference model (the run's base model)")
@@ -288,12 +300,21 @@ class Trainer:
                 rewards_b = rewards_b - penalty_b
             step_metrics["algo/kl_reward_penalty"] = penalty_b.mean().item()
         per_minibatch = getattr(self.advantage, "scope", "group") == "minibatch"
-        adv_b = None if per_minibatch else self._advantages(batch, everything, rewards_b, prox_bt, kl_penalty_bt)
+        targets: CriticTargets | None = None
+        if self.critic is not None:  # per-token advantages from the critic's values before this step
+            targets = self.critic.targets(self.advantage, algo, batch, rewards_b,
+                                          self._micro_batches(batch, everything))
+            adv_b = targets.adv_bt
+            step_metrics.update(targets.metrics)
+        else:
+            adv_b = None if per_minibatch else self._advantages(batch, everything, rewards_b, prox_bt, kl_penalty_bt)
 
         metrics_sum: dict[str, float] = {}
         for mb_index, idx in enumerate(chunks):
             adv = self._advantages(batch, idx, rewards_b, prox_bt, kl_penalty_bt) if per_minibatch else adv_b[idx]
             metrics = self._minibatch_step(batch, idx, adv, prox_bt, ref_bt, first=mb_index == 0)
+            if self.critic is not None:  # the same rows and micro-batches as the policy's step
+                metrics.update(self.critic.minibatch_step(algo, batch, idx, self._micro_batches(batch, idx), targets))
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / len(chunks)
         metrics_sum.update(step_metrics)
@@ -432,12 +453,17 @@ class Trainer:
     def save_checkpoint(self, root: str | Path, tokenizer, state: TrainingState, keep: int = 2) -> Path | None:
         """``train/checkpoint.py``'s checkpoint of this trainer (data parallel: every rank calls it, rank 0
         writes the 1-process layout and returns its path, the others None)."""
-        return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep)
+        return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
+                               components=self._components())
 
     def load_checkpoint(self, path: str | Path) -> TrainingState:
         """Restore weights, optimizer, scheduler, RNG state and the policy version; return the counters
         (data parallel: every rank calls it, rank 0 reads the files)."""
-        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, components=self._components())
         self.version = state.version
         return state
+
+    def _components(self) -> dict:
+        """What a checkpoint holds besides the policy: the critic, when there is one."""
+        return {"critic": self.critic} if self.critic is not None else {}
 
