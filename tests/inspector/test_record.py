@@ -27,6 +27,15 @@ def test_pick_spreads_the_recorded_groups_over_the_batch():
     assert pick(5, 0) == [] and pick(0, 2) == []
 
 
+def test_task_of_a_prompt():
+    from tidal.inspector.record import task_of
+    from tidal.types import Prompt
+
+    assert task_of(Prompt("u", "q", "a"), "addition") == "addition"
+    assert task_of(Prompt("u", "q", "a", {"task": "gsm8k"}), "files") == "gsm8k"
+    assert task_of(Prompt("u", "q", "a", {"metadata": {"source_dataset": "chain_sum"}}), "reasoning_gym") == "chain_sum"
+
+
 def test_train_records_hold_what_the_trainer_saw(inspector_runs):
     records = _records(inspector_runs["a"])
     train = [r for r in records if r["kind"] == "train"]

@@ -23,6 +23,8 @@ def test_cap_stops_recording_with_one_line_saying_so(tmp_path):
     assert not log.write(3, [_record(3)]) and log.capped
     lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [(x["step"], x["kind"]) for x in lines] == [(1, "train"), (2, "capped")]
+    resumed = SampleLog(tmp_path / "s.jsonl", max_mb=0.0003, resume_after_step=5)  # the cap outlives a resume
+    assert resumed.capped and not resumed.write(6, [_record(6)])
 
 
 def test_a_new_run_starts_afresh_and_a_resume_keeps_what_the_checkpoint_covers(tmp_path):

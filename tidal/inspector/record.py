@@ -38,9 +38,17 @@ def token_texts(tokenizer, ids: Sequence[int]) -> list[str]:
     return tokenizer.batch_decode([[i] for i in ids]) if ids else []
 
 
+def task_of(prompt: Prompt, default: str) -> str:
+    """The prompt's own task when its row names one (a ``task`` field; reasoning-gym's
+    ``metadata.source_dataset``, which differs per row in a composite dataset), else the run's task."""
+    metadata = prompt.meta.get("metadata")
+    source = metadata.get("source_dataset") if isinstance(metadata, dict) else None
+    return str(prompt.meta.get("task") or source or default)
+
+
 def prompt_record(prompt: Prompt, prompt_ids: Sequence[int], task: str) -> dict:
     return {"uid": prompt.uid, "text": prompt.text, "answer": prompt.answer, "ids": list(prompt_ids),
-            "task": str(prompt.meta.get("task", task))}
+            "task": task_of(prompt, task)}
 
 
 def sample_record(t: Trajectory, tokens: list[str], **extra) -> dict:

@@ -74,7 +74,7 @@ class SampleLog:
         elif resume_after_step is None:
             self.path.unlink(missing_ok=True)
         self.size = self.path.stat().st_size if self.path.exists() else 0
-        self.capped = self.size >= self.max_bytes
+        self.capped = self.size >= self.max_bytes or _ends_capped(self.path)  # a resume keeps a cap reached before
 
     def write(self, step: int, records: list[dict]) -> bool:
         """Append ``records`` (already JSON-clean) as one write; False if the cap refused them."""
@@ -92,6 +92,19 @@ class SampleLog:
             raise OSError(e.errno, f"could not write {self.path}: {e.strerror}") from e
         self.size += len(data)
         return not self.capped
+
+
+def _ends_capped(path: Path) -> bool:
+    """Whether the file's last line is the ``capped`` record (the cap writes it last, and nothing after)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 4096))
+        last = f.read().decode("utf-8", errors="replace").rstrip("\n").rsplit("\n", 1)[-1]
+    try:
+        return json.loads(last).get("kind") == "capped"
+    except (ValueError, AttributeError):
+        return False
 
 
 def _tokens_ok(sample: Any) -> bool:
