@@ -95,3 +95,15 @@ def test_the_server_binds_loopback_and_serves_only_the_page(inspector_runs):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_text_that_looks_like_html_cannot_end_the_data_block(tmp_path):
+    text = 'say </script><script>alert(1)</script><!-- "&'
+    record = {"step": 1, "kind": "eval", "prompt": {"text": text, "task": "t"},
+              "samples": [{"text": text, "ids": [1], "tokens": [text], "behav_logp": [float("nan")], "reward": 0.0,
+                           "finish_reason": "stop", "versions": [0]}]}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(record) + "\n")  # json.dumps writes NaN: the page must not
+    _, data = embedded(write_inspector([tmp_path]))
+    (rec,) = data["runs"][0]["records"]
+    assert rec["prompt"]["text"] == rec["samples"][0]["tokens"][0] == text
+    assert rec["samples"][0]["behav_logp"] == [None]

@@ -22,30 +22,17 @@ from __future__ import annotations
 
 import html
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from tidal.inspector.samples import FILE_NAME as SAMPLES_FILE
-from tidal.inspector.samples import read_samples
+from tidal.inspector.samples import clean, read_samples
 from tidal.utils.files import replace_text
 from tidal.utils.report import read_metrics
 from tidal.utils.runs import MISSING, config_diff, read_config, run_names
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 PAGE_NAME = "inspect.html"
-
-
-def _strict(value: Any) -> Any:
-    """Strict JSON for the browser: non-finite floats become None (JSON.parse rejects NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strict(v) for v in value]
-    return value
 
 
 def load_run(run_dir: str | Path) -> dict:
@@ -122,7 +109,8 @@ def render_page(runs: list[dict], title: str) -> str:
     runs_html = "".join(f"<li><b>{esc(r['name'])}</b> <span class='muted'>{esc(r['dir'])}</span> — "
                         f"{len(r['records'])} recorded prompts, {len(r['rows'])} metric rows</li>" for r in runs)
     notes = "".join(f'<p class="warn">{esc(r["name"])}: {esc(n)}</p>' for r in runs for n in r["notes"])
-    data = json.dumps(_strict({"runs": runs}), separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
+    data = json.dumps(clean({"runs": runs}, digits=None), separators=(",", ":"), allow_nan=False)
+    data = data.replace("<", "\\u003c")  # no "</script>" or "<!--" can end the data block early
     filters = "".join([
         f'<label id="f-run-wrap">run{_select("f-run", [])}</label>',
         f'<label>kind{_select("f-kind", [("", "any"), ("train", "train"), ("eval", "eval")])}</label>',

@@ -108,9 +108,13 @@ class SampleRecorder:
     def wants_train(self, step: int) -> bool:
         return self.cfg.every > 0 and self.cfg.groups > 0 and step % self.cfg.every == 0 and not self.log.capped
 
-    def record_train(self, step: int, version: int, groups: Sequence[Group], batch: TrainBatch | None,
-                     logp_bt: torch.Tensor | None, adv: torch.Tensor | None) -> None:
+    def record_train(self, step: int, version: int, groups: Sequence[Group], batch: TrainBatch | None, trainer) -> None:
+        """Record the step's picked groups; ``trainer`` has just trained ``batch`` (None: nothing trained)
+        and holds its log-probs and advantages (a data-parallel ``LeaderTrainer`` holds none: null)."""
         picks = pick(len(groups), self.cfg.groups)
+        trained = batch is not None
+        logp_bt = getattr(trainer, "last_logp_bt", None) if trained else None
+        adv = getattr(trainer, "last_adv", None) if trained else None
         self.log.write(step, train_records(step, version, groups, picks, batch, logp_bt, adv, self.tokenizer,
                                            self.task))
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.utils.files import read_jsonl
 from tidal.utils.metrics import keep_steps_through
 
 FILE_NAME = "samples.jsonl"
@@ -48,17 +49,17 @@ class SampleLogConfig:
     so). 16 samples of 4k tokens take about 3 MB."""
 
 
-def clean(value: Any) -> Any:
+def clean(value: Any, digits: int | None = 4) -> Any:
     """``value`` as strict JSON: non-finite floats become None (browsers reject NaN), floats are rounded to
-    4 decimals, tuples become lists and anything else unknown its ``str``."""
+    ``digits`` decimals (None: kept), tuples become lists and anything else unknown its ``str``."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
-        return round(value, 4) if math.isfinite(value) else None
+        return (value if digits is None else round(value, digits)) if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): clean(v) for k, v in value.items()}
+        return {str(k): clean(v, digits) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [clean(v) for v in value]
+        return [clean(v, digits) for v in value]
     return str(value)
 
 
@@ -136,18 +137,4 @@ def valid_record(record: Any) -> bool:
 def read_samples(path: str | Path) -> tuple[list[dict], int]:
     """The records of a ``samples.jsonl`` and how many lines were skipped: not JSON (a line torn by a
     crash), or not a record the inspector can draw. Blank lines are ignored."""
-    records, skipped = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                skipped += 1
-                continue
-            if valid_record(record):
-                records.append(record)
-            else:
-                skipped += 1
-    return records, skipped
+    return read_jsonl(path, valid_record)

@@ -178,10 +178,7 @@ class Controller:
         else:
             self.trainer.skip_step()
         if self.samples is not None and self.samples.wants_train(step + 1):
-            trained = batch is not None  # a LeaderTrainer (data parallel) keeps no per-token results: None
-            self.samples.record_train(step + 1, step, groups, batch,
-                                      getattr(self.trainer, "last_logp_bt", None) if trained else None,
-                                      getattr(self.trainer, "last_adv", None) if trained else None)
+            self.samples.record_train(step + 1, step, groups, batch, self.trainer)
         t0 = time.perf_counter()
         self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
                                            self.trainer.version)

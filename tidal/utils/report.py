@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from tidal.utils.files import replace_text
+from tidal.utils.files import read_jsonl, replace_text
 
 
 @dataclass(frozen=True)
@@ -113,23 +112,12 @@ def read_metrics(path: str | Path) -> tuple[list[dict], int]:
 
     Blank lines are ignored; a line that is not a JSON object with an int ``step`` is skipped.
     """
-    rows: list[dict] = []
-    skipped = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                skipped += 1
-                continue
-            step = row.get("step") if isinstance(row, dict) else None
-            if not isinstance(step, int) or isinstance(step, bool):
-                skipped += 1
-                continue
-            rows.append(row)
-    return rows, skipped
+
+    def valid(row) -> bool:
+        step = row.get("step") if isinstance(row, dict) else None
+        return isinstance(step, int) and not isinstance(step, bool)
+
+    return read_jsonl(path, valid)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
