@@ -47,7 +47,7 @@ def test_malformed_lines_are_skipped_counted_and_shown(inspector_runs, tmp_path)
         (run / name).write_bytes((inspector_runs["a"] / name).read_bytes())
     with open(run / "samples.jsonl", "a") as f:
         f.write('{"step": 4, "kind": "train", "prompt": {"text": "1+1="}, "samples": [{"text": "2", "ids": [1], '
-                '"tokens": []}]}\n')  # a token list that does not match its ids
+                '"tokens": [], "behav_logp": [0.0], "versions": [0]}]}\n')  # a token list that does not match its ids
         f.write("[1, 2]\n")
         f.write('{"step": 5, "kind": "tr')  # torn by a crash
     with open(run / "metrics.jsonl", "a") as f:

@@ -6,7 +6,7 @@ from tidal.inspector.samples import SampleLog, clean, read_samples
 
 
 def _record(step, text="1+1=", **sample):
-    s = {"text": "2", "ids": [5], "tokens": ["2"], "behav_logp": [-0.1], **sample}
+    s = {"text": "2", "ids": [5], "tokens": ["2"], "behav_logp": [-0.1], "versions": [0], **sample}
     return {"step": step, "kind": "train", "prompt": {"text": text}, "samples": [s]}
 
 
@@ -47,6 +47,7 @@ def test_reader_skips_and_counts_what_it_cannot_show(tmp_path):
         json.dumps({**_record(1), "step": "1"}),
         json.dumps(_record(1, tokens=[])),  # tokens do not match ids
         json.dumps(_record(1, behav_logp=[-1.0, -2.0])),
+        json.dumps(_record(1, versions=None)),  # the page needs every token's version
         json.dumps({**_record(1), "samples": []}),
     ]
     path.write_text("\n".join([json.dumps(_record(1)), *bad, "", json.dumps({"step": 2, "kind": "capped"})]) + "\n")

@@ -109,15 +109,14 @@ def _ends_capped(path: Path) -> bool:
 
 
 def _tokens_ok(sample: Any) -> bool:
-    """A sample the inspector can draw: text, and per-token arrays that all have one entry per token."""
-    if not isinstance(sample, dict) or not isinstance(sample.get("text"), str):
+    """A sample the inspector can draw: text, and per-token arrays (the optional ones may be null) that all
+    have one entry per token."""
+    if not (isinstance(sample, dict) and isinstance(sample.get("text"), str) and isinstance(sample.get("ids"), list)):
         return False
-    ids = sample.get("ids")
-    if not isinstance(ids, list) or not isinstance(sample.get("tokens"), list) or len(sample["tokens"]) != len(ids):
-        return False
-    per_token = ("behav_logp", "trainer_logp", "versions", "loss_mask", "policy_mask")
-    return all(sample.get(k) is None or (isinstance(sample[k], list) and len(sample[k]) == len(ids))
-               for k in per_token)
+    n = len(sample["ids"])
+    required, optional = ("tokens", "behav_logp", "versions"), ("trainer_logp", "loss_mask", "policy_mask")
+    return (all(isinstance(sample.get(k), list) and len(sample[k]) == n for k in required)
+            and all(sample.get(k) is None or (isinstance(sample[k], list) and len(sample[k]) == n) for k in optional))
 
 
 def valid_record(record: Any) -> bool:
