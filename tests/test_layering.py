@@ -6,7 +6,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "tidal"
 
 LAYER = {
-    "types": 0, "registry": 0, "config": 0, "utils": 0,
+    "types": 0, "registry": 0, "config": 0, "utils": 0, "inspector": 0,
     "api": 1,
     "algo": 2, "rewards": 2, "envs": 2, "tasks": 2, "optim": 2, "models": 2,
     "rollout": 3, "train": 3, "data": 3,  # data: its RL blocks sample with the rollout engine

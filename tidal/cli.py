@@ -4,7 +4,8 @@
     tidal train RECIPE|CONFIG.yaml [--set key=value ...] [--out DIR] [--resume | --overwrite]
     tidal eval DIR_OR_MODEL [--recipe NAME] [--set ...]
     tidal bench async [--set ...]
-    tidal report DIR
+    tidal report DIR [DIR ...] [--out FILE]
+    tidal inspect DIR [DIR ...] [--out FILE] [--serve [--port N]]
     tidal quantize MODEL_OR_RUN_DIR OUT_DIR [--layout compressed-tensors|fp8]
     tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
     tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
@@ -291,10 +292,39 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+@_one_line_errors
 def cmd_report(args) -> int:
+    """One run: (re)write its report.html. Several: one comparison report (their panels overlaid, config diff)."""
     from tidal.utils.report import write_report
+    from tidal.utils.report_compare import write_comparison
 
-    print(write_report(args.run_dir))
+    if len(args.run_dirs) == 1 and args.out is None:
+        print(write_report(args.run_dirs[0]))
+    else:
+        print(write_comparison(args.run_dirs, args.out))
+    return 0
+
+
+@_one_line_errors
+def cmd_inspect(args) -> int:
+    """Write the rollout inspector of one or more runs (docs/inspect.md); with --serve, serve it on loopback."""
+    from tidal.inspector.page import write_inspector
+
+    out = write_inspector(args.run_dirs, args.out)
+    print(out)
+    if not args.serve:
+        return 0
+    from tidal.inspector.serve import make_server
+
+    server = make_server(out, args.port)
+    host, port = server.server_address[:2]
+    print(f"serving http://{host}:{port}/ (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
     return 0
 
 
@@ -437,9 +467,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compressed-tensors (weight_scale) or DeepSeek-V3's native fp8 (weight_scale_inv)")
     sp.set_defaults(fn=cmd_quantize)
 
-    sp = sub.add_parser("report", help="(re)write report.html for a run directory")
-    sp.add_argument("run_dir")
+    sp = sub.add_parser("report", help="(re)write report.html for a run directory; several: compare them")
+    sp.add_argument("run_dirs", nargs="+", metavar="run_dir")
+    sp.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html for one run, "
+                    "compare.html here for several)")
     sp.set_defaults(fn=cmd_report)
+
+    sp = sub.add_parser("inspect", help="write inspect.html: recorded rollouts, metric curves and config diff of "
+                        "one or more runs (docs/inspect.md)")
+    sp.add_argument("run_dirs", nargs="+", metavar="run_dir")
+    sp.add_argument("--out", default=None, help="output file (default: RUN_DIR/inspect.html for one run, "
+                    "inspect.html here for several)")
+    sp.add_argument("--serve", action="store_true", help="then serve the page on 127.0.0.1 until Ctrl-C")
+    sp.add_argument("--port", type=int, default=8000, help="port for --serve (0: any free port)")
+    sp.set_defaults(fn=cmd_inspect)
 
     sp = sub.add_parser("score", help="score JSONL rows from stdin with a reward; write them back with reward/details")
     sp.add_argument("--reward", required=True, help="registered reward name (e.g. exact_match, math, reasoning_gym)")

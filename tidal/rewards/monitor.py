@@ -1,9 +1,11 @@
-"""Per-step reward metrics: each component's mean and its correlation with response length.
+"""Per-step reward metrics: each component's mean, spread and correlation with response length.
 
 MiniMax-M1 (arXiv 2506.13585, sec. 4.2) watches generative rewards for length bias: a judge that
 prefers longer answers teaches the policy to ramble instead of to be right. The Pearson correlation
 of every reward component with response length, logged each step (``reward/<name>/length_corr``),
-makes that drift visible. A correlation is left out when either side is constant (undefined).
+makes that drift visible. A correlation is left out when either side is constant (undefined). The
+spread (``reward/std``, ``reward/<name>/std``: population standard deviation over the step's samples)
+says whether a component still separates samples: a length penalty every sample pays alike has none.
 """
 
 from __future__ import annotations
@@ -27,12 +29,21 @@ def pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy)
 
 
+def std(xs: Sequence[float]) -> float:
+    """Population standard deviation (0 for fewer than two values)."""
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
 def reward_metrics(
     rewards: Sequence[float], details: Sequence[Mapping[str, Any]], lengths: Sequence[int]
 ) -> dict[str, float]:
-    """``reward/length_corr`` and, for every name in the samples' ``details["components"]``,
-    ``reward/<name>/mean`` and ``reward/<name>/length_corr`` (over the samples that have it)."""
-    out: dict[str, float] = {}
+    """``reward/std``, ``reward/length_corr`` and, for every name in the samples' ``details["components"]``,
+    ``reward/<name>/mean``, ``reward/<name>/std`` and ``reward/<name>/length_corr`` (over the samples that
+    have it)."""
+    out: dict[str, float] = {"reward/std": std(rewards)} if rewards else {}
     corr = pearson(rewards, [float(n) for n in lengths])
     if corr is not None:
         out["reward/length_corr"] = corr
@@ -44,6 +55,7 @@ def reward_metrics(
             lens.append(float(n))
     for name, (scores, lens) in sorted(by_name.items()):
         out[f"reward/{name}/mean"] = sum(scores) / len(scores)
+        out[f"reward/{name}/std"] = std(scores)
         corr = pearson(scores, lens)
         if corr is not None:
             out[f"reward/{name}/length_corr"] = corr

@@ -7,6 +7,7 @@ from typing import Literal
 
 from tidal.algo.config import AlgoConfig
 from tidal.envs.config import EnvConfig
+from tidal.inspector.samples import SampleLogConfig
 from tidal.models.tiny import ModelConfig
 from tidal.optim import OptimConfig
 from tidal.rewards.pool import RewardConfig
@@ -102,7 +103,9 @@ class LogConfig:
     progress: bool = True
     """Show a progress bar with live reward and accuracy."""
     report: bool = True
-    """Write report.html at the end of the run."""
+    """Write report.html and inspect.html (the rollout inspector) at the end of the run."""
+    samples: SampleLogConfig = field(default_factory=SampleLogConfig)
+    """Rollouts recorded into ``samples.jsonl`` for the inspector (``tidal inspect``, docs/inspect.md)."""
 
 
 @dataclass

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from tidal.api import RolloutEngine, Task, Tracker
 from tidal.config import ConfigError
+from tidal.inspector.record import SampleRecorder
 from tidal.rewards.monitor import reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.episodes import episode_metrics
@@ -40,7 +41,7 @@ from tidal.rollout.requests import group_requests
 from tidal.system.batching import collect_batch, informative, length_budget
 from tidal.system.buffer import BufferClosed, RolloutBuffer
 from tidal.system.config import RunConfig
-from tidal.system.evaluate import greedy_accuracy
+from tidal.system.evaluate import accuracy_metrics, greedy_samples
 from tidal.system.journal import GroupJournal
 from tidal.system.staleness import StalenessManager
 from tidal.train.batch import build_train_batch
@@ -63,7 +64,7 @@ class RunResult:
 class Controller:
     def __init__(self, cfg: RunConfig, task: Task, engine: RolloutEngine, eval_engine: RolloutEngine,
                  reward_pool: RewardPool, trainer: Trainer, tokenizer, tracker: Tracker, out_dir: Path,
-                 state: TrainingState, journal: GroupJournal | None = None):
+                 state: TrainingState, journal: GroupJournal | None = None, samples: SampleRecorder | None = None):
         self.cfg = cfg
         self.task = task
         self.engine = engine
@@ -75,6 +76,7 @@ class Controller:
         self.out_dir = out_dir
         self.state = state
         self.journal = journal
+        self.samples = samples  # records rollouts for the inspector (samples.jsonl)
         self._cursor = state.next_group  # the stream position after the current step's batch
         self._reloaded_groups = 0
         self.eval_prompts = task.eval_prompts()[: cfg.num_eval]
@@ -84,6 +86,7 @@ class Controller:
         self._elapsed_before = state.extra.get("elapsed_s", 0.0)  # RL time of the run before a resume
         self._unlogged: tuple[int, dict] | None = None  # (step, metrics) of a trained step not logged yet
         self._infra_failed = 0  # agent episodes left out because their environment failed
+        self._resumed = state.step > 0  # marks this process's first row (``run/resumed``): counters restart there
 
     # ---- pieces shared by both modes -----------------------------------------------------------
     def _prompts(self, start: int, count: int) -> list[Prompt]:
@@ -132,9 +135,12 @@ class Controller:
             groups.append(Group(p, [t for t in group if not t.infra_failed]))
         return groups
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(self, step: int) -> dict[str, float]:
         self.eval_engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
-        return greedy_accuracy(self.eval_engine, self.tokenizer, self.eval_prompts, self.reward_pool)
+        trajs = greedy_samples(self.eval_engine, self.tokenizer, self.eval_prompts, self.reward_pool)
+        if self.samples is not None:
+            self.samples.record_eval(step, self.eval_prompts, trajs)
+        return accuracy_metrics(trajs, len(self.eval_prompts))
 
     def _train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
         """Train on one batch, publish the new weights, return the step's metrics."""
@@ -171,6 +177,8 @@ class Controller:
             metrics.update(self.trainer.step(batch))
         else:
             self.trainer.skip_step()
+        if self.samples is not None and self.samples.wants_train(step + 1):
+            self.samples.record_train(step + 1, step, groups, batch, self.trainer)
         t0 = time.perf_counter()
         self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
                                            self.trainer.version)
@@ -192,9 +200,11 @@ class Controller:
         metrics["perf/trained_samples_per_s"] = self._trained_samples / max(self._rl_seconds, 1e-9)
         metrics.update(self.engine.stats())
         metrics["time/elapsed_s"] = self._elapsed_before + self._rl_seconds
+        if self._resumed:
+            metrics["run/resumed"], self._resumed = 1.0, False
         stop = None
         if done % cfg.eval_every == 0 or done >= cfg.max_steps:
-            metrics.update(self._evaluate())
+            metrics.update(self._evaluate(done))
             acc = metrics["eval/accuracy"]
             if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
                 stop = f"reached target accuracy {acc:.3f} >= {cfg.target_accuracy}"
@@ -261,7 +271,7 @@ class Controller:
         if self.state.step == 0:
             base = self.state.extra.get("base_eval")  # set when resuming a Ctrl-C before step 1: logged already
             if base is None:
-                base = self.state.extra["base_eval"] = self._evaluate()
+                base = self.state.extra["base_eval"] = self._evaluate(0)
                 self.tracker.log(0, base)
             self.history.append({"step": 0, **base})
         bar = progress_bar(cfg.log.progress, total=cfg.max_steps, initial=self.state.step,

@@ -98,9 +98,7 @@ def _lead(cfg: RunConfig, out_dir: Path, resume: bool, dp: DataParallel) -> RunR
             lighthouse.shutdown()
         run_lib.close(controller)
         if cfg.log.report:
-            from tidal.utils.report import write_report
-
-            write_report(out_dir)
+            run_lib.write_pages(out_dir)
 
 
 def _follow(cfg: RunConfig, dp: DataParallel) -> None:

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from tidal import config as config_lib
 from tidal.envs import ENVS
+from tidal.inspector.record import SampleRecorder
+from tidal.inspector.samples import FILE_NAME as SAMPLES_FILE
+from tidal.inspector.samples import SampleLog
 from tidal.models import tiny
 from tidal.models.quant import dequantize_state_dict
 from tidal.rewards import build_reward
@@ -181,8 +184,10 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
         trackers.append(WandbTracker(cfg.log.wandb_project, dataclasses.asdict(cfg), out_dir))
     if cfg.log.mlflow_experiment:
         trackers.append(MlflowTracker(cfg.log.mlflow_experiment, dataclasses.asdict(cfg)))
+    samples = SampleRecorder(SampleLog(out_dir / SAMPLES_FILE, cfg.log.samples.max_mb, state.step if resume else None),
+                             cfg.log.samples, tokenizer, cfg.task.name)
     return Controller(cfg, task, engine, eval_engine, reward_pool, trainer, tokenizer, MultiTracker(trackers),
-                      out_dir, state, journal=journal)
+                      out_dir, state, journal=journal, samples=samples)
 
 
 def close(controller: Controller) -> None:
@@ -205,6 +210,15 @@ def close(controller: Controller) -> None:
         raise error
 
 
+def write_pages(out_dir: str | Path) -> None:
+    """The run's ``inspect.html`` (its recorded rollouts and curves) and ``report.html``, which links to it."""
+    from tidal.inspector.page import write_inspector
+    from tidal.utils.report import write_report
+
+    write_inspector([out_dir])
+    write_report(out_dir)
+
+
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult:
     """Run RL to completion; always closes trackers and the reward pool, then writes the report. If the
     run itself failed (a full disk, Ctrl-C), that error is the one raised, not a later one from closing."""
@@ -218,9 +232,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
         try:
             close(controller)
             if cfg.log.report:
-                from tidal.utils.report import write_report
-
-                write_report(out_dir)
+                write_pages(out_dir)
         except Exception:
             if not failed:
                 raise

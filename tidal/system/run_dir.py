@@ -17,7 +17,8 @@ from pathlib import Path
 from tidal.config import ConfigError
 from tidal.train.checkpoint import latest_checkpoint
 
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "journal.jsonl", "checkpoints", "tensorboard", "report.html")
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "journal.jsonl", "checkpoints", "tensorboard", "report.html",
+               "samples.jsonl", "inspect.html")
 """Everything ``tidal train`` writes into its directory (what ``--overwrite`` removes; nothing else is touched)."""
 
 

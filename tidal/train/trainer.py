@@ -188,6 +188,10 @@ class Trainer:
         self._needs_prox = (_accepts(self.policy_loss, "prox_logp_bt") or algo.correction != "none"
                             or _accepts(self.advantage, "seq_is_weight_b"))
         self.version = 0
+        self.last_logp_bt: torch.Tensor | None = None
+        """The last step's trainer log-probs ([B, T], the batch's layout: what each minibatch's loss saw)
+        and advantages ([B] or [B, T]), kept for the sample recorder (``inspector/record.py``)."""
+        self.last_adv: torch.Tensor | None = None
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _logprobs(self, model: torch.nn.Module, *args, **kwargs):
@@ -308,10 +312,15 @@ class Trainer:
             step_metrics.update(targets.metrics)
         else:
             adv_b = None if per_minibatch else self._advantages(batch, everything, rewards_b, prox_bt, kl_penalty_bt)
+        self.last_logp_bt, self.last_adv = torch.zeros_like(batch.behav_logp_bt), adv_b
 
         metrics_sum: dict[str, float] = {}
         for mb_index, idx in enumerate(chunks):
             adv = self._advantages(batch, idx, rewards_b, prox_bt, kl_penalty_bt) if per_minibatch else adv_b[idx]
+            if per_minibatch:
+                if self.last_adv is None:
+                    self.last_adv = adv.new_zeros((batch.num_sequences, *adv.shape[1:]))
+                self.last_adv[idx] = adv
             metrics = self._minibatch_step(batch, idx, adv, prox_bt, ref_bt, first=mb_index == 0)
             if self.critic is not None:  # the same rows and micro-batches as the policy's step
                 metrics.update(self.critic.minibatch_step(algo, batch, idx, self._micro_batches(batch, idx), targets))
@@ -387,6 +396,7 @@ class Trainer:
             self.dp.sum_(entropy_mb)
             totals = self.dp.sum_floats({**totals, "train/loss": loss_total})
             loss_total = totals.pop("train/loss")
+        self.last_logp_bt[idx] = logp_mb
         ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         if self.dp.enabled:  # a DTensor: the global norm over every rank's shards

@@ -10,29 +10,32 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
+
+from tidal.utils.files import replace_text
+
+
+def keep_steps_through(path: Path, step: int) -> None:
+    """Rewrite the JSONL file ``path`` keeping only the rows whose ``step`` is <= ``step`` (a resume from
+    the checkpoint at ``step``: the rows past it will be produced again). A torn or malformed row, left
+    by the crash being resumed from, goes too. Written to a temporary file first, so a full disk never
+    tears the run's history (``replace_text``)."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a row torn by the crash we are resuming from
+    replace_text(path, "".join(x + "\n" for x in kept))
 
 
 class JsonlTracker:
     def __init__(self, path: str | Path, resume_after_step: int | None = None):
         self.path = Path(path)
         if resume_after_step is not None and self.path.exists():
-            kept = []
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resume_after_step:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a row torn by the crash we are resuming from
-            tmp = self.path.with_name(self.path.name + ".tmp")  # a full disk must not tear the run's history
-            try:
-                tmp.write_text("".join(x + "\n" for x in kept))
-                os.replace(tmp, self.path)
-            except OSError as e:
-                tmp.unlink(missing_ok=True)
-                raise OSError(e.errno, f"could not write {self.path}: {e.strerror}") from e
+            keep_steps_through(self.path, resume_after_step)
         elif resume_after_step is None and self.path.exists():
             self.path.unlink()
         self._f = self.path.open("a")

@@ -1,0 +1,124 @@
+"""Records for ``samples.jsonl``: a step's scored groups as the trainer saw them, and greedy eval answers.
+
+Each sample of a ``train`` record carries, per response token: the token id and its text (decoded on
+its own, so the inspector needs no tokenizer), the behaviour log-prob the engine sampled it with, the
+trainer's log-prob of it (the forward the loss used, before the step's update for its first
+minibatch), the policy version that sampled it, the loss mask the trainer applied (0 for an agent's
+observation tokens, for a truncated sample under DAPO's overlong filter, and for every token of a
+zero-advantage group left out of the batch) and, for agent episodes, ``policy_mask`` (1 sampled by
+the policy, 0 returned by the environment). Per sample: the advantage (a number, or one per token for
+token-level estimators), reward and ``details`` (the components of a composed reward), finish reason,
+staleness (training step minus the version of its oldest sampled token, as ``async/staleness_*``)
+and, for episodes, the episode's counters (turns, tool calls, errors).
+
+Why record the trainer's own numbers rather than recompute them later: the inspector is for finding
+what went wrong in *this* run (an engine/trainer mismatch, an advantage with the wrong sign), which
+only the values the loss actually used can show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tidal.inspector.samples import SampleLog, SampleLogConfig, clean
+from tidal.types import Group, Prompt, TrainBatch, Trajectory
+
+
+def pick(num: int, k: int) -> list[int]:
+    """``k`` of ``range(num)`` spread evenly (the first included): an unbiased look across the batch,
+    the same groups for the same batch."""
+    k = min(k, num)
+    return sorted({(i * num) // k for i in range(k)}) if k > 0 else []
+
+
+def token_texts(tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each token decoded on its own (a byte-level BPE piece of a multi-byte character shows as U+FFFD)."""
+    return tokenizer.batch_decode([[i] for i in ids]) if ids else []
+
+
+def task_of(prompt: Prompt, default: str) -> str:
+    """The prompt's own task when its row names one (a ``task`` field; reasoning-gym's
+    ``metadata.source_dataset``, which differs per row in a composite dataset), else the run's task."""
+    metadata = prompt.meta.get("metadata")
+    source = metadata.get("source_dataset") if isinstance(metadata, dict) else None
+    return str(prompt.meta.get("task") or source or default)
+
+
+def prompt_record(prompt: Prompt, prompt_ids: Sequence[int], task: str) -> dict:
+    return {"uid": prompt.uid, "text": prompt.text, "answer": prompt.answer, "ids": list(prompt_ids),
+            "task": task_of(prompt, task)}
+
+
+def sample_record(t: Trajectory, tokens: list[str], **extra) -> dict:
+    """One sample's fields shared by train and eval records; ``extra`` adds the trainer's side."""
+    return {"index": t.sample_index, "text": t.text, "ids": list(t.token_ids), "tokens": tokens,
+            "behav_logp": clean(list(t.logprobs)), "versions": list(t.versions), "policy_mask": t.loss_mask,
+            "reward": clean(float(t.reward)), "details": clean(t.reward_details), "finish_reason": t.finish_reason,
+            "episode": clean(t.episode), **extra}
+
+
+def train_records(step: int, version: int, groups: Sequence[Group], picks: Sequence[int], batch: TrainBatch | None,
+                  logp_bt: torch.Tensor | None, adv: torch.Tensor | None, tokenizer, task: str) -> list[dict]:
+    """Records of ``groups[i]`` for i in ``picks``, trained (or left out) at training step ``version``
+    and logged as ``step``. ``logp_bt`` and ``adv`` are the trainer's log-probs ([B, T], the batch's
+    layout) and advantages ([B] or [B, T]) for ``batch``; any of the three None: not trained."""
+    first_row: dict[int, int] = {}
+    if batch is not None:
+        for row, gi in enumerate(batch.group_index_b.tolist()):
+            first_row.setdefault(gi, row)
+    records = []
+    for gi in picks:
+        group = groups[gi]
+        samples = []
+        for j, t in enumerate(group.trajectories):
+            p, n = len(t.prompt_ids), len(t.token_ids)
+            row = first_row.get(gi)
+            extra: dict = {"staleness": version - t.oldest_version, "trainer_logp": None, "advantage": None,
+                           "loss_mask": [0] * n}
+            if row is not None:
+                row += j
+                extra["loss_mask"] = [int(m) for m in batch.loss_mask_bt[row, p : p + n].tolist()]
+                if logp_bt is not None:
+                    extra["trainer_logp"] = clean(logp_bt[row, p : p + n].tolist())
+                if adv is not None:
+                    extra["advantage"] = clean(adv[row].item() if adv.dim() == 1 else adv[row, p : p + n].tolist())
+            samples.append(sample_record(t, token_texts(tokenizer, t.token_ids), **extra))
+        prompt_ids = group.trajectories[0].prompt_ids if group.trajectories else []
+        records.append({"step": step, "kind": "train", "group": gi, "trained": gi in first_row,
+                        "prompt": prompt_record(group.prompt, prompt_ids, task), "samples": samples})
+    return [r for r in records if r["samples"]]  # a group whose every episode failed has nothing to show
+
+
+def eval_records(step: int, prompts: Sequence[Prompt], trajs: Sequence[Trajectory], tokenizer, task: str) -> list[dict]:
+    """One record per held-out prompt: its greedy answer, scored (``correct``: full reward, as
+    ``eval/accuracy`` counts it)."""
+    return [{"step": step, "kind": "eval", "prompt": prompt_record(p, t.prompt_ids, task),
+             "samples": [sample_record(t, token_texts(tokenizer, t.token_ids), correct=t.reward >= 1.0)]}
+            for p, t in zip(prompts, trajs)]
+
+
+class SampleRecorder:
+    """Decides which steps and prompts are recorded (``log.samples.*``) and writes their records."""
+
+    def __init__(self, log: SampleLog, cfg: SampleLogConfig, tokenizer, task: str):
+        self.log, self.cfg, self.tokenizer, self.task = log, cfg, tokenizer, task
+
+    def wants_train(self, step: int) -> bool:
+        return self.cfg.every > 0 and self.cfg.groups > 0 and step % self.cfg.every == 0 and not self.log.capped
+
+    def record_train(self, step: int, version: int, groups: Sequence[Group], batch: TrainBatch | None, trainer) -> None:
+        """Record the step's picked groups; ``trainer`` has just trained ``batch`` (None: nothing trained)
+        and holds its log-probs and advantages (a data-parallel ``LeaderTrainer`` holds none: null)."""
+        picks = pick(len(groups), self.cfg.groups)
+        trained = batch is not None
+        logp_bt = getattr(trainer, "last_logp_bt", None) if trained else None
+        adv = getattr(trainer, "last_adv", None) if trained else None
+        self.log.write(step, train_records(step, version, groups, picks, batch, logp_bt, adv, self.tokenizer,
+                                           self.task))
+
+    def record_eval(self, step: int, prompts: Sequence[Prompt], trajs: Sequence[Trajectory]) -> None:
+        n = self.cfg.eval_prompts
+        if n > 0 and not self.log.capped:
+            self.log.write(step, eval_records(step, prompts[:n], trajs[:n], self.tokenizer, self.task))
