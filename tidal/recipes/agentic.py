@@ -51,6 +51,21 @@ def agentic_quickstart() -> RunConfig:
       the warm start stopped at 0.525 after 270 steps (266 gave 0.315: the jump is steep), and RL went
       0.525 / 0.585 / 0.60 / 0.615 / 0.625 / 0.65 / 0.645 at steps 0-60. The same ~0.65 ceiling from
       a base 0.21 higher: the limit is the 1M model copying operands, not where RL starts.
+    Three more that did not work (seed 0, 60-80 steps each; the code for the last two was not kept):
+    - A 4x wider model (``model.hidden_size=256``, ``intermediate_size=1024``, ~4M parameters): the
+      warm start reached 0.395 after 360 steps, then RL 0.41 / 0.415 at steps 10 / 20, at ~7 s per step
+      (3x the recipe's); the warm start alone took ~15 minutes, past the 10-minute budget.
+    - Partial credit (a wrong answer earning 0.5 x the share of running sums its calls got right, so
+      all-fail groups of long sums still rank their samples): 0.315 / 0.42 / 0.47 / 0.515 / 0.585 /
+      0.55 / 0.575 / 0.58 at steps 0-70, no better than the terminal reward.
+    - A rewriting trace: before each call the turn rewrites what is left of the sum with the last result
+      in front (``<c>65+14</c>=79 79+61+89<c>79+61</c>=140 140+89<c>...``), so later calls copy from the
+      line just written. Warm start 211 steps to 0.30; RL 0.40 / 0.46 / 0.49 / 0.54 / 0.545 / 0.575 /
+      0.575 / 0.585 at steps 0-80, with 40/40, 75/80, 2/41, 0/39 by k at step 80: the first rewrite
+      copied the wrong tail of the prompt (``16+91+32+44`` -> ``107+44+42``), while later rewrites
+      copied their own line faithfully. Rewriting every turn, the first included (the prompt copied
+      whole; 192 positions): warm start 150 steps to 0.37, RL 0.565 at step 10, then down to 0.47-0.50
+      by steps 50-60.
 
     The trainer packs each group's episodes as prefix tries (``trainer.share_prefixes``; same loss
     and gradients): that run took 2.4 s per step against ~3.5 s padded in earlier runs (one run each,

@@ -146,6 +146,9 @@ class SumChain(_SplitTask):
         return Prompt(uid=uid, text="+".join(f"{x:0{w}d}" for x in item) + "=", answer=str(sum(item)))
 
     def sft_example(self, prompt: Prompt) -> str:
-        if self.cfg.params.get("demos", "tool") == "answer":
+        demos = self.cfg.params.get("demos", "tool")
+        if demos not in ("tool", "answer"):
+            raise ValueError(f"task.params.demos={demos!r}: use 'tool' (a calculator trace) or 'answer'")
+        if demos == "answer":
             return prompt.answer
         return calculator_trace(prompt.text.rstrip("=").split("+"))
