@@ -40,6 +40,8 @@ class RenderState:
     """What a renderer remembers about one episode (the chat renderer: the messages so far)."""
 
     messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None
+    """Tool schemas passed to the template on every rendering (the OpenAI server's ``tools``)."""
 
 
 class PlainRenderer:
@@ -66,21 +68,34 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.tool_role = tool_role
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _render(self, state: RenderState, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(state.messages, tools=state.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
 
     def start(self, prompt: Prompt, first: str | None) -> tuple[list[int], list[int], RenderState]:
         """The user message is the prompt (and ``reset``'s first observation after it, if any)."""
-        messages = [{"role": "user", "content": prompt.text + (f"\n{first}" if first else "")}]
-        text = self._render(messages, generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids), [], RenderState(messages)
+        ids, state = self.start_messages([{"role": "user", "content": prompt.text + (f"\n{first}" if first else "")}])
+        return ids, [], state
+
+    def start_messages(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], RenderState]:
+        """A conversation's prompt ids (with the generation prompt) and its state; the one place a
+        whole conversation is rendered (the first turn, or the OpenAI server's new segment)."""
+        state = RenderState([dict(m) for m in messages], tools)
+        return list(self.tokenizer(self._render(state, True), add_special_tokens=False).input_ids), state
 
     def observation_ids(self, state: RenderState, turn_text: str, turn_ids: Sequence[int], text: str) -> list[int]:
-        before = self._render(state.messages, generation_prompt=True)
+        return self.append_ids(state, turn_text, turn_ids, [{"role": self.tool_role, "content": text}])
+
+    def append_ids(self, state: RenderState, turn_text: str, turn_ids: Sequence[int],
+                   messages: list[dict]) -> list[int]:
+        """The ids to append after a model turn (``turn_text``, sampled as ``turn_ids``) so the context
+        becomes the template's rendering of the conversation plus ``messages`` and the generation
+        prompt; ``state`` gains the turn and ``messages``. Raises ``NotAppendOnly``."""
+        before = self._render(state, generation_prompt=True)
         state.messages.append({"role": "assistant", "content": turn_text})
-        closed = self._render(state.messages, generation_prompt=False)
-        state.messages.append({"role": self.tool_role, "content": text})
-        reopened = self._render(state.messages, generation_prompt=True)
+        closed = self._render(state, generation_prompt=False)
+        state.messages.extend(dict(m) for m in messages)
+        reopened = self._render(state, generation_prompt=True)
         if not (closed.startswith(before + turn_text) and reopened.startswith(closed)):
             raise NotAppendOnly("the chat template re-renders earlier messages")
         closing = closed[len(before) + len(turn_text):]  # e.g. "<|im_end|>\n" after the assistant's content

@@ -1,0 +1,62 @@
+"""A chat tokenizer (one token per character, ChatML markers as specials) and tiny models for the
+server tests: an untrained one, and one trained in the fixture to call the calculator in hermes
+format and then answer, so a tool-call round trip happens with the real engine and weights."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tidal.models import tiny
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY = tiny.ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+QUESTION = "add 2 and 3"
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="session")
+def chat_tok():
+    return chat_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def random_model(chat_tok):
+    torch.manual_seed(0)
+    return tiny.build_model(TINY, chat_tok)
+
+
+@pytest.fixture(scope="session")
+def tool_model(chat_tok):
+    """Trained to convergence on one conversation: the hermes call, then the answer after the result."""
+    torch.manual_seed(0)
+    model = tiny.build_model(TINY, chat_tok)
+    text = chat_tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": TOOL_CALL},
+         {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}], tokenize=False)
+    ids = torch.tensor([chat_tok(text, add_special_tokens=False).input_ids])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 1e-3, f"the tool-calling fixture did not converge (loss {loss.item():.4f})"
+    return model.eval()

@@ -1,0 +1,248 @@
+"""The OpenAI-compatible endpoint (``tidal/serve``) driven by the real ``openai`` client over loopback.
+
+No mocks: a real uvicorn server around a real ``LocalEngine`` on a tiny model. The recorded episode
+is checked in numbers: its token ids are exactly the prompt's, the sampled turns' and the added
+messages' ids (never a re-tokenization), and the trainer's log-probs (``token_logprobs`` on the whole
+sequence) equal the behaviour log-probs the engine recorded, token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import openai
+import pytest
+import torch
+
+from tidal.models.logprobs import token_logprobs
+from tidal.rollout.local import LocalEngine, SamplingConfig
+from tidal.serve.server import HarnessServer, ServeConfig, resolve_api_key
+
+from .conftest import QUESTION, TOOL_CALL
+
+CONTEXT = 512
+
+
+def serve(model, tok, max_new_tokens=12, **cfg):
+    engine = LocalEngine(model, tok, SamplingConfig(max_new_tokens=max_new_tokens), seed=0)
+    return HarnessServer(engine, tok, CONTEXT, ServeConfig(**cfg)).start()
+
+
+def client(server, episode, key="unused", cls=openai.OpenAI):
+    return cls(base_url=server.base_url(episode), api_key=key, max_retries=0, timeout=60)
+
+
+def tidal_extra(resp) -> dict:
+    return resp.model_extra["tidal"]
+
+
+def check_logprobs(model, traj, atol=1e-4):
+    """Sampled tokens: trainer log-probs equal the engine's; observation tokens: 0.0 and version -1."""
+    ids = torch.tensor([traj.prompt_ids + traj.token_ids])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
+    engine = torch.tensor(traj.logprobs)
+    assert mask.any() and (~mask).any()
+    diff = (logp[0, len(traj.prompt_ids):][mask] - engine[mask]).abs().max().item()
+    assert diff < atol, f"trainer vs engine log-probs differ by {diff}"
+    assert (engine[~mask] == 0.0).all() and (torch.tensor(traj.versions)[~mask] == -1).all()
+
+
+def test_multi_turn_episode_is_token_exact_and_trainer_logprobs_match(random_model, chat_tok):
+    server = serve(random_model, chat_tok)
+    try:
+        c = client(server, "ep-0")
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 7*6?"}]
+        sampled = []
+        for follow_up in ({"role": "tool", "content": "42", "tool_call_id": "x"}, {"role": "user", "content": "ok?"}):
+            resp = c.chat.completions.create(model="any", messages=messages, max_tokens=12)
+            extra = tidal_extra(resp)
+            assert extra["segment"] == 0 and resp.usage.completion_tokens == len(extra["token_ids"])
+            sampled.append(extra["token_ids"])
+            messages += [resp.choices[0].message.model_dump(exclude_none=True), follow_up]
+        resp = c.chat.completions.create(model="any", messages=messages, max_tokens=12)
+        sampled.append(tidal_extra(resp)["token_ids"])
+        [traj] = server.finish("ep-0", reward=1.0)
+    finally:
+        server.stop()
+    assert traj.reward == 1.0 and traj.episode["turns"] == 3 and traj.episode["history_edits"] == 0
+    # the sampled runs, in order, are exactly the tokens the three responses reported
+    runs, cur = [], []
+    for tok, m in zip(traj.token_ids, traj.loss_mask):
+        if m:
+            cur.append(tok)
+        elif cur:
+            runs, cur = runs + [cur], []
+    assert runs + [cur] == sampled
+    # the prompt is the template's rendering of the first two messages; nothing was re-rendered after it
+    first = chat_tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert traj.prompt_ids == chat_tok(first, add_special_tokens=False).input_ids
+    check_logprobs(random_model, traj)
+
+
+def test_tool_call_round_trip(tool_model, chat_tok):
+    server = serve(tool_model, chat_tok, max_new_tokens=96)
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "evaluates arithmetic",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "expression": {"type": "string"}}}}}]
+    try:
+        c = client(server, "calc-1")
+        messages = [{"role": "user", "content": QUESTION}]
+        resp = c.chat.completions.create(model="any", messages=messages, tools=tools)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.function.name == "calculator"
+        expression = json.loads(call.function.arguments)["expression"]
+        assert expression == "2+3"
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))}]
+        resp = c.chat.completions.create(model="any", messages=messages, tools=tools)
+        assert resp.choices[0].message.content == "5" and resp.choices[0].finish_reason == "stop"
+        assert not tidal_extra(resp)["new_segment"]
+        [traj] = server.finish("calc-1", reward=1.0)
+    finally:
+        server.stop()
+    assert traj.episode["tool_calls"] == 1 and traj.episode["turns"] == 2
+    text = chat_tok.decode(traj.token_ids)
+    assert text == f"{TOOL_CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
+    check_logprobs(tool_model, traj)
+
+
+def test_edited_history_starts_a_counted_segment(random_model, chat_tok):
+    server = serve(random_model, chat_tok)
+    try:
+        c = client(server, "ep-edit")
+        messages = [{"role": "user", "content": "hi"}]
+        resp = c.chat.completions.create(model="any", messages=messages)
+        edited = messages + [{"role": "assistant", "content": resp.choices[0].message.content + " (edited)"},
+                             {"role": "user", "content": "again"}]
+        resp2 = c.chat.completions.create(model="any", messages=edited)
+        assert tidal_extra(resp2)["new_segment"] and tidal_extra(resp2)["segment"] == 1
+        assert server.stats()["harness/history_edits"] == 1
+        trajs = server.finish("ep-edit", reward=0.5)
+    finally:
+        server.stop()
+    assert [t.sample_index for t in trajs] == [0, 1] and all(t.reward == 0.5 for t in trajs)
+    # the edited conversation is the new segment's prompt (re-rendered, masked out by being the prompt)
+    assert all(sum(t.loss_mask) == len(t.token_ids) for t in trajs)
+
+
+def test_completions_continue_from_recorded_ids(random_model, chat_tok):
+    server = serve(random_model, chat_tok, max_new_tokens=6)
+    try:
+        c = client(server, "ep-cmpl")
+        first = c.completions.create(model="any", prompt="12+34")
+        second = c.completions.create(model="any", prompt="12+34" + first.choices[0].text + "=")
+        assert not tidal_extra(second)["new_segment"]
+        [traj] = server.finish("ep-cmpl", reward=0.0)
+    finally:
+        server.stop()
+    ids1, ids2 = tidal_extra(first)["token_ids"], tidal_extra(second)["token_ids"]
+    assert traj.token_ids == ids1 + chat_tok("=", add_special_tokens=False).input_ids + ids2
+    assert traj.loss_mask == [1] * len(ids1) + [0] + [1] * len(ids2)
+    check_logprobs(random_model, traj)
+
+
+def test_concurrent_episodes_share_the_engine_and_sample_what_they_would_alone(random_model, chat_tok):
+    episodes = [f"par-{i}" for i in range(6)]
+
+    async def agent(server, episode):
+        c = client(server, episode, cls=openai.AsyncOpenAI)
+        messages = [{"role": "user", "content": f"task {episode}"}]
+        for _ in range(2):
+            resp = await c.chat.completions.create(model="any", messages=messages, max_tokens=16)
+            messages += [resp.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "content": "=1"}]
+        await c.close()
+
+    def run(parallel: bool):
+        server = serve(random_model, chat_tok, max_new_tokens=16)
+        try:
+            async def main():
+                if parallel:
+                    await asyncio.gather(*(agent(server, e) for e in episodes))
+                else:
+                    for e in episodes:
+                        await agent(server, e)
+            asyncio.run(main())
+            return {e: server.finish(e, 1.0)[0] for e in episodes}, server.bridge.max_in_flight
+        finally:
+            server.stop()
+
+    together, max_in_flight = run(parallel=True)
+    alone, _ = run(parallel=False)
+    assert max_in_flight > 1, "concurrent episodes never shared a batch"
+    for e in episodes:
+        assert together[e].token_ids == alone[e].token_ids
+        assert together[e].loss_mask == alone[e].loss_mask
+        assert torch.allclose(torch.tensor(together[e].logprobs), torch.tensor(alone[e].logprobs), atol=1e-4)
+        check_logprobs(random_model, together[e])
+
+
+def test_bad_requests_get_openai_error_bodies(random_model, chat_tok):
+    server = serve(random_model, chat_tok)
+    try:
+        c = client(server, "ep-bad")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="any", messages=[{"role": "wizard", "content": "hi"}])
+        assert e.value.status_code == 400 and "messages.0.role" in e.value.message
+        assert e.value.body["param"] == "messages.0.role" and e.value.body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError, match="temperature must be the engine's"):
+            c.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], temperature=0.2)
+        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+            c.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=2)
+        with pytest.raises(openai.BadRequestError, match="context"):
+            c.completions.create(model="any", prompt="x" * (CONTEXT + 5))
+        with pytest.raises(openai.NotFoundError):  # no episode in the path
+            openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="k", max_retries=0).completions.create(
+                model="any", prompt="hi")
+    finally:
+        server.stop()
+
+
+def test_auth_is_required_when_a_key_is_set_and_generated_beyond_loopback(random_model, chat_tok):
+    assert resolve_api_key("127.0.0.1", None) is None
+    generated = resolve_api_key("0.0.0.0", None)
+    assert generated and generated != resolve_api_key("0.0.0.0", None)
+    server = serve(random_model, chat_tok, api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            client(server, "ep-auth", key="wrong").completions.create(model="any", prompt="1+1")
+        assert e.value.body["code"] == "invalid_api_key"
+        ok = client(server, "ep-auth", key="s3cret").completions.create(model="any", prompt="1+1")
+        assert ok.choices[0].text is not None
+    finally:
+        server.stop()
+
+
+def test_request_size_and_episode_limits(random_model, chat_tok):
+    server = serve(random_model, chat_tok, max_request_bytes=2000, max_episodes=1)
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            client(server, "a").completions.create(model="any", prompt="1" * 5000)
+        assert e.value.status_code == 413 and "max_request_bytes" in e.value.message
+        client(server, "a").completions.create(model="any", prompt="1+1")
+        with pytest.raises(openai.RateLimitError, match="max_episodes=1"):
+            client(server, "b").completions.create(model="any", prompt="1+1")
+        server.finish("a", 0.0)
+        client(server, "b").completions.create(model="any", prompt="1+1")
+    finally:
+        server.stop()
+
+
+def test_an_idle_episode_times_out_and_is_counted(random_model, chat_tok):
+    server = serve(random_model, chat_tok, episode_timeout_s=0.3)
+    try:
+        client(server, "hung").completions.create(model="any", prompt="1+1")
+
+        time.sleep(0.5)
+        client(server, "fresh").completions.create(model="any", prompt="1+1")
+        assert server.stats()["harness/timed_out"] == 1
+        with pytest.raises(KeyError, match="hung"):
+            server.finish("hung", 1.0)
+    finally:
+        server.stop()

@@ -1,0 +1,145 @@
+"""The OpenAI wire format: request validation, error bodies, hermes tool calls, response objects.
+
+Requests are validated with pydantic; anything that would make the recorded behaviour log-probs
+wrong is refused with a 400 naming the parameter rather than silently ignored: the sampling
+temperature and top-p are the engine's (the trainer scores tokens at the same temperature), ``n``
+is 1 (one sample per turn; a group is several episodes), and ``stop`` / streaming are not served
+yet. Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+
+Tool calls follow the hermes format of Qwen2.5/Hermes templates (``tidal/envs/tool_calls.py``):
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the model's text become the
+message's ``tool_calls``; text before the first block is its ``content``. A turn with a block that
+does not parse is returned as plain content (the agent sees what the model wrote) and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tidal.envs.tool_calls import CallFormat, Malformed, ToolCall
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    logprobs: bool | int | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+
+def parse_request(cls: type[BaseModel], raw: bytes) -> Any:
+    """Validate a JSON body into ``cls``; a 400 naming the first bad field otherwise."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise APIError(400, f"{loc}: {err['msg']}", param=loc) from None
+
+
+def check_sampling(req: _Sampling, temperature: float, top_p: float) -> None:
+    """Refuse parameters that would make the recorded log-probs differ from what was asked for."""
+    if req.n != 1:
+        raise APIError(400, "n must be 1: each turn is one sample (run several episodes for a group)", param="n")
+    if req.stream:
+        raise APIError(400, "streaming is not supported by tidal's server yet", param="stream")
+    if req.stop:
+        raise APIError(400, "per-request stop strings are not supported: set rollout.stop on the engine",
+                       param="stop")
+    if req.temperature is not None and abs(req.temperature - temperature) > 1e-6:
+        raise APIError(400, f"temperature must be the engine's ({temperature}): the trainer scores tokens at the "
+                            "sampling temperature; omit it or set rollout.temperature", param="temperature")
+    if req.top_p is not None and abs(req.top_p - top_p) > 1e-6:
+        raise APIError(400, f"top_p must be the engine's ({top_p}); omit it or set rollout.top_p", param="top_p")
+
+
+HERMES = CallFormat.hermes("", "")
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]] | None:
+    """``(content, calls)`` if ``text`` holds hermes tool-call blocks that all parse, else None."""
+    calls, rest, content = [], text, None
+    while (start := rest.find(HERMES.open)) >= 0:
+        if content is None:
+            content = rest[:start].strip() or None
+        end = rest.find(HERMES.close, start)
+        if end < 0:
+            return None
+        parsed = HERMES.parse(rest[start : end + len(HERMES.close)])
+        if isinstance(parsed, Malformed) or not isinstance(parsed, ToolCall):
+            return None
+        calls.append(parsed)
+        rest = rest[end + len(HERMES.close):]
+    return (content, calls) if calls else None
+
+
+def assistant_message(text: str, with_tools: bool, call_id_prefix: str) -> tuple[dict, bool]:
+    """The OpenAI assistant message for a model turn, and whether its tool calls were malformed."""
+    parsed = parse_tool_calls(text) if with_tools else None
+    if parsed is None:
+        malformed = with_tools and HERMES.open in text
+        return {"role": "assistant", "content": text}, malformed
+    content, calls = parsed
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"{call_id_prefix}_{i}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for i, c in enumerate(calls)]}, False
+
+
+def finish_reason(engine_reason: str, message: dict | None = None) -> str:
+    if message is not None and message.get("tool_calls"):
+        return "tool_calls"
+    return "length" if engine_reason == "length" else "stop"
+
+
+def response(kind: str, rid: str, model: str, choice: dict, num_prompt: int, num_completion: int,
+             extra: dict) -> dict:
+    """A ``chat.completion`` or ``text_completion`` object; ``extra`` goes under ``tidal`` (token ids,
+    versions, segment: what a harness author may want to inspect; clients ignore unknown keys)."""
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                      "total_tokens": num_prompt + num_completion}, "tidal": extra}
