@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import openai
@@ -244,5 +245,40 @@ def test_an_idle_episode_times_out_and_is_counted(random_model, chat_tok):
         assert server.stats()["harness/timed_out"] == 1
         with pytest.raises(KeyError, match="hung"):
             server.finish("hung", 1.0)
+    finally:
+        server.stop()
+
+
+def test_run_episodes_groups_healthy_episodes_and_counts_crashed_and_hung(random_model, chat_tok):
+    from tidal.serve.harness import run_episodes
+    from tidal.types import Prompt
+
+    release = threading.Event()
+
+    def agent(client, task):  # written only against the openai client
+        messages = [{"role": "user", "content": task.text}]
+        resp = client.chat.completions.create(model="any", messages=messages)
+        if task.uid == "crash":
+            raise RuntimeError("the agent's own bug")
+        if task.uid == "hang":
+            release.wait(30)
+        messages += [resp.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "=3"}]
+        resp = client.chat.completions.create(model="any", messages=messages)
+        return 1.0 if "3" in (resp.choices[0].message.content or "") else 0.0
+
+    server = serve(random_model, chat_tok)
+    try:
+        tasks = [Prompt("ok", "1+2", "3"), Prompt("crash", "2+2", "4"), Prompt("hang", "3+3", "6")]
+        report = run_episodes(server, agent, tasks, group_size=3, max_concurrent=9, episode_timeout_s=5)
+        release.set()
+        assert report.counts == {"finished": 3, "crashed": 3, "hung": 3}
+        assert len(report.errors) == 3 and "the agent's own bug" in report.errors[0]
+        [group] = report.groups
+        assert group.prompt.uid == "ok" and [t.sample_index for t in group.trajectories] == [0, 1, 2]
+        assert len({tuple(t.token_ids) for t in group.trajectories}) > 1, "a group's episodes sampled alike"
+        for t in group.trajectories:
+            assert t.prompt_uid == "ok" and t.episode["turns"] == 2
+            check_logprobs(random_model, t)
+        assert server.stats()["harness/dropped"] == 6 and not server.recorder.episodes
     finally:
         server.stop()

@@ -142,6 +142,7 @@ class EpisodeRecorder:
         self.max_episodes = max_episodes
         self.episode_timeout_s = episode_timeout_s
         self.episodes: dict[str, Episode] = {}
+        self.closed_ids: set[str] = set()  # a late request of a dropped episode must not reopen it
         self.lock = threading.Lock()
         self.totals = {"episodes": 0, "finished": 0, "dropped": 0, "timed_out": 0, "history_edits": 0,
                        "not_append_only": 0}
@@ -152,6 +153,8 @@ class EpisodeRecorder:
         self.reap()
         with self.lock:
             ep = self.episodes.get(episode_id)
+            if ep is None and episode_id in self.closed_ids:
+                raise EpisodeClosed(f"episode {episode_id!r} was finished, dropped or timed out")
             if ep is None:
                 if self.max_episodes is not None and len(self.episodes) >= self.max_episodes:
                     raise TooManyEpisodes(f"{len(self.episodes)} episodes are open, the server's limit "
@@ -169,6 +172,7 @@ class EpisodeRecorder:
             if ep is None:
                 raise KeyError(f"no open episode {episode_id!r} (finished, dropped, timed out or never used)")
             ep.closed = True
+            self.closed_ids.add(episode_id)
             self.totals["finished"] += 1
         return [self._trajectory(ep, s, reward) for s in ep.segments if s.sampled_end > s.num_prompt]
 
@@ -179,6 +183,7 @@ class EpisodeRecorder:
             if ep is None:
                 return False
             ep.closed = True
+            self.closed_ids.add(episode_id)
             self.totals["timed_out" if why == "timeout" else "dropped"] += 1
             return True
 
@@ -248,7 +253,8 @@ class EpisodeRecorder:
             raise ContextTooLong(f"the conversation is {len(context)} tokens, the model's context is "
                                  f"{self.context_len}: no room for a completion")
         want = max_tokens or self.default_max_tokens
-        request = GenRequest(ep.prompt, tuple(context), 0, min(want, budget), turn=ep.turns)
+        # sampling noise is keyed by the episode id (not the task: a group's episodes share one task)
+        request = GenRequest(Prompt(ep.id, "", ""), tuple(context), 0, min(want, budget), turn=ep.turns)
         return Plan(ep, seg, is_new, context, request, **kw)
 
     # ---- recording a turn -----------------------------------------------------------------------

@@ -233,6 +233,8 @@ class HarnessServer:
             ep = self.recorder.open(episode_id)
         except TooManyEpisodes as e:
             raise APIError(429, str(e), type="rate_limit_error", code="too_many_episodes") from None
+        except EpisodeClosed as e:
+            raise APIError(409, str(e), code="episode_closed") from None
         if ep.lock is None:
             ep.lock = asyncio.Lock()
         return ep
