@@ -18,13 +18,16 @@ class GenRequest:
     """Generate one sample for ``prompt``; ``sample_index`` keys its sampling noise.
     ``max_new_tokens`` overrides the engine's length cap for this request (staged length budgets).
     ``turn`` numbers an agent episode's model turns (``prompt_ids`` is then the whole context so far)
-    and keys the turn's sampling noise apart from the earlier turns'."""
+    and keys the turn's sampling noise apart from the earlier turns'. ``episode``: the request is such
+    a turn, so the episode's next turn will extend its context (an engine may keep its keys and values
+    for it)."""
 
     prompt: Prompt
     prompt_ids: tuple[int, ...]
     sample_index: int
     max_new_tokens: int | None = None
     turn: int = 0
+    episode: bool = False
 
 
 @runtime_checkable

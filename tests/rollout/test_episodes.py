@@ -733,3 +733,24 @@ def test_per_turn_rewards_sum_into_the_episode_return(model, tokenizer):
     for t in trajs:
         assert t.episode["turns"] == 3 and t.reward == pytest.approx(1.0 - 0.1 - 0.1)
         assert t.reward_details["env_reward"] == t.reward
+
+
+def test_kept_turn_kv_changes_no_token_and_matches_the_trainer(model, tokenizer):
+    """The local engine keeps each finished turn's keys and values (``reuse_turn_kv``, on by default),
+    so a later turn computes only the observation's tokens: the same tokens as re-reading the whole
+    context, log-probs equal within float noise, and equal to the trainer's."""
+    prompts = prompts_(4)
+    runs = {}
+    for reuse in (True, False):
+        inner = LocalEngine(model, tokenizer, SamplingConfig(max_new_tokens=6, reuse_turn_kv=reuse), seed=0)
+        rec = _Recording(inner)
+        ee = EpisodeEngine(rec, tokenizer, Factory(turns=4, first="go:"), EnvConfig(), context_len=128, seed=0,
+                           max_turn_tokens=6)
+        runs[reuse] = (generate(ee, rec, group_requests(tokenizer, prompts, 2)), inner)
+    (on, engine_on), (off, engine_off) = runs[True], runs[False]
+    assert engine_on.num_reused_tokens > 0 and engine_off.num_reused_tokens == 0
+    assert engine_on.stats()["rollout/reused_kv_tokens"] == engine_on.num_reused_tokens
+    for a, b in zip(on, off):
+        assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        check_logprobs(model, a)

@@ -241,7 +241,7 @@ class EpisodeEngine:
             return None
         r = ep.request
         return GenRequest(r.prompt, tuple(ep.context), r.sample_index,
-                          min(r.max_new_tokens or self.max_turn_tokens, budget), turn=ep.turns)
+                          min(r.max_new_tokens or self.max_turn_tokens, budget), turn=ep.turns, episode=True)
 
     def _env_step(self, ep: _Episode, text: str, delay: float = 0.0) -> str | None:
         """Run one environment step for ``ep`` on this worker thread (``delay``: simulated latency it

@@ -22,6 +22,7 @@ import copy
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,11 @@ class SamplingConfig:
     None disables it."""
     early_stop_prob: float = 0.99
     """The per-token probability above which a token counts toward ``early_stop_run``."""
+    reuse_turn_kv: bool = True
+    """Agent episodes: keep the keys and values of a finished turn (a request with ``episode`` set, not
+    ended by EOS), and when the episode's next turn arrives (its context = that turn + the observation)
+    compute only the new tokens instead of re-reading the whole context. A weight update drops what is
+    kept; at most ``max_batch_size`` turns are kept (oldest dropped first)."""
 
 
 @dataclass
@@ -68,6 +74,16 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     confident_run: int = 0  # consecutive tokens sampled with probability > early_stop_prob
+
+
+@dataclass
+class _TurnKV:
+    """A finished turn's sequence and its keys and values per layer ([heads, len, head_dim] each)."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    version: int
 
 
 RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
@@ -93,6 +109,8 @@ class LocalEngine:
         self.generate_seconds = 0.0
         self.num_interruptions = 0
         self.num_weight_updates = 0
+        self._turn_kv: OrderedDict[tuple[str, int], _TurnKV] = OrderedDict()
+        self.num_reused_tokens = 0
 
     # ---- weights ---------------------------------------------------------------------------
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -109,6 +127,7 @@ class LocalEngine:
         state_dict = dequantize_state_dict(state_dict, next(self.model.parameters()).dtype)  # fp8_block sync
         self.model.load_state_dict(state_dict)  # strict: a mismatched checkpoint must fail loudly
         self.version = version
+        self._turn_kv.clear()  # computed with the old weights
         self.num_weight_updates += 1
         return True
 
@@ -119,6 +138,7 @@ class LocalEngine:
             "rollout/engine_busy_s": self.generate_seconds,
             "rollout/interruptions": float(self.num_interruptions),
             "rollout/weight_updates": float(self.num_weight_updates),
+            "rollout/reused_kv_tokens": float(self.num_reused_tokens),
         }
 
     # ---- generation --------------------------------------------------------------------------
@@ -158,8 +178,14 @@ class LocalEngine:
                         if self._apply_pending_update() and rows:  # arrived while we waited
                             self._reprefill(slots, rows)
                         new_rows = [_Row(r, sampling_key(self.seed, r)) for r in new]
-                        self._prefill(slots, new_rows, share_prompts=True)
-                        rows += new_rows
+                        saved = [self._saved_turn(r) for r in new]
+                        fresh = [row for row, kv in zip(new_rows, saved) if kv is None]
+                        resumed = [(row, kv) for row, kv in zip(new_rows, saved) if kv is not None]
+                        if fresh:
+                            self._prefill(slots, fresh, share_prompts=True)
+                        if resumed:
+                            self._prefill_after(slots, resumed)
+                        rows += fresh + [row for row, _ in resumed]
                 if not rows:
                     if exhausted:
                         return
@@ -197,7 +223,10 @@ class LocalEngine:
             keep[slot] = False
         self.num_generated_tokens += n
         for slot in (~keep).nonzero().squeeze(1).tolist():
-            on_done(rows[slot].request, self._to_trajectory(rows[slot]))
+            row = rows[slot]
+            if self.cfg.reuse_turn_kv and row.request.episode and row.tokens[-1] != self.eos_id:
+                self._save_turn(row, slots, slot)  # the episode's next turn will extend this context
+            on_done(row.request, self._to_trajectory(row))
         if not keep.all():
             holes, movers = slots.remove(keep)
             for hole, mover in zip(holes, movers):
@@ -232,6 +261,58 @@ class LocalEngine:
                             use_cache=True).logits[:, -1]
         source = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
         slots.admit(cache, mask, positions[:, -1], logits, source)
+
+    def _save_turn(self, row: _Row, slots: SlotCache, slot: int) -> None:
+        """Keep the keys and values of ``row``'s sequence (its last sampled token was never fed)."""
+        tokens = (*row.request.prompt_ids, *row.tokens[:-1])
+        keys, values = slots.row_kv(slot)
+        assert keys[0].shape[1] == len(tokens), "slot span and sequence disagree"
+        key = (row.request.prompt.uid, row.request.sample_index)
+        self._turn_kv[key] = _TurnKV(tokens, keys, values, self.version)
+        self._turn_kv.move_to_end(key)
+        while len(self._turn_kv) > self.cfg.max_batch_size:  # abandoned episodes: oldest first
+            self._turn_kv.popitem(last=False)
+
+    def _saved_turn(self, request: GenRequest) -> _TurnKV | None:
+        """The kept keys and values this request's context extends (same weights), if any."""
+        if not self._turn_kv:
+            return None
+        kv = self._turn_kv.pop((request.prompt.uid, request.sample_index), None)
+        if (kv is None or kv.version != self.version or len(request.prompt_ids) <= len(kv.tokens)
+                or tuple(request.prompt_ids[: len(kv.tokens)]) != kv.tokens):
+            return None
+        return kv
+
+    def _prefill_after(self, slots: SlotCache, resumed: list[tuple[_Row, _TurnKV]]) -> None:
+        """Join rows whose context extends kept keys and values: run only the last S columns, S the
+        longest new part, over the kept prefix (right-aligned as in ``_prefill``; a row whose new part
+        is shorter recomputes a few kept tokens), then admit them like a fresh prefill."""
+        seqs = [list(row.request.prompt_ids) for row, _ in resumed]
+        width = max(map(len, seqs))
+        window = max(len(seq) - len(kv.tokens) for seq, (_, kv) in zip(seqs, resumed))
+        n, past = len(seqs), width - window
+        ids = torch.full((n, window), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        first = resumed[0][1]
+        past_k = [k.new_zeros(n, k.shape[0], past, k.shape[2]) for k in first.keys]
+        past_v = [v.new_zeros(n, v.shape[0], past, v.shape[2]) for v in first.values]
+        for r, (seq, (_, kv)) in enumerate(zip(seqs, resumed)):
+            mask[r, width - len(seq):] = 1
+            tail = seq[max(0, len(seq) - window):]
+            ids[r, window - len(tail):] = torch.tensor(tail)
+            kept = len(seq) - window  # tokens before the window, all inside the kept span
+            if kept > 0:
+                for layer in range(len(past_k)):
+                    past_k[layer][r, :, past - kept:] = kv.keys[layer][:, :kept]
+                    past_v[layer][r, :, past - kept:] = kv.values[layer][:, :kept]
+            self.num_reused_tokens += max(kept, 0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(past_k, past_v)):
+            cache.update(k, v, layer)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:],
+                            past_key_values=cache, use_cache=True).logits[:, -1]
+        slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n))
 
     def _hit_stop(self, row: _Row) -> bool:
         if not self._stop_max_tokens:

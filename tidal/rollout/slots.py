@@ -116,6 +116,11 @@ class SlotCache(Cache):
         self.lo = int(self.start[:m].min()) if m else self.t
         return holes.tolist(), movers.tolist()
 
+    def row_kv(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of running row ``slot``'s keys and values, per layer [heads, len, head_dim]."""
+        span = slice(int(self.start[slot]), self.t)
+        return ([k[slot, :, span].clone() for k in self.keys], [v[slot, :, span].clone() for v in self.values])
+
     def clear(self) -> None:
         """Forget every running row (the buffers stay allocated)."""
         self.n, self.lo = 0, self.t
