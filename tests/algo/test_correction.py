@@ -76,10 +76,12 @@ def _knobs(name, level, rejections=True):
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("rejections", [False, True])
 def test_equal_logps_give_weight_exactly_one(name, level, rejections):
-    if name == "reject" and not rejections:
-        pytest.skip("reject needs a criterion")
     torch.manual_seed(0)
     logp = -torch.rand(3, 4) * 5
+    if name == "reject" and not rejections:  # nothing to reject by: a clear error, not all-ones weights
+        with pytest.raises(ValueError, match="needs a criterion"):
+            CORRECTIONS[name](logp, logp.clone(), torch.ones(3, 4), **_knobs(name, level, rejections))
+        return
     w, _ = CORRECTIONS[name](logp, logp.clone(), torch.ones(3, 4), **_knobs(name, level, rejections))
     assert torch.equal(w, torch.ones(3, 4))
 
