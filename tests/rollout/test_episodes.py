@@ -754,3 +754,17 @@ def test_kept_turn_kv_changes_no_token_and_matches_the_trainer(model, tokenizer)
         assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
         check_logprobs(model, a)
+
+
+def test_kept_turns_are_bounded_by_count_and_positions_oldest_out():
+    from tidal.rollout.local import _TurnKV, _TurnStore
+
+    store = _TurnStore()
+    kv = lambda n: _TurnKV(tuple(range(n)), [], [], 0)  # noqa: E731
+    for i in range(3):
+        store.put(("p", i), kv(10), max_turns=2, max_tokens=100)
+    assert store.take(("p", 0)) is None and store.tokens == 20  # the oldest went first
+    store.put(("p", 3), kv(85), max_turns=8, max_tokens=100)  # 20 + 85 > 100: drops the oldest again
+    assert store.take(("p", 1)) is None and store.take(("p", 2)) is not None and store.tokens == 85
+    store.clear()
+    assert not store and store.tokens == 0

@@ -62,7 +62,8 @@ class SamplingConfig:
     """Agent episodes: keep the keys and values of a finished turn (a request with ``episode`` set, not
     ended by EOS), and when the episode's next turn arrives (its context = that turn + the observation)
     compute only the new tokens instead of re-reading the whole context. A weight update drops what is
-    kept; at most ``max_batch_size`` turns are kept (oldest dropped first)."""
+    kept; at most ``max_batch_size`` turns, and no more positions than the running batch's cache holds,
+    are kept (oldest dropped first)."""
 
 
 @dataclass
@@ -84,6 +85,37 @@ class _TurnKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     version: int
+
+
+class _TurnStore:
+    """Kept turns by (prompt uid, sample index), oldest dropped first past ``max_turns`` entries or
+    ``max_tokens`` kept positions (so a large model's kept keys and values stay within about what the
+    running batch's own cache holds)."""
+
+    def __init__(self):
+        self._turns: OrderedDict[tuple[str, int], _TurnKV] = OrderedDict()
+        self.tokens = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._turns)
+
+    def put(self, key: tuple[str, int], kv: _TurnKV, max_turns: int, max_tokens: int) -> None:
+        self.take(key)
+        self._turns[key] = kv
+        self.tokens += len(kv.tokens)
+        while self._turns and (len(self._turns) > max_turns or self.tokens > max_tokens):
+            _, old = self._turns.popitem(last=False)
+            self.tokens -= len(old.tokens)
+
+    def take(self, key: tuple[str, int]) -> _TurnKV | None:
+        kv = self._turns.pop(key, None)
+        if kv is not None:
+            self.tokens -= len(kv.tokens)
+        return kv
+
+    def clear(self) -> None:
+        self._turns.clear()
+        self.tokens = 0
 
 
 RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
@@ -109,7 +141,7 @@ class LocalEngine:
         self.generate_seconds = 0.0
         self.num_interruptions = 0
         self.num_weight_updates = 0
-        self._turn_kv: OrderedDict[tuple[str, int], _TurnKV] = OrderedDict()
+        self._turn_kv = _TurnStore()
         self.num_reused_tokens = 0
 
     # ---- weights ---------------------------------------------------------------------------
@@ -267,17 +299,16 @@ class LocalEngine:
         tokens = (*row.request.prompt_ids, *row.tokens[:-1])
         keys, values = slots.row_kv(slot)
         assert keys[0].shape[1] == len(tokens), "slot span and sequence disagree"
-        key = (row.request.prompt.uid, row.request.sample_index)
-        self._turn_kv[key] = _TurnKV(tokens, keys, values, self.version)
-        self._turn_kv.move_to_end(key)
-        while len(self._turn_kv) > self.cfg.max_batch_size:  # abandoned episodes: oldest first
-            self._turn_kv.popitem(last=False)
+        kv = _TurnKV(tokens, keys, values, self.version)
+        cache_positions = len(slots.start) * slots.columns  # what the running batch's cache holds now
+        self._turn_kv.put((row.request.prompt.uid, row.request.sample_index), kv,
+                          max_turns=self.cfg.max_batch_size, max_tokens=max(cache_positions, len(tokens)))
 
     def _saved_turn(self, request: GenRequest) -> _TurnKV | None:
         """The kept keys and values this request's context extends (same weights), if any."""
         if not self._turn_kv:
             return None
-        kv = self._turn_kv.pop((request.prompt.uid, request.sample_index), None)
+        kv = self._turn_kv.take((request.prompt.uid, request.sample_index))
         if (kv is None or kv.version != self.version or len(request.prompt_ids) <= len(kv.tokens)
                 or tuple(request.prompt_ids[: len(kv.tokens)]) != kv.tokens):
             return None
