@@ -254,7 +254,8 @@ class EpisodeRecorder:
                                  f"{self.context_len}: no room for a completion")
         want = max_tokens or self.default_max_tokens
         # sampling noise is keyed by the episode id (not the task: a group's episodes share one task)
-        request = GenRequest(Prompt(ep.id, "", ""), tuple(context), 0, min(want, budget), turn=ep.turns)
+        request = GenRequest(Prompt(ep.id, "", ""), tuple(context), 0, min(want, budget), turn=ep.turns,
+                             episode=True)  # the next request of the episode extends this context
         return Plan(ep, seg, is_new, context, request, **kw)
 
     # ---- recording a turn -----------------------------------------------------------------------
