@@ -1,10 +1,7 @@
 """Renderers: the chat renderer appends exactly what the chat template would render, or refuses."""
 
-import string
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from tidal.api import EnvStep
 from tidal.envs.config import EnvConfig
@@ -15,25 +12,12 @@ from tidal.rollout.render import ChatRenderer, NotAppendOnly, PlainRenderer, bui
 from tidal.rollout.requests import group_requests
 from tidal.types import Prompt
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+from .chat_fixture import CHATML, chat_tokenizer
+
 # Renders only the last assistant message's content: earlier turns change when a message is added.
 FORGETFUL = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] != 'assistant' or loop.last %}"
              "{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def chat_tokenizer(template=CHATML) -> PreTrainedTokenizerFast:
-    """One token per character plus ChatML's two markers as special tokens (eos = <|im_end|>)."""
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    chars = sorted(set(string.digits + string.ascii_letters + " +-*/=()<>?.,:\n"))
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
-                                  additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = template
-    return tok
 
 
 def ids(tok, text):

@@ -4,37 +4,21 @@ format and then answer, so a tool-call round trip happens with the real engine a
 
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from tidal.models import tiny
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+from ..rollout.chat_fixture import PRINTABLE_CHARS, chat_tokenizer
+
 TINY = tiny.ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
 QUESTION = "add 2 and 3"
 
 
-def chat_tokenizer() -> PreTrainedTokenizerFast:
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
-                                  additional_special_tokens=["<|im_start|>"])
-    tok.chat_template = CHATML
-    return tok
-
-
 @pytest.fixture(scope="session")
 def chat_tok():
-    return chat_tokenizer()
+    return chat_tokenizer(chars=PRINTABLE_CHARS)
 
 
 @pytest.fixture(scope="session")
