@@ -149,3 +149,43 @@ def test_per_request_length_budget(small_model, tokenizer):
     assert max(len(t.token_ids) for t in short) <= 3 and any(t.finish_reason == "length" for t in short)
     assert max(len(t.token_ids) for t in default) <= 9
     assert [t.token_ids for t in short] == [t.token_ids[:3] if len(t.token_ids) >= 3 else t.token_ids for t in default]
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_identical_rows_share_compute_not_samples(small_model, tokenizer, interrupt):
+    """At a low temperature (a random model is nearly uniform, so very low) a group's samples mostly agree, so most rows are computed once and copied.
+    Every sample must still get the tokens and log-probs it gets when each row runs on its own
+    (including across a weight update, where identical rows are re-read once), and those log-probs
+    must equal a full forward of the sample's own sequence."""
+    import torch
+
+    from tidal.models.logprobs import token_logprobs
+
+    reqs = _requests(tokenizer, n_prompts=5, group=6)
+    out = {}
+    for share in (False, True):
+        engine = LocalEngine(small_model, tokenizer,
+                             SamplingConfig(max_new_tokens=10, temperature=0.05, max_batch_size=16,
+                                            share_identical_rows=share))
+        if interrupt:
+            same = {k: v.clone() for k, v in engine.model.state_dict().items()}
+            apply, calls = engine._apply_pending_update, []
+
+            def at_fourth_call(engine=engine, apply=apply, calls=calls, same=same):
+                calls.append(1)
+                if len(calls) == 4:
+                    engine.request_weight_update(same, version=1)
+                return apply()
+
+            engine._apply_pending_update = at_fourth_call
+        out[share] = (engine.generate(reqs), engine.stats()["rollout/shared_decode_frac"], engine)
+    (alone, frac_off, _), (shared, frac_on, engine) = out[False], out[True]
+    assert frac_off == 0 and frac_on > 0.3, "the test needs groups whose samples agree"
+    assert not interrupt or engine.num_interruptions == 1
+    assert len({tuple(t.token_ids) for t in shared}) > len(reqs) // 6, "samples should still differ"
+    for x, y in zip(alone, shared):
+        assert x.token_ids == y.token_ids and x.versions == y.versions
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+        ids = torch.tensor([y.prompt_ids + y.token_ids])
+        logp, _ = token_logprobs(small_model, ids, torch.ones_like(ids), temperature=0.05)
+        assert torch.allclose(logp[0, len(y.prompt_ids):], torch.tensor(y.logprobs), atol=1e-4)

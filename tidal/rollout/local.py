@@ -64,6 +64,12 @@ class SamplingConfig:
     compute only the new tokens instead of re-reading the whole context. A weight update drops what is
     kept; at most ``max_batch_size`` turns, and no more positions than the running batch's cache holds,
     are kept (oldest dropped first)."""
+    share_identical_rows: bool = True
+    """Compute rows whose whole context is identical once: a group's samples share their prompt and
+    often their first tokens (all of them, once a policy is confident), so each prefill runs every
+    distinct sequence once and each decode step only the distinct (context, token) pairs, copying the
+    new keys, values and logits to the duplicates. Sampling stays per row (its own noise key), so the
+    tokens drawn are the same as without sharing; only work is saved. False decodes every row."""
 
 
 @dataclass
@@ -75,6 +81,7 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     confident_run: int = 0  # consecutive tokens sampled with probability > early_stop_prob
+    node: int = -1  # rows with the same node hold the same context (prompt + tokens fed), the same keys and values
 
 
 @dataclass
@@ -143,6 +150,8 @@ class LocalEngine:
         self.num_weight_updates = 0
         self._turn_kv = _TurnStore()
         self.num_reused_tokens = 0
+        self.num_shared_decodes = 0  # row-steps whose decode was copied from an identical row
+        self._next_node = 0
 
     # ---- weights ---------------------------------------------------------------------------
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -171,6 +180,7 @@ class LocalEngine:
             "rollout/interruptions": float(self.num_interruptions),
             "rollout/weight_updates": float(self.num_weight_updates),
             "rollout/reused_kv_tokens": float(self.num_reused_tokens),
+            "rollout/shared_decode_frac": self.num_shared_decodes / max(self.num_generated_tokens, 1),
         }
 
     # ---- generation --------------------------------------------------------------------------
@@ -214,7 +224,7 @@ class LocalEngine:
                         fresh = [row for row, kv in zip(new_rows, saved) if kv is None]
                         resumed = [(row, kv) for row, kv in zip(new_rows, saved) if kv is not None]
                         if fresh:
-                            self._prefill(slots, fresh, share_prompts=True)
+                            self._prefill(slots, fresh)
                         if resumed:
                             self._prefill_after(slots, resumed)
                         rows += fresh + [row for row, _ in resumed]
@@ -230,7 +240,7 @@ class LocalEngine:
         """After a weight update: recompute every running row's cache (prompt + tokens so far)."""
         self.num_interruptions += 1
         slots.clear()
-        self._prefill(slots, rows, share_prompts=False)
+        self._prefill(slots, rows)
 
     def _sample_step(self, rows: list[_Row], slots: SlotCache, temperature: float, on_done) -> list[_Row]:
         """Sample one token for every running row, hand finished rows out, decode the rest one step."""
@@ -266,21 +276,50 @@ class LocalEngine:
             tokens[holes] = tokens[movers]
             rows, tokens = rows[: slots.n], tokens[: slots.n]
         if rows:
-            slots.decode(self.model, tokens)
+            shared = self._distinct_contexts(rows, tokens.tolist())
+            if shared is not None:
+                self.num_shared_decodes += len(rows) - len(shared[0])
+            slots.decode(self.model, tokens, shared)
         return rows
 
-    def _prefill(self, slots: SlotCache, rows: list[_Row], share_prompts: bool) -> None:
+    def _distinct_contexts(self, rows: list[_Row], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Give each row the node of its context after feeding its newest token; return (one slot per
+        distinct node, each row's index into those), or None when every row is distinct (or sharing
+        is off). Rows sharing a node before the token and sampling the same token share one after."""
+        if not self.cfg.share_identical_rows:
+            return None
+        after: dict[tuple[int, int], int] = {}
+        first_slot: list[int] = []
+        inverse: list[int] = []
+        for slot, (row, tok) in enumerate(zip(rows, tokens)):
+            j = after.get((row.node, tok))
+            if j is None:
+                j = after[(row.node, tok)] = len(first_slot)
+                first_slot.append(slot)
+            row.node = self._next_node + j
+            inverse.append(j)
+        self._next_node += len(first_slot)
+        if len(first_slot) == len(rows):
+            return None
+        return torch.tensor(first_slot), torch.tensor(inverse)
+
+    def _prefill(self, slots: SlotCache, rows: list[_Row]) -> None:
         """Forward prompts (+ tokens so far) of ``rows`` (left-padded, on a fresh DynamicCache) and
-        append them to the running batch in ``slots``."""
-        if share_prompts:
-            # Rows of one group are adjacent and share a prompt: run each distinct prompt once.
-            starts = [i for i in range(len(rows))
-                      if i == 0 or rows[i].request.prompt_ids != rows[i - 1].request.prompt_ids]
-            counts = [b - a for a, b in zip(starts, [*starts[1:], len(rows)])]
-            seqs = [list(rows[i].request.prompt_ids) for i in starts]
-        else:
-            counts = [1] * len(rows)
-            seqs = [list(r.request.prompt_ids) + r.tokens for r in rows]
+        append them to the running batch in ``slots``. Each distinct sequence runs once (a group's
+        samples share their prompt) and its rows copy it."""
+        seqs: list[tuple[int, ...]] = []
+        index: dict[object, int] = {}
+        source: list[int] = []
+        for i, row in enumerate(rows):
+            seq = (*row.request.prompt_ids, *row.tokens)
+            key = seq if self.cfg.share_identical_rows or not row.tokens else i  # off: only prompts shared
+            d = index.get(key)
+            if d is None:
+                d = index[key] = len(seqs)
+                seqs.append(seq)
+            source.append(d)
+            row.node = self._next_node + d
+        self._next_node += len(seqs)
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -291,8 +330,7 @@ class LocalEngine:
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True).logits[:, -1]
-        source = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
-        slots.admit(cache, mask, positions[:, -1], logits, source)
+        slots.admit(cache, mask, positions[:, -1], logits, torch.tensor(source))
 
     def _save_turn(self, row: _Row, slots: SlotCache, slot: int) -> None:
         """Keep the keys and values of ``row``'s sequence (its last sampled token was never fed)."""
@@ -343,6 +381,8 @@ class LocalEngine:
             cache.update(k, v, layer)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:],
                             past_key_values=cache, use_cache=True).logits[:, -1]
+        for row, _ in resumed:  # each its own context
+            row.node, self._next_node = self._next_node, self._next_node + 1
         slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n))
 
     def _hit_stop(self, row: _Row) -> bool:

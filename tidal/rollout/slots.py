@@ -51,6 +51,7 @@ class SlotCache(Cache):
         self.start = torch.zeros(0, dtype=torch.long)
         self.last_pos = torch.zeros(0, dtype=torch.long)
         self.logits = torch.zeros(0, config.vocab_size)
+        self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self._resize(0, 0)
 
     # ---- what the model calls ----------------------------------------------------------------
@@ -58,24 +59,41 @@ class SlotCache(Cache):
         """Write this step's column for every running row; return the span attention reads."""
         assert key_states.shape[2] == 1, "the slot cache only decodes (prefill runs on a DynamicCache)"
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        k[: self.n, :, self.t] = key_states[:, :, 0]
-        v[: self.n, :, self.t] = value_states[:, :, 0]
-        return k[: self.n, :, self.lo : self.t + 1], v[: self.n, :, self.lo : self.t + 1]
+        rows = slice(0, self.n) if self._fed is None else self._fed
+        k[rows, :, self.t] = key_states[:, :, 0]
+        v[rows, :, self.t] = value_states[:, :, 0]
+        return k[rows, :, self.lo : self.t + 1], v[rows, :, self.lo : self.t + 1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.t - self.lo
 
     # ---- decode -----------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, model: torch.nn.Module, tokens_n: torch.Tensor) -> None:
-        """One forward over the running rows with their newest tokens; refreshes ``logits[:n]``."""
+    def decode(self, model: torch.nn.Module, tokens_n: torch.Tensor,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One forward over the running rows with their newest tokens; refreshes ``logits[:n]``.
+
+        ``shared = (slots_u, inverse_n)``: rows holding identical contexts and newest tokens run once.
+        The model runs on the u slots ``slots_u`` only; row i then copies the new column of keys and
+        values and the logits of slot ``slots_u[inverse_n[i]]``."""
         self._place(0, extra=1)
         n = self.n
-        cols = torch.arange(self.lo, self.t + 1)
-        mask = (cols[None, :] >= self.start[:n, None])[:, None, None, :]  # [n, 1, q=1, span]
         pos = self.last_pos[:n] + 1
-        logits = model(input_ids=tokens_n[:, None], attention_mask=mask, position_ids=pos[:, None],
-                       past_key_values=self, use_cache=True).logits[:, -1]
+        fed = slice(0, n) if shared is None else shared[0]
+        cols = torch.arange(self.lo, self.t + 1)
+        mask = (cols[None, :] >= self.start[fed, None])[:, None, None, :]  # [rows fed, 1, q=1, span]
+        self._fed = None if shared is None else shared[0]
+        try:
+            logits = model(input_ids=tokens_n[fed, None], attention_mask=mask, position_ids=pos[fed, None],
+                           past_key_values=self, use_cache=True).logits[:, -1]
+        finally:
+            self._fed = None
+        if shared is not None:
+            slots_u, inverse_n = shared
+            source_n = slots_u[inverse_n]
+            for buf in (*self.keys, *self.values):
+                buf[:n, :, self.t] = buf[source_n, :, self.t]
+            logits = logits[inverse_n]
         self.t += 1
         self.last_pos[:n] = pos
         self.logits[:n] = logits
