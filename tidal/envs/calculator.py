@@ -132,3 +132,10 @@ def calculator_trace(operands: list, env: Calculator | None = None) -> str:
         total += int(x)
         parts.append(env.format.render(ToolCall("calculator", {"expression": expression})) + env.observe(str(total)))
     return "".join(parts) + str(total)
+
+
+def calculator_call_trace(expression: str, env: Calculator | None = None) -> str:
+    """A correct one-call episode, as one text: ``<c>347*86</c>=29842 29842``."""
+    env = env or Calculator()
+    value = format_value(evaluate(expression))
+    return env.format.render(ToolCall("calculator", {"expression": expression})) + env.observe(value) + value

@@ -67,6 +67,14 @@ def agentic_quickstart() -> RunConfig:
       whole; 192 positions): warm start 150 steps to 0.37, RL 0.565 at step 10, then down to 0.47-0.50
       by steps 50-60.
 
+    - One call instead of a chain (``task.name=product``: ``217*56=`` -> ``<c>217*56</c>`` -> ``=12152 ``
+      -> ``12152``, ``env.max_turns=3``; issue 23's "3-4 digit multiplication"): warm start 80 steps to
+      0.33, then RL 0.33 / 0.20 / 0.285 / 0.255 / 0.18 / 0.18 / 0.245 / 0.28 / 0.24 / 0.26 / 0.31 at
+      steps 0-100 and 0.445 / 0.485 / 0.53 / 0.55 / 0.615 at steps 120-200 (345 s of RL on a machine
+      shared with three other jobs). The first steps undo the fresh base; the errors left are copies
+      again: an operand's digits swapped (``212*94`` -> ``<c>221*94</c>``) and a 4-digit result copied
+      with a doubled digit (``=6721 `` -> ``66721``).
+
     The trainer packs each group's episodes as prefix tries (``trainer.share_prefixes``; same loss
     and gradients): that run took 2.4 s per step against ~3.5 s padded in earlier runs (one run each,
     not side by side).

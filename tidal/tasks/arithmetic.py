@@ -19,6 +19,10 @@ terms at a time (the agentic quickstart): its warm-start example is that tool-us
 (``task.params.demos=answer`` gives the bare answer instead, to measure the model without a tool;
 ``task.params.pad_operands=true`` zero-pads operands to ``max_operand``'s width, "07+45=", which the
 calculator reads too).
+
+``product``: "347*86=" -> "29842", a d1-digit times a d2-digit number (``task.params.digits``, default
+[3, 2]: 81,000 problems). Far past what the tiny model multiplies in its head; one calculator call
+(``<c>347*86</c>=29842 29842``) solves it. Same ``demos`` switch as ``sum_chain``.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 
-from tidal.envs.calculator import calculator_trace
+from tidal.envs.calculator import calculator_call_trace, calculator_trace
 from tidal.tasks import TASKS
 from tidal.tasks.config import TaskConfig
 from tidal.types import Prompt
 from tidal.utils.seeding import stable_hash
 
-__all__ = ["Addition", "Repeat", "SumChain", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
+__all__ = ["Addition", "Product", "Repeat", "SumChain", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
 
 
 class _SplitTask(ABC):
@@ -152,3 +156,31 @@ class SumChain(_SplitTask):
         if demos == "answer":
             return prompt.answer
         return calculator_trace(prompt.text.rstrip("=").split("+"))
+
+
+@TASKS.register("product")
+class Product(_SplitTask):
+    name = "product"
+
+    def _digits(self) -> tuple[int, int]:
+        digits = self.cfg.params.get("digits", [3, 2])
+        if (not isinstance(digits, (list, tuple)) or len(digits) != 2
+                or not all(isinstance(d, int) and 1 <= d <= 6 for d in digits)):
+            raise ValueError(f"task product: params.digits={digits!r} must be two digit counts in [1, 6]")
+        return digits[0], digits[1]
+
+    def _space(self) -> list:
+        (d1, d2) = self._digits()
+        return [(a, b) for a in range(10 ** (d1 - 1), 10**d1) for b in range(10 ** (d2 - 1), 10**d2)]
+
+    def _prompt(self, item, uid: str) -> Prompt:
+        a, b = item
+        return Prompt(uid=uid, text=f"{a}*{b}=", answer=str(a * b))
+
+    def sft_example(self, prompt: Prompt) -> str:
+        demos = self.cfg.params.get("demos", "tool")
+        if demos not in ("tool", "answer"):
+            raise ValueError(f"task.params.demos={demos!r}: use 'tool' (a calculator trace) or 'answer'")
+        if demos == "answer":
+            return prompt.answer
+        return calculator_call_trace(prompt.text.rstrip("="))
