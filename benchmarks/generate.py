@@ -55,6 +55,9 @@ class Settings:
     hf_batch_sizes: list[int] = field(default_factory=lambda: [64, 256])
     engine_batch_sizes: list[int] = field(default_factory=lambda: [64, 256, 512])
     """The engine's ``max_batch_size`` (the most rows decoded in one forward; 512 is its default)."""
+    unshared_batch_sizes: list[int] = field(default_factory=lambda: [512])
+    """``engine-unshared`` arms: the engine with ``share_identical_rows=false`` (every row decoded, even
+    when a group's samples still agree), to measure what sharing identical rows saves."""
     vllm_batch_sizes: list[int] = field(default_factory=lambda: [256])
     vllm: bool = True
     """Add vLLM arms when vLLM is importable here or ``vllm_venv`` exists (false: never)."""
@@ -127,10 +130,11 @@ class HFArm:
 class EngineArm:
     """``LocalEngine.generate`` over all requests at once (continuous batching)."""
 
-    def __init__(self, model, tokenizer, requests, batch_size: int, s: Settings):
+    def __init__(self, model, tokenizer, requests, batch_size: int, s: Settings, share: bool = True):
         from tidal.rollout.local import LocalEngine, SamplingConfig
 
-        cfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=s.max_new_tokens, max_batch_size=batch_size)
+        cfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=s.max_new_tokens, max_batch_size=batch_size,
+                             share_identical_rows=share)
         self.engine = LocalEngine(model, tokenizer, cfg, seed=s.seed)
         self.requests = requests
 
@@ -193,7 +197,7 @@ def _plot(rows: list[dict], lengths: dict[str, list[int]], s: Settings, path: Pa
     import matplotlib.pyplot as plt
 
     fig, (ax, hist) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
-    colors = {"hf": "C0", "engine": "C1", "vllm": "C2"}
+    colors = {"hf": "C0", "engine": "C1", "vllm": "C2", "engine-unshared": "C3"}
     bars = ax.bar([f"{r['arm']}\nbatch {r['batch_size']}" for r in rows], [r["new_tokens_per_s"] for r in rows],
                   color=[colors.get(r["arm"], "C2") for r in rows])
     for bar, r in zip(bars, rows):
@@ -229,6 +233,8 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         if not s.only_vllm:
             arms |= {("hf", b): HFArm(model, tokenizer, requests, b, s) for b in s.hf_batch_sizes}
             arms |= {("engine", b): EngineArm(model, tokenizer, requests, b, s) for b in s.engine_batch_sizes}
+            arms |= {("engine-unshared", b): EngineArm(model, tokenizer, requests, b, s, share=False)
+                     for b in s.unshared_batch_sizes}
         if use_vllm:
             arms |= {("vllm", b): VllmArm(model_path, requests, b, s) for b in s.vllm_batch_sizes}
             torch.set_num_threads(s.threads)  # vLLM's start changes the process's threads
@@ -265,7 +271,11 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     _plot(rows, lengths, s, png)
     best = {arm: max((r["new_tokens_per_s"] for r in rows if r["arm"] == arm), default=float("nan"))
             for arm in ("engine", "vllm")}
+    shared = {r["batch_size"]: r["new_tokens_per_s"] for r in rows if r["arm"] == "engine"}
+    unshared = {r["batch_size"]: r["new_tokens_per_s"] for r in rows if r["arm"] == "engine-unshared"}
+    common = sorted(set(shared) & set(unshared))
     return {"benchmark": "generate", "description": DESCRIPTION, "table": rows,
+            "shared_over_unshared": shared[common[-1]] / unshared[common[-1]] if common else float("nan"),
             "settings": {f.name: getattr(s, f.name) for f in fields(s)}, "model": model_path,
             "engine_over_best_hf": best["engine"] / best_hf, "engine_over_best_vllm": best["engine"] / best["vllm"],
             "vllm": "in-process" if use_vllm else ("vllm venv" if venv_vllm else "not installed"), "plot": str(png),

@@ -61,14 +61,16 @@ def test_generate_benchmark_runs(tmp_path):
     tiny.save(tiny.build_model(cfg, tokenizer), tokenizer, tmp_path / "model")
     module = bench.load("generate")
     toy = [f"model_path={tmp_path / 'model'}", "num_prompts=3", "group_size=2", "max_new_tokens=6",
-           "hf_batch_sizes=[2, 4]", "engine_batch_sizes=[4]", "rounds=2", "threads=1", "vllm=false"]  # 1: shared cores
+           "hf_batch_sizes=[2, 4]", "engine_batch_sizes=[4]", "unshared_batch_sizes=[4]", "rounds=2", "threads=1", "vllm=false"]  # 1: shared cores
     result = module.run(toy, tmp_path / "out" / "generate")
     rows = result["table"]
-    assert [(r["arm"], r["batch_size"]) for r in rows] == [("hf", 2), ("hf", 4), ("engine", 4)]
+    assert [(r["arm"], r["batch_size"]) for r in rows] == [("hf", 2), ("hf", 4), ("engine", 4), ("engine-unshared", 4)]
     for r in rows:
         assert r["samples"] == 6 and 6 <= r["new_tokens"] <= 6 * 6  # at least one token (EOS) each, at most the cap
         assert r["new_tokens_per_s"] == r["new_tokens"] / r["seconds"] and 0 <= r["wasted_frac"] < 1
     assert rows[2]["wasted_frac"] == 0 and max(r["vs_best_hf"] for r in rows[:2]) == 1
+    assert rows[2]["new_tokens"] == rows[3]["new_tokens"]  # sharing rows changes no sample
+    assert result["shared_over_unshared"] == rows[2]["new_tokens_per_s"] / rows[3]["new_tokens_per_s"]
     assert all(len(t) == 2 for t in result["times_s"].values())
     assert Path(result["plot"]).stat().st_size > 0 and result["plot"].endswith("generate.png")
     json.dumps(result)  # the harness writes it as JSON
