@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 def documented() -> list[re.Pattern]:
     keys = re.findall(r"`([a-z_]+/[a-z_<>/]+)`", DOC.read_text())
-    return [re.compile("^" + re.escape(k).replace("<name>", "[^/]+") + "$") for k in keys]
+    return [re.compile("^" + re.escape(k).replace("<name>", "[^/]+").replace("<task>", "[^/]+") + "$") for k in keys]
 
 
 def test_every_logged_key_is_documented(tmp_path):
@@ -22,7 +22,12 @@ def test_every_logged_key_is_documented(tmp_path):
                   ["system.mode=sync", "algo.policy_loss=decoupled_ppo", "trainer.num_minibatches=2",
                    "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"],
                   ["system.mode=async", "task.name=sum_chain", "env.name=calculator"],
-                  ["system.mode=sync", "algo.advantage=gae"]):
+                  ["system.mode=sync", "algo.advantage=gae"],
+                  ["system.mode=sync", "curriculum.difficulty.enabled=true", "rollout.length_growth.stages=[4,6]",
+                   "rollout.thinking.budgets=[0,2]", "rollout.max_new_tokens=12", "reward.name=compose",
+                   "reward.params={terms: [{reward: digit_match, name: judge}]}", "reward.length_bias.component=judge",
+                   "curriculum.mixture=[{name: add, task: {name: addition, num_eval: 8}}, "
+                   "{name: rep, task: {name: repeat, max_repeat: 8, num_eval: 8}}]"]):
         controller = prepare(tiny_cfg(tmp_path, *extra, "max_steps=2"), tmp_path / str(len(logged)))
         try:
             result = controller.run()

@@ -20,7 +20,8 @@ class GenRequest:
     ``turn`` numbers an agent episode's model turns (``prompt_ids`` is then the whole context so far)
     and keys the turn's sampling noise apart from the earlier turns'. ``episode``: the request is such
     a turn, so the episode's next turn will extend its context (an engine may keep its keys and values
-    for it)."""
+    for it). ``thinking_budget``: at most this many response tokens of thinking, then the engine forces
+    ``thinking_close`` (the ``</think>`` ids) unless the model closed it itself (``rollout/thinking.py``)."""
 
     prompt: Prompt
     prompt_ids: tuple[int, ...]
@@ -28,6 +29,8 @@ class GenRequest:
     max_new_tokens: int | None = None
     turn: int = 0
     episode: bool = False
+    thinking_budget: int | None = None
+    thinking_close: tuple[int, ...] = ()
 
 
 @runtime_checkable

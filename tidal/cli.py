@@ -194,8 +194,10 @@ def cmd_eval(args) -> int:
     from tidal.rewards import build_reward
     from tidal.rewards.pool import RewardPool
     from tidal.rollout import ENGINES
+    from tidal.rollout.thinking import close_ids
+    from tidal.system.curriculum import build_task, run_reward
     from tidal.system.evaluate import greedy_accuracy
-    from tidal.tasks import TASKS
+    from tidal.system.validate import validate_run_config
     from tidal.train.checkpoint import latest_checkpoint
     from tidal.utils.yaml_file import read_yaml
 
@@ -212,17 +214,26 @@ def cmd_eval(args) -> int:
     except ImportError as e:  # transformers' quantizers (compressed-tensors, fp8) need optional packages
         raise ConfigError(f"{model_dir}: loading this quantized checkpoint (quant_method {_quant_method(model_dir)}) "
                           f"needs packages that are not installed; pip install 'tidal[quant]' ({e})") from None
-    task = TASKS.get(cfg.task.name)(cfg.task)
+    validate_run_config(cfg)
+    task = build_task(cfg)
     try:
         engine = ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg.rollout, cfg.seed, 0)
     except ImportError as e:  # an optional engine (vllm): its message says what to install
         raise ConfigError(f"rollout.engine={cfg.rollout.engine}: {e}") from None
-    pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
+    pool = RewardPool(build_reward(*run_reward(cfg)), cfg.reward)
+    prompts = task.eval_prompts()[: cfg.num_eval]
+    thinking, close = cfg.rollout.thinking, close_ids(tokenizer, cfg.rollout.thinking)
     try:
-        result = greedy_accuracy(engine, tokenizer, task.eval_prompts()[: cfg.num_eval], pool)
+        budget = thinking.eval_budget
+        result = greedy_accuracy(engine, tokenizer, prompts, pool, None if budget is None else (budget, close))
+        if thinking.eval_budgets:  # the accuracy-vs-thinking-budget curve (budget forcing, rollout/thinking.py)
+            result["accuracy_by_thinking_budget"] = {
+                str(b): greedy_accuracy(engine, tokenizer, prompts, pool, (b, close))["eval/accuracy"]
+                for b in thinking.eval_budgets}
     finally:
         pool.close()
-    print(json.dumps({"model": str(model_dir), "task": cfg.task.name, **result}, indent=2))
+    print(json.dumps({"model": str(model_dir), "task": task.name if cfg.curriculum.mixture else cfg.task.name,
+                      **result}, indent=2))
     return 0
 
 

@@ -80,3 +80,4 @@ from tidal.rewards import language as _language  # noqa: E402,F401
 from tidal.rewards import length as _length  # noqa: E402,F401
 from tidal.rewards import math as _math  # noqa: E402,F401
 from tidal.rewards import reasoning_gym as _reasoning_gym  # noqa: E402,F401
+from tidal.rewards import route as _route  # noqa: E402,F401

@@ -148,5 +148,20 @@ class Composite:
             details["error"] = "; ".join(errors)
         return total, details
 
+    def scale_component(self, name: str, factor: float) -> bool:
+        """Multiply term ``name``'s weight by ``factor`` (the length-bias hook lowers a judge's weight,
+        ``rewards/monitor.py``); False if there is no such term. The pool pickles the reward with every
+        batch, so workers score with the new weight from the next batch on."""
+        found = False
+        for i, (term, weight, fn) in enumerate(self._terms):
+            if term == name:
+                self._terms[i] = (term, weight * factor, fn)
+                found = True
+        return found
+
+    def weight(self, name: str) -> float | None:
+        """Term ``name``'s current weight (None: no such term)."""
+        return next((w for term, w, _ in self._terms if term == name), None)
+
 
 REWARDS.register("compose")(Composite)

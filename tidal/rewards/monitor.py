@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 
 def pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
@@ -60,3 +61,57 @@ def reward_metrics(
         if corr is not None:
             out[f"reward/{name}/length_corr"] = corr
     return out
+
+
+@dataclass
+class LengthBiasConfig:
+    """``reward.length_bias``: act when a reward component's length correlation crosses a threshold.
+
+    MiniMax-M1 (arXiv 2506.13585, sec. 4.2) monitors its generative reward model for length bias during
+    RL and recalibrates it when the policy starts to win by length rather than by quality. tidal cannot
+    retrain a judge mid-run, but it can act on the signal: ``warn`` (one line on stderr), ``lower_weight``
+    (multiply the component's weight in the composed reward by ``factor``) or ``stop`` the run."""
+
+    component: str | None = None
+    """The watched component: its ``reward/<name>/length_corr`` is checked every step (e.g. ``judge``);
+    None: off."""
+    threshold: float = 0.3
+    """Fire when the correlation is above this (a positive correlation is a preference for longer
+    responses); our default, the paper gives no number."""
+    patience: int = 1
+    """Consecutive steps above ``threshold`` before firing (the count restarts after each firing)."""
+    action: Literal["warn", "lower_weight", "stop"] = "warn"
+    """What happens when it fires."""
+    factor: float = 0.5
+    """``lower_weight``: the component's weight is multiplied by this each time it fires."""
+
+
+class LengthBiasHook:
+    """Counts consecutive steps over the threshold; ``check`` returns a message when the hook fires."""
+
+    def __init__(self, cfg: LengthBiasConfig):
+        self.cfg = cfg
+        self.streak = 0
+        self.fired = 0
+
+    @property
+    def key(self) -> str:
+        return f"reward/{self.cfg.component}/length_corr"
+
+    def check(self, step: int, metrics: Mapping[str, float]) -> str | None:
+        corr = metrics.get(self.key)
+        if corr is None or corr <= self.cfg.threshold:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak < self.cfg.patience:
+            return None
+        self.streak, self.fired = 0, self.fired + 1
+        return (f"length bias: step {step}: {self.key} = {corr:.3f} > {self.cfg.threshold} for "
+                f"{self.cfg.patience} step(s); action {self.cfg.action}")
+
+    def state_dict(self) -> dict:
+        return {"streak": self.streak, "fired": self.fired}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.streak, self.fired = int(state["streak"]), int(state["fired"])

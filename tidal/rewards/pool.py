@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config import ConfigError
+from tidal.rewards.monitor import LengthBiasConfig
 from tidal.types import Prompt
 
 
@@ -43,6 +44,9 @@ class RewardConfig:
     """Worker processes. 0 scores inline on the caller's thread (tests, trivially cheap rewards)."""
     timeout_s: float = 10.0
     """Per-response limit; a response that takes longer scores 0 and is counted as a timeout."""
+    length_bias: LengthBiasConfig = field(default_factory=LengthBiasConfig)
+    """The GenRM recalibration hook: act when a component's length correlation crosses a threshold
+    (``rewards/monitor.py``, docs/curriculum.md)."""
 
 
 def _alive(pid: int) -> bool:

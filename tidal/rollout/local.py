@@ -82,6 +82,8 @@ class _Row:
     finish_reason: str | None = None
     confident_run: int = 0  # consecutive tokens sampled with probability > early_stop_prob
     node: int = -1  # rows with the same node hold the same context (prompt + tokens fed), the same keys and values
+    forced_at: list[int] = field(default_factory=list)  # positions of tokens the engine forced (thinking.py)
+    think_closed: bool = False
 
 
 @dataclass
@@ -248,6 +250,7 @@ class LocalEngine:
         keys = torch.tensor([r.key for r in rows], dtype=torch.int64)
         gen_pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)
         tokens, logps = sample_tokens(slots.logits[:n], keys, gen_pos, temperature, self.cfg.top_p)
+        self._force_think_close(rows, tokens, logps)
         keep = torch.ones(n, dtype=torch.bool)
         for slot, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist())):
             row.tokens.append(tok)
@@ -302,6 +305,23 @@ class LocalEngine:
         if len(first_slot) == len(rows):
             return None
         return torch.tensor(first_slot), torch.tensor(inverse)
+
+    @staticmethod
+    def _force_think_close(rows: list[_Row], tokens: torch.Tensor, logps: torch.Tensor) -> None:
+        """Budget forcing (``thinking.py``, s1 arXiv 2501.19393): a row that has spent its thinking budget
+        without closing the section gets the close tokens, one per step, in place of its samples (in
+        ``tokens``, log-prob 0 in ``logps``; ``_to_trajectory`` masks them out of the loss)."""
+        for slot, row in enumerate(rows):
+            close, budget = row.request.thinking_close, row.request.thinking_budget
+            if budget is None or row.think_closed:
+                continue
+            if not row.forced_at and tuple(row.tokens[len(row.tokens) - len(close):]) == close:
+                row.think_closed = True  # the model closed it within budget
+                continue
+            if row.forced_at or len(row.tokens) >= budget:
+                tokens[slot], logps[slot] = close[len(row.forced_at)], 0.0
+                row.forced_at.append(len(row.tokens))
+                row.think_closed = len(row.forced_at) == len(close)
 
     def _prefill(self, slots: SlotCache, rows: list[_Row]) -> None:
         """Forward prompts (+ tokens so far) of ``rows`` (left-padded, on a fresh DynamicCache) and
@@ -392,5 +412,10 @@ class LocalEngine:
         return any(s in tail for s in self.cfg.stop)
 
     def _to_trajectory(self, row: _Row) -> Trajectory:
-        return finished_trajectory(row.request, row.tokens, row.logprobs, row.versions, row.finish_reason,
+        traj = finished_trajectory(row.request, row.tokens, row.logprobs, row.versions, row.finish_reason,
                                    self.tokenizer)
+        if row.forced_at:  # forced close tokens: not sampled, so not trained on (they keep the engine's
+            traj.loss_mask = [1] * traj.num_tokens  # version: a response forced throughout still has an age)
+            for pos in row.forced_at:
+                traj.loss_mask[pos] = 0
+        return traj

@@ -12,10 +12,13 @@ from tidal.models.tiny import ModelConfig
 from tidal.optim import OptimConfig
 from tidal.rewards.pool import RewardConfig
 from tidal.rollout.local import SamplingConfig
+from tidal.rollout.thinking import ThinkingConfig
 from tidal.rollout.vllm_engine import VllmOptions
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.critic import CriticConfig
 from tidal.train.sft import SFTConfig
+from tidal.system.curriculum import CurriculumConfig
+from tidal.system.length_growth import LengthGrowthConfig
 from tidal.train.trainer import TrainerConfig
 
 
@@ -43,6 +46,12 @@ class RolloutConfig(SamplingConfig):
     length_schedule: list[list[int]] = field(default_factory=list)
     """Staged length scaling: ``[[from_step, max_new_tokens], ...]`` raises the response budget as
     training goes on (the staged context growth of DeepScaleR, MiniMax-M1 sec. 4); empty: fixed."""
+    length_growth: LengthGrowthConfig = field(default_factory=LengthGrowthConfig)
+    """Staged length growth driven by MiniMax-M1's indicator (p99 of response lengths near the cap)
+    instead of fixed steps; ``stages`` non-empty replaces ``length_schedule`` (system/length_growth.py)."""
+    thinking: ThinkingConfig = field(default_factory=ThinkingConfig)
+    """Thinking budgets with budget forcing (s1): the engine closes ``<think>`` when a request's budget
+    is spent (rollout/thinking.py; local engine only)."""
     weight_quant: Literal["none", "fp8_block"] = "none"
     """Weights sent to the rollout engine: ``none`` (the trainer's dtype) or ``fp8_block``
     (DeepSeek-V3's 128 x 128 e4m3 tiles, one float32 scale each: ~1/4 of float32's bytes per linear
@@ -132,6 +141,8 @@ class RunConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn agent episodes in an environment (docs/agentic.md); ``env.name`` null: single-turn."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Task mixtures scheduled over steps and online difficulty weighting (docs/curriculum.md)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

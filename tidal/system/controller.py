@@ -34,15 +34,18 @@ from tqdm.auto import tqdm
 from tidal.api import RolloutEngine, Task, Tracker
 from tidal.config import ConfigError
 from tidal.inspector.record import SampleRecorder
-from tidal.rewards.monitor import reward_metrics
+from tidal.rewards.monitor import LengthBiasHook, reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.episodes import episode_metrics
 from tidal.rollout.requests import group_requests
+from tidal.rollout.thinking import close_ids, train_budget, with_budgets
 from tidal.system.batching import collect_batch, informative, length_budget
 from tidal.system.buffer import BufferClosed, RolloutBuffer
 from tidal.system.config import RunConfig
-from tidal.system.evaluate import accuracy_metrics, greedy_samples
+from tidal.system.curriculum import PromptSource
+from tidal.system.evaluate import accuracy_metrics, greedy_samples, per_task_accuracy
 from tidal.system.journal import GroupJournal
+from tidal.system.length_growth import LengthGrowth
 from tidal.system.staleness import StalenessManager
 from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState
@@ -87,17 +90,72 @@ class Controller:
         self._unlogged: tuple[int, dict] | None = None  # (step, metrics) of a trained step not logged yet
         self._infra_failed = 0  # agent episodes left out because their environment failed
         self._resumed = state.step > 0  # marks this process's first row (``run/resumed``): counters restart there
+        self._setup_curriculum()
+
+    # ---- the curriculum: what is drawn, how long, how it is scored (restored on resume) -------------
+    def _setup_curriculum(self) -> None:
+        cfg, extra = self.cfg, self.state.extra
+        self.source = PromptSource(self.task, cfg)
+        self.source.load_state_dict(extra.get("curriculum", {}))
+        self.length_growth = LengthGrowth(cfg.rollout.length_growth) if cfg.rollout.length_growth.stages else None
+        if self.length_growth is not None and "length_growth" in extra:
+            self.length_growth.load_state_dict(extra["length_growth"])
+        bias = cfg.reward.length_bias
+        self.length_bias = LengthBiasHook(bias) if bias.component else None
+        if self.length_bias is not None:
+            if bias.action == "lower_weight" and not _scale(self.reward_pool, bias.component, 1.0):
+                raise ConfigError(f"reward.length_bias.component={bias.component!r}: reward {cfg.reward.name!r} has "
+                                  "no term of that name whose weight could be lowered (use a compose reward)")
+            if "length_bias" in extra:
+                self.length_bias.load_state_dict(extra["length_bias"])
+                if bias.action == "lower_weight" and self.length_bias.fired:  # the weight the run had reached
+                    _scale(self.reward_pool, bias.component, bias.factor ** self.length_bias.fired)
+        self._think_close = close_ids(self.tokenizer, cfg.rollout.thinking)
+        self._stop_reason: str | None = None
+
+    def _curriculum_state(self) -> None:
+        self.state.extra["curriculum"] = self.source.state_dict()
+        if self.length_growth is not None:
+            self.state.extra["length_growth"] = self.length_growth.state_dict()
+        if self.length_bias is not None:
+            self.state.extra["length_bias"] = self.length_bias.state_dict()
+
+    def _after_update(self, step: int, trajs: list[Trajectory], metrics: dict[str, float]) -> None:
+        """Learn from the step just trained (before its version is published, so the next draws see it):
+        pass rates of every group drawn, the length-growth indicator, the length-bias hook."""
+        self.source.observe(self._drawn)
+        if self.length_growth is not None:
+            message = self.length_growth.observe(step + 1, [t.num_tokens for t in trajs])
+            if message:
+                tqdm.write(message, file=sys.stderr)
+            metrics.update(self.length_growth.metrics())
+        if self.length_bias is not None:
+            message = self.length_bias.check(step + 1, metrics)
+            if message:
+                tqdm.write(message, file=sys.stderr)
+                bias = self.cfg.reward.length_bias
+                if bias.action == "lower_weight":
+                    _scale(self.reward_pool, bias.component, bias.factor)
+                elif bias.action == "stop":
+                    self._stop_reason = message
+            metrics["reward/length_bias_fired"] = float(self.length_bias.fired)
 
     # ---- pieces shared by both modes -----------------------------------------------------------
     def _prompts(self, start: int, count: int) -> list[Prompt]:
-        return [self.task.train_prompt(i) for i in range(start, start + count)]
+        return [self.source.prompt(i) for i in range(start, start + count)]
 
     def _budget(self, step: int) -> int:
         r = self.cfg.rollout
+        if self.length_growth is not None:
+            return self.length_growth.cap
         return length_budget(r.length_schedule, step, r.max_new_tokens)
 
     def _requests(self, prompts: list[Prompt], step: int):
-        return group_requests(self.tokenizer, prompts, self.cfg.rollout.group_size, self._budget(step))
+        requests = group_requests(self.tokenizer, prompts, self.cfg.rollout.group_size, self._budget(step))
+        thinking = self.cfg.rollout.thinking
+        if not thinking.budgets:
+            return requests
+        return with_budgets(requests, lambda p: train_budget(thinking, self.cfg.seed, p.uid), self._think_close)
 
     def _generate_on_demand(self, step: int):
         """Sync mode's ``take``: when a group is missing, generate all the groups still needed."""
@@ -114,7 +172,14 @@ class Controller:
 
     def _collect(self, take, step: int, max_staleness: int | None, on_stale=lambda g: None):
         r = self.cfg.rollout
-        got = collect_batch(take, self.state.next_group, step, r.prompts_per_step, r.dynamic_sampling,
+        self._drawn: list[Group] = []  # every group the step draws, dropped ones too (online difficulty)
+
+        def take_and_record(index: int, need: int) -> Group:
+            group = take(index, need)
+            self._drawn.append(group)
+            return group
+
+        got = collect_batch(take_and_record, self.state.next_group, step, r.prompts_per_step, r.dynamic_sampling,
                             r.max_draws_per_step, max_staleness, on_stale)
         self._cursor = got.cursor  # committed to the state when the step completes (_finish_step)
         return got.groups, got.metrics
@@ -137,10 +202,12 @@ class Controller:
 
     def _evaluate(self, step: int) -> dict[str, float]:
         self.eval_engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
-        trajs = greedy_samples(self.eval_engine, self.tokenizer, self.eval_prompts, self.reward_pool)
+        budget = self.cfg.rollout.thinking.eval_budget
+        trajs = greedy_samples(self.eval_engine, self.tokenizer, self.eval_prompts, self.reward_pool,
+                               thinking=None if budget is None else (budget, self._think_close))
         if self.samples is not None:
             self.samples.record_eval(step, self.eval_prompts, trajs)
-        return accuracy_metrics(trajs, len(self.eval_prompts))
+        return {**accuracy_metrics(trajs, len(self.eval_prompts)), **per_task_accuracy(trajs, self.eval_prompts)}
 
     def _train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
         """Train on one batch, publish the new weights, return the step's metrics."""
@@ -151,6 +218,7 @@ class Controller:
         if not trajs:  # dynamic sampling found no informative group within its draw limit
             self._unlogged = (step + 1, {"algo/empty_step": 1.0})
             self.trainer.skip_step()
+            self._after_update(step, trajs, self._unlogged[1])
             self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
                                            self.trainer.version)
             return self._unlogged[1]
@@ -168,6 +236,10 @@ class Controller:
         }
         metrics.update(reward_metrics(rewards, [t.reward_details for t in trajs], [t.num_tokens for t in trajs]))
         metrics.update(episode_metrics(trajs))
+        metrics.update(self.source.metrics(step, groups))  # per task: after the components' reward/<name>/mean
+        if self.cfg.rollout.thinking.budgets:
+            metrics["rollout/think_forced_frac"] = sum(
+                t.episode is None and t.loss_mask is not None for t in trajs) / len(trajs)
         if self.cfg.env.name is not None:
             metrics["agent/infra_failures"] = float(self._infra_failed)
         batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
@@ -177,6 +249,7 @@ class Controller:
             metrics.update(self.trainer.step(batch))
         else:
             self.trainer.skip_step()
+        self._after_update(step, trajs, metrics)
         if self.samples is not None and self.samples.wants_train(step + 1):
             self.samples.record_train(step + 1, step, groups, batch, self.trainer)
         t0 = time.perf_counter()
@@ -210,6 +283,7 @@ class Controller:
                 stop = f"reached target accuracy {acc:.3f} >= {cfg.target_accuracy}"
         if done >= cfg.max_steps:
             stop = stop or f"reached max_steps={cfg.max_steps}"
+        stop = stop or self._stop_reason
         if cfg.max_time_s is not None and metrics["time/elapsed_s"] >= cfg.max_time_s:
             stop = stop or f"reached max_time_s={cfg.max_time_s}"
         self.tracker.log(done, metrics)
@@ -229,6 +303,7 @@ class Controller:
 
     def checkpoint(self, elapsed_s: float) -> Path:
         self.state.extra["elapsed_s"] = elapsed_s
+        self._curriculum_state()
         path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", self.tokenizer, self.state,
                                             keep=self.cfg.keep_checkpoints)  # policy (and critic) state
         if self.journal is not None:
@@ -370,7 +445,7 @@ class Controller:
                     else:
                         fresh.append(index)
                 next_group += n
-                prompts = [self.task.train_prompt(i) for i in fresh]
+                prompts = [self.source.prompt(i) for i in fresh]
                 for index, prompt in zip(fresh, prompts):
                     in_flight[prompt.uid] = (index, prompt, {})
                 return self._requests(prompts, staleness.version)
@@ -435,6 +510,11 @@ def _take(buffer: RolloutBuffer, index: int) -> Group:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
         raise
+
+
+def _scale(pool, component: str, factor: float) -> bool:
+    """Scale a composed reward's term weight in ``pool`` (False: the reward has no such term)."""
+    return bool(getattr(getattr(pool, "fn", None), "scale_component", lambda *_: False)(component, factor))
 
 
 def _with_length(prompt: Prompt, traj: Trajectory) -> Prompt:

@@ -6,14 +6,19 @@ from tidal.api import RolloutEngine
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.episodes import episode_metrics
 from tidal.rollout.requests import group_requests
+from tidal.rollout.thinking import with_budgets
 from tidal.types import Prompt, Trajectory
 
 
-def greedy_samples(engine: RolloutEngine, tokenizer, prompts: list[Prompt],
-                   reward_pool: RewardPool) -> list[Trajectory]:
+def greedy_samples(engine: RolloutEngine, tokenizer, prompts: list[Prompt], reward_pool: RewardPool,
+                   thinking: tuple[int, tuple[int, ...]] | None = None) -> list[Trajectory]:
     """Each eval prompt's greedy response, scored (``reward`` and ``reward_details`` set). Agent episodes
-    (``EpisodeEngine``) were rewarded by their environment: their reward is kept."""
-    trajs = engine.generate(group_requests(tokenizer, prompts, 1), greedy=True)
+    (``EpisodeEngine``) were rewarded by their environment: their reward is kept. ``thinking``:
+    ``(budget, close ids)`` gives every request that thinking budget (``rollout/thinking.py``)."""
+    requests = group_requests(tokenizer, prompts, 1)
+    if thinking is not None:
+        requests = with_budgets(requests, lambda p: thinking[0], thinking[1])
+    trajs = engine.generate(requests, greedy=True)
     single = [(t, p) for t, p in zip(trajs, prompts) if t.episode is None]
     for (t, _), (reward, details) in zip(single, reward_pool.score([(t.text, p) for t, p in single])):
         t.reward, t.reward_details = reward, details
@@ -34,8 +39,19 @@ def accuracy_metrics(trajs: list[Trajectory], num_prompts: int) -> dict[str, flo
     return out
 
 
+def per_task_accuracy(trajs: list[Trajectory], prompts: list[Prompt]) -> dict[str, float]:
+    """``eval/<task>/accuracy`` for prompts tagged with ``meta["task"]`` (a task mixture); {} otherwise."""
+    by_task: dict[str, list[float]] = {}
+    for t, p in zip(trajs, prompts):
+        if "task" in p.meta:
+            by_task.setdefault(p.meta["task"], []).append(float(t.reward >= 1.0))
+    return {f"eval/{name}/accuracy": sum(v) / len(v) for name, v in sorted(by_task.items())}
+
+
 def greedy_accuracy(
-    engine: RolloutEngine, tokenizer, prompts: list[Prompt], reward_pool: RewardPool
+    engine: RolloutEngine, tokenizer, prompts: list[Prompt], reward_pool: RewardPool,
+    thinking: tuple[int, tuple[int, ...]] | None = None,
 ) -> dict[str, float]:
-    """``accuracy_metrics`` of ``greedy_samples``."""
-    return accuracy_metrics(greedy_samples(engine, tokenizer, prompts, reward_pool), len(prompts))
+    """``accuracy_metrics`` (and ``per_task_accuracy``) of ``greedy_samples``."""
+    trajs = greedy_samples(engine, tokenizer, prompts, reward_pool, thinking)
+    return {**accuracy_metrics(trajs, len(prompts)), **per_task_accuracy(trajs, prompts)}

@@ -30,10 +30,10 @@ from tidal.rollout.local import LocalEngine
 from tidal.rollout.requests import check_prompts_fit
 from tidal.system.config import RolloutConfig, RunConfig
 from tidal.system.controller import Controller, RunResult
+from tidal.system.curriculum import build_task, run_reward
 from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
 from tidal.system.validate import validate_run_config
-from tidal.tasks import TASKS
 from tidal.train.checkpoint import TrainingState, latest_checkpoint
 from tidal.train.sft import warm_start
 from tidal.train.trainer import Trainer
@@ -110,7 +110,7 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
     if cfg.sft.accuracy_band is None:
         return warm_start(cfg.model, task, cfg.task, cfg.sft, progress=progress)
     prompts = task.eval_prompts()[: cfg.num_eval]
-    pool = RewardPool(build_reward(cfg.reward.name, cfg.reward.params), cfg.reward)
+    pool = RewardPool(build_reward(*run_reward(cfg)), cfg.reward)
 
     make_env = env_factory(cfg)
 
@@ -148,7 +148,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     out_dir.mkdir(parents=True, exist_ok=True)
     config_lib.save_yaml(cfg, out_dir / "config.yaml")
     seed_everything(cfg.seed)
-    task = TASKS.get(cfg.task.name)(cfg.task)
+    task = build_task(cfg)
     check_task_fits(cfg, task)
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
@@ -164,7 +164,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     sampling = sampling_for(cfg, make_env)
     eval_engine = with_episodes(make_engine(trainer.model, tokenizer, sampling, cfg.seed, trainer.version), cfg,
                                 tokenizer, make_env)
-    reward_fn = build_reward(cfg.reward.name, cfg.reward.params)
+    reward_fn = build_reward(*run_reward(cfg))
     rollout_model = _rollout_model(cfg, trainer)
     if cfg.system.backend == "ray":
         from tidal.system.ray_backend import start_ray_backend

@@ -134,6 +134,17 @@ RULES: list[Rule] = [
     ("env.num_workers", COUNT, "an integer >= 1"),
     ("env.latency_median_s", NONNEG, ">= 0 seconds (0: no simulated latency)"),
     ("env.latency_sigma", NONNEG, ">= 0"),
+    ("curriculum.difficulty.floor", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1] (0 would never revisit a "
+     "solved or hopeless prompt)"),
+    ("curriculum.difficulty.decay", _unit, "in [0, 1]"),
+    ("curriculum.difficulty.prior", _unit, "in [0, 1]"),
+    ("curriculum.difficulty.pass_threshold", _number, "a number"),
+    ("rollout.length_growth.window", COUNT, "an integer >= 1"),
+    ("rollout.length_growth.quantile", lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    ("rollout.length_growth.within", _fraction, "in [0, 1)"),
+    ("rollout.thinking.eval_budget", _optional(NONNEG), "an integer >= 0 (or null: unlimited)"),
+    ("reward.length_bias.patience", COUNT, "an integer >= 1"),
+    ("reward.length_bias.factor", _unit, "in [0, 1]"),
 ]
 CRITIC_RULES: list[Rule] = [  # the critic's optimizer (algo.advantage=gae): the policy optimizer's rules
     (f"critic.{key}", ok, requirement) for key, ok, requirement in RULES if key.startswith("optim.")
@@ -181,6 +192,25 @@ def _check_corrections(cfg: RunConfig) -> None:
                           "algo.offpolicy_mask_delta")
 
 
+def _check_curriculum(cfg: RunConfig) -> None:
+    """Length growth, thinking budgets: lists whose entries must be counts, and what they exclude."""
+    r = cfg.rollout
+    stages = r.length_growth.stages
+    if stages:
+        if not all(COUNT(s) for s in stages) or any(b <= a for a, b in zip(stages, stages[1:])):
+            raise ConfigError(f"rollout.length_growth.stages must be increasing integers >= 1, got {stages!r}")
+        if r.length_schedule:
+            raise ConfigError("rollout.length_growth.stages and rollout.length_schedule both set the length budget: "
+                              "use one (length_growth grows by the length indicator, length_schedule by step)")
+    t = r.thinking
+    for key, budgets in (("budgets", t.budgets), ("eval_budgets", t.eval_budgets)):
+        if not all(NONNEG(b) for b in budgets):
+            raise ConfigError(f"rollout.thinking.{key} must be integers >= 0, got {budgets!r}")
+    if (t.budgets or t.eval_budget is not None or t.eval_budgets) and r.engine != "local":
+        raise ConfigError(f"rollout.thinking needs rollout.engine=local (got {r.engine!r}): only the local engine "
+                          "forces the close of the thinking section (rollout/thinking.py says what vLLM would need)")
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Raise a ConfigError naming the first key whose value the run cannot use (see the module docstring)."""
     _check(cfg, RULES)
@@ -198,6 +228,7 @@ def validate_run_config(cfg: RunConfig) -> None:
                for p in r.length_schedule):
         raise ConfigError(f"rollout.length_schedule must be [[from_step >= 0, max_new_tokens >= 1], ...], "
                           f"got {r.length_schedule!r}")
+    _check_curriculum(cfg)
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(_fraction(b) for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")

@@ -1,0 +1,73 @@
+"""Thinking budgets: cap the ``<think>...</think>`` section of a response, then make the model answer.
+
+Budget forcing (s1, Muennighoff et al. 2025, arXiv 2501.19393, sec. 3.1): when a response has spent
+its thinking budget without closing the thinking section, the engine appends the closing delimiter
+itself, and the model continues with its answer. Gemini 2.5 trains "thinking" with such a
+controllable budget. Here a request carries ``thinking_budget`` (tokens of thinking allowed, counted
+from the first response token: the thinking section is assumed open from the start, because the
+prompt or the model's first tokens open it) and ``thinking_close`` (the token ids of ``</think>``).
+The local engine (``local.py``, ``LocalEngine._force_think_close``) then substitutes the close
+tokens for its samples once the budget is spent, unless the model closed the section itself.
+
+The forced tokens are not the policy's: they carry log-prob 0 and loss mask 0, so no behaviour
+log-prob is trained on and the loss ignores them (as it ignores an agent's observation tokens); they
+keep the engine's policy version, so a response forced from its first token still has an age for
+the staleness bound. vLLM cannot substitute tokens mid-decode from a request; it would need the
+two-phase form s1 used with it: generate with ``max_tokens = budget`` and ``stop=["</think>"]``,
+then, if the stop was not hit, send prompt + thinking + close ids as a new prompt
+(``prompt_token_ids``) for the answer, recording the close ids as forced. ``rollout.thinking``
+therefore requires ``rollout.engine=local`` (``validate.py``).
+
+In training a prompt's budget is drawn from ``budgets`` by a hash of (seed, prompt uid): the same
+for all G samples of its group (so advantages compare like with like) and the same on resume. At
+evaluation ``eval_budget`` holds for every prompt, and ``tidal eval --set
+rollout.thinking.eval_budgets=[0,8,16,32]`` reports held-out accuracy at each budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tidal.api import GenRequest
+from tidal.utils.seeding import stable_hash
+
+
+@dataclass
+class ThinkingConfig:
+    """``rollout.thinking``: per-request thinking budgets (budget forcing, s1 arXiv 2501.19393)."""
+
+    budgets: list[int] = field(default_factory=list)
+    """Training: each prompt's thinking budget is one of these (uniformly, by a hash of seed and prompt
+    uid); empty: no budget in training."""
+    eval_budget: int | None = None
+    """The budget of every held-out evaluation request (None: unlimited)."""
+    eval_budgets: list[int] = field(default_factory=list)
+    """``tidal eval``: also report held-out accuracy at each of these budgets (the accuracy-vs-budget
+    curve)."""
+    close: str = "</think>"
+    """The text that closes the thinking section; its tokens are what the engine forces."""
+
+
+def close_ids(tokenizer, cfg: ThinkingConfig) -> tuple[int, ...]:
+    ids = tuple(tokenizer(cfg.close, add_special_tokens=False).input_ids)
+    assert ids, f"rollout.thinking.close={cfg.close!r} encodes to no tokens"
+    return ids
+
+
+def train_budget(cfg: ThinkingConfig, seed: int, uid: str) -> int | None:
+    """The training budget of the prompt with ``uid`` (None when ``budgets`` is empty)."""
+    if not cfg.budgets:
+        return None
+    return cfg.budgets[stable_hash(seed, "thinking", uid) % len(cfg.budgets)]
+
+
+def with_budgets(requests: Sequence[GenRequest], budget, close: tuple[int, ...]) -> list[GenRequest]:
+    """``requests`` with ``thinking_budget = budget(request.prompt)`` (None leaves a request unlimited)."""
+    out = []
+    for r in requests:
+        b = budget(r.prompt)
+        out.append(r if b is None else dataclasses.replace(r, thinking_budget=b, thinking_close=close))
+    return out
+
