@@ -13,6 +13,7 @@ from tidal.optim import OptimConfig
 from tidal.rewards.pool import RewardConfig
 from tidal.rollout.local import SamplingConfig
 from tidal.rollout.vllm_engine import VllmOptions
+from tidal.serve.config import HarnessConfig
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.critic import CriticConfig
 from tidal.train.sft import SFTConfig
@@ -131,6 +132,9 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn agent episodes in an environment (docs/agentic.md); ``env.name`` null: single-turn."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """Train an agent written against the ``openai`` client through tidal's OpenAI-compatible endpoint
+    (docs/harness.md); ``harness.function`` null: no harness."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -19,6 +19,14 @@ terms at a time (the agentic quickstart): its warm-start example is that tool-us
 (``task.params.demos=answer`` gives the bare answer instead, to measure the model without a tool;
 ``task.params.pad_operands=true`` zero-pads operands to ``max_operand``'s width, "07+45=", which the
 calculator reads too).
+
+``product``: "37*54=" -> "1998", operands in [0, max_operand] (99: 2-digit x 2-digit, 10,000
+problems). One calculator call solves it (``harness_quickstart``): the 1M model copies two short
+operands into the call and the result into its answer, where multiplying in one go is beyond it.
+Its warm-start example (``task.params.demos``) is ``chat_tool``, the conversation of an agent that
+calls a ``calculator`` tool through the OpenAI API (user, assistant tool call, tool result,
+assistant answer; rendered by the chat template), or ``answer``, the bare product (to measure the
+model without a tool).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from tidal.tasks.config import TaskConfig
 from tidal.types import Prompt
 from tidal.utils.seeding import stable_hash
 
-__all__ = ["Addition", "Repeat", "SumChain", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
+__all__ = ["Addition", "Product", "Repeat", "SumChain", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
 
 
 class _SplitTask(ABC):
@@ -152,3 +160,36 @@ class SumChain(_SplitTask):
         if demos == "answer":
             return prompt.answer
         return calculator_trace(prompt.text.rstrip("=").split("+"))
+
+
+@TASKS.register("product")
+class Product(_SplitTask):
+    name = "product"
+
+    def _space(self) -> list:
+        n = self.cfg.max_operand + 1
+        return [(a, b) for a in range(n) for b in range(n)]
+
+    def _prompt(self, item, uid: str) -> Prompt:
+        a, b = item
+        return Prompt(uid=uid, text=f"{a}*{b}=", answer=str(a * b))
+
+    def sft_example(self, prompt: Prompt) -> str | list[dict]:
+        demos = self.cfg.params.get("demos", "chat_tool")
+        if demos == "answer":
+            return prompt.answer
+        if demos != "chat_tool":
+            raise ValueError(f"task.params.demos={demos!r}: use 'chat_tool' (an agent's calculator conversation) "
+                             "or 'answer'")
+        return calculator_conversation(prompt.text, prompt.text.rstrip("="), prompt.answer)
+
+
+def calculator_conversation(question: str, expression: str, answer: str) -> list[dict]:
+    """A correct tool-using conversation in the OpenAI message format: the agent's user message, one
+    ``calculator`` call with ``expression``, the tool's result, and the answer."""
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": answer},
+            {"role": "assistant", "content": answer}]
