@@ -168,7 +168,7 @@ class Controller:
         }
         metrics.update(reward_metrics(rewards, [t.reward_details for t in trajs], [t.num_tokens for t in trajs]))
         metrics.update(episode_metrics(trajs))
-        if self.cfg.env.name is not None:
+        if self.cfg.env.name is not None or self.cfg.harness.function is not None:
             metrics["agent/infra_failures"] = float(self._infra_failed)
         batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
         metrics.update(algo_metrics)
