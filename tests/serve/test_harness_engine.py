@@ -144,3 +144,18 @@ def test_load_function_errors_name_the_key(tmp_path):
     for bad in ("1", None, float("nan")):
         with pytest.raises(TypeError):
             as_reward(bad)
+
+
+def test_closed_episode_ids_are_remembered_up_to_a_bound(chat_model):
+    from tidal.serve.recorder import EpisodeClosed, EpisodeRecorder
+
+    _, tok = chat_model
+    recorder = EpisodeRecorder(tok, 128, 8, max_closed_ids=2)
+    for episode_id in ("a", "b", "c"):
+        recorder.open(episode_id)
+        recorder.drop(episode_id) if episode_id == "b" else recorder.finish(episode_id, 1.0)
+    assert list(recorder.closed_ids) == ["b", "c"] and not recorder.known("a") and recorder.known("c")
+    with pytest.raises(EpisodeClosed, match="'c' was finished"):
+        recorder.open("c")  # remembered: a late request gets 409 episode_closed
+    fresh = recorder.open("a")  # forgotten: opened again as a new, empty episode
+    assert fresh.segments == [] and recorder.totals["episodes"] == 4
