@@ -22,12 +22,17 @@ def test_every_logged_key_is_documented(tmp_path):
                   ["system.mode=sync", "algo.policy_loss=decoupled_ppo", "trainer.num_minibatches=2",
                    "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"],
                   ["system.mode=async", "task.name=sum_chain", "env.name=calculator"],
-                  ["system.mode=sync", "algo.advantage=gae"]):
+                  ["system.mode=sync", "algo.advantage=gae"],
+                  ["system.mode=async", "task.name=product", "model.tokenizer=chat",
+                   "harness.function=tests.serve.test_harness_engine:two_turn_agent"]):
         controller = prepare(tiny_cfg(tmp_path, *extra, "max_steps=2"), tmp_path / str(len(logged)))
         try:
             result = controller.run()
         finally:
             controller.tracker.close()
+            for engine in (controller.engine, controller.eval_engine):
+                if hasattr(engine, "server"):  # a harness run's HTTP servers
+                    engine.close()
         logged |= {k for row in result.history for k in row if k != "step"}
     missing = sorted(k for k in logged if not any(p.match(k) for p in patterns))
     assert not missing, f"undocumented metrics (add them to docs/metrics.md): {missing}"
