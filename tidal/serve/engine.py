@@ -55,6 +55,7 @@ from tidal.serve.server import HarnessServer
 from tidal.types import Trajectory
 from tidal.utils.seeding import stable_hash
 
+MAX_PRINTED_FAILURES = 5
 COUNTERS = ("started", "finished", "crashed", "hung", "no_completion", "dropped_segments")
 
 
@@ -268,6 +269,10 @@ class HarnessEngine:
         with self._lock:
             self.counts[key] += 1
             self.errors.append(line)
+            failures = sum(self.counts[k] for k in ("crashed", "hung", "no_completion"))
+        if failures <= MAX_PRINTED_FAILURES:  # say why, once per kind of trouble, without flooding a long run
+            print(f"harness: {key}: {line}" + (" (further failures are only counted)" if failures ==
+                                               MAX_PRINTED_FAILURES else ""), file=sys.stderr, flush=True)
 
     @staticmethod
     def _failed(request: GenRequest, episode_id: str, why: str) -> Trajectory:
