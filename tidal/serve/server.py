@@ -27,6 +27,7 @@ import hmac
 import secrets
 import threading
 import time
+
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse

@@ -40,7 +40,8 @@ from tidal.tasks.config import TaskConfig
 from tidal.types import Prompt
 from tidal.utils.seeding import stable_hash
 
-__all__ = ["Addition", "Product", "Repeat", "SumChain", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
+# TaskConfig moved to tasks/config.py; importable here too
+__all__ = ["Addition", "Product", "Repeat", "SumChain", "TaskConfig"]
 
 
 class _SplitTask(ABC):
