@@ -37,7 +37,8 @@ def test_continuation_uses_sampled_ids_where_retokenizing_would_merge_differentl
             resp = client.chat.completions.create(model="m", messages=messages, max_tokens=6)
             sampled.append(resp.model_extra["tidal"]["token_ids"])
             assert not resp.model_extra["tidal"]["new_segment"] or len(sampled) == 1
-            messages += [resp.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": observation}]
+            reply = resp.choices[0].message.model_dump(exclude_none=True)
+            messages += [reply, {"role": "tool", "content": observation}]
         resp = client.chat.completions.create(model="m", messages=messages, max_tokens=6)
         sampled.append(resp.model_extra["tidal"]["token_ids"])
         messages.append(resp.choices[0].message.model_dump(exclude_none=True))
