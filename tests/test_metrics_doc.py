@@ -27,12 +27,17 @@ def test_every_logged_key_is_documented(tmp_path):
                    "rollout.thinking.budgets=[0,2]", "rollout.max_new_tokens=12", "reward.name=compose",
                    "reward.params={terms: [{reward: digit_match, name: judge}]}", "reward.length_bias.component=judge",
                    "curriculum.mixture=[{name: add, task: {name: addition, num_eval: 8}}, "
-                   "{name: rep, task: {name: repeat, max_repeat: 8, num_eval: 8}}]"]):
+                   "{name: rep, task: {name: repeat, max_repeat: 8, num_eval: 8}}]"],
+                  ["system.mode=async", "task.name=product", "task.params={demos: chat_tool}", "model.tokenizer=chat",
+                   "harness.function=tests.serve.test_harness_engine:two_turn_agent"]):
         controller = prepare(tiny_cfg(tmp_path, *extra, "max_steps=2"), tmp_path / str(len(logged)))
         try:
             result = controller.run()
         finally:
             controller.tracker.close()
+            for engine in (controller.engine, controller.eval_engine):
+                if hasattr(engine, "server"):  # a harness run's HTTP servers
+                    engine.close()
         logged |= {k for row in result.history for k in row if k != "step"}
     missing = sorted(k for k in logged if not any(p.match(k) for p in patterns))
     assert not missing, f"undocumented metrics (add them to docs/metrics.md): {missing}"

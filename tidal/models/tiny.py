@@ -39,6 +39,11 @@ class ModelConfig:
     max_position_embeddings: int = 128
     init_seed: int = 0
     """Seed for the tiny model's random initialization."""
+    tokenizer: str = "char"
+    """The tiny model's tokenizer: ``char`` (one token per character, BOS/EOS; single-turn and plain
+    agent episodes) or ``chat`` (the same characters plus JSON punctuation, ChatML markers and a chat
+    template with hermes tool calls: ``build_chat_tokenizer``, for agents that use
+    ``/v1/chat/completions``)."""
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -50,6 +55,50 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS)
     tok.padding_side = "left"
     return tok
+
+
+# ChatML turns (Qwen2.5's markers) and hermes tool calls written as compact JSON: an assistant message's
+# ``tool_calls`` render exactly as the model writes them, so a conversation the server continued from
+# recorded ids and the same conversation rendered from scratch are the same text. The tools' schemas
+# are not rendered (a 1M-parameter model learns its one tool from the warm start; real templates put
+# them in a system message, which costs the tiny model's short context).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{\"name\":\"{{ c['function']['name'] }}\",\"arguments\":"
+    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson(separators=(',', ':')) }}{% endif %}}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_CHARS = CHARS + '{}"_'
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def build_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with a chat template (``CHAT_TEMPLATE``): pad=0, ``<|im_start|>``,
+    ``<|im_end|>`` (= EOS: a turn ends there), the characters, then ``<tool_call>`` and ``</tool_call>``
+    as single tokens that are not special (as in Qwen2.5: ``decode(skip_special_tokens=True)`` keeps
+    them, so the server can parse a turn's tool calls from its text). No BOS: the template opens
+    every conversation."""
+    vocab = {tok: i for i, tok in enumerate([PAD, IM_START, IM_END, *CHAT_CHARS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=IM_END,
+                                  additional_special_tokens=[IM_START])
+    tok.add_tokens(list(TOOL_CALL_TAGS))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+TOKENIZERS = {"char": build_tokenizer, "chat": build_chat_tokenizer}
+
+
+def tokenizer_for(cfg: ModelConfig) -> PreTrainedTokenizerFast:
+    """The tokenizer ``cfg.tokenizer`` names (a clear error for an unknown name)."""
+    if cfg.tokenizer not in TOKENIZERS:
+        raise ValueError(f"model.tokenizer must be one of {sorted(TOKENIZERS)}, got {cfg.tokenizer!r}")
+    return TOKENIZERS[cfg.tokenizer]()
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:

@@ -30,8 +30,9 @@ class EngineClosed(RuntimeError):
 class EngineBridge:
     """Runs ``engine.stream`` on one thread, fed by ``submit`` (see module docstring)."""
 
-    def __init__(self, engine: RolloutEngine, poll_s: float = 0.05):
+    def __init__(self, engine: RolloutEngine, poll_s: float = 0.05, greedy: bool = False):
         self.engine = engine
+        self.greedy = greedy  # the engine decodes greedily (an evaluation server)
         self.poll_s = poll_s  # how long an idle engine waits on the queue before re-checking for close
         self._queue: queue.Queue[GenRequest] = queue.Queue()
         self._futures: dict[int, Future] = {}
@@ -91,7 +92,7 @@ class EngineBridge:
 
     def _run(self) -> None:
         try:
-            self.engine.stream(self._source, self._on_done)
+            self.engine.stream(self._source, self._on_done, greedy=self.greedy)
         except BaseException as e:  # noqa: BLE001  (reported to every waiting request, never swallowed)
             self.error = e
             self._closed.set()

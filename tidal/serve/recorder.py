@@ -134,7 +134,7 @@ class EpisodeRecorder:
     """Every episode's segments, the exactness rule and the counters (see module docstring)."""
 
     def __init__(self, tokenizer, context_len: int, default_max_tokens: int, max_episodes: int | None = None,
-                 episode_timeout_s: float | None = None):
+                 episode_timeout_s: float | None = None, max_closed_ids: int = 65536):
         self.tokenizer = tokenizer
         self.chat = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self.context_len = context_len
@@ -142,7 +142,10 @@ class EpisodeRecorder:
         self.max_episodes = max_episodes
         self.episode_timeout_s = episode_timeout_s
         self.episodes: dict[str, Episode] = {}
-        self.closed_ids: set[str] = set()  # a late request of a dropped episode must not reopen it
+        # a late request of a finished or dropped episode must not reopen it: the newest ``max_closed_ids``
+        # ids are remembered (insertion-ordered dict as a FIFO set), so memory stays bounded on a long run
+        self.closed_ids: dict[str, None] = {}
+        self.max_closed_ids = max_closed_ids
         self.lock = threading.Lock()
         self.totals = {"episodes": 0, "finished": 0, "dropped": 0, "timed_out": 0, "history_edits": 0,
                        "not_append_only": 0}
@@ -172,7 +175,7 @@ class EpisodeRecorder:
             if ep is None:
                 raise KeyError(f"no open episode {episode_id!r} (finished, dropped, timed out or never used)")
             ep.closed = True
-            self.closed_ids.add(episode_id)
+            self._remember_closed(episode_id)
             self.totals["finished"] += 1
         return [self._trajectory(ep, s, reward) for s in ep.segments if s.sampled_end > s.num_prompt]
 
@@ -183,9 +186,20 @@ class EpisodeRecorder:
             if ep is None:
                 return False
             ep.closed = True
-            self.closed_ids.add(episode_id)
+            self._remember_closed(episode_id)
             self.totals["timed_out" if why == "timeout" else "dropped"] += 1
             return True
+
+    def _remember_closed(self, episode_id: str) -> None:
+        """Remember a closed id (under ``self.lock``), forgetting the oldest beyond ``max_closed_ids``."""
+        self.closed_ids[episode_id] = None
+        while len(self.closed_ids) > self.max_closed_ids:
+            del self.closed_ids[next(iter(self.closed_ids))]
+
+    def known(self, episode_id: str) -> bool:
+        """Whether ``episode_id`` is open or remembered as closed (a new episode must pick another id)."""
+        with self.lock:
+            return episode_id in self.episodes or episode_id in self.closed_ids
 
     def reap(self) -> list[str]:
         """Drop the episodes idle for longer than ``episode_timeout_s`` (an agent that never finished)."""

@@ -27,7 +27,6 @@ import hmac
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.api import RolloutEngine
 from tidal.serve.bridge import EngineBridge, EngineClosed
+from tidal.serve.config import ServeConfig
 from tidal.serve.recorder import ContextTooLong, EpisodeClosed, EpisodeRecorder, TooManyEpisodes
 from tidal.serve.schema import (
     APIError,
@@ -52,27 +52,6 @@ from tidal.types import Trajectory
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-@dataclass
-class ServeConfig:
-    """How the endpoint is exposed and bounded."""
-
-    host: str = "127.0.0.1"
-    """Bind address. Anything but loopback turns authentication on (a key is generated if none is set)."""
-    port: int = 0
-    """0 picks a free port (``server.port`` after ``start``)."""
-    api_key: str | None = None
-    """Required as ``Authorization: Bearer KEY`` when set."""
-    max_request_bytes: int = 4 << 20
-    """Largest request body (413 beyond it): a conversation is text; 4 MiB is ~1M tokens."""
-    max_episodes: int | None = 1024
-    """Episodes open at once (429 beyond it); bounds the recorder's memory."""
-    episode_timeout_s: float | None = 600.0
-    """An episode idle this long (its agent crashed or hung) is dropped and counted."""
-    max_tokens: int = 256
-    """Completion length when a request sets no ``max_tokens``."""
-    model_name: str = "tidal-policy"
-
-
 def resolve_api_key(host: str, api_key: str | None) -> str | None:
     """The key the server requires: the one given, else a generated one beyond loopback, else none."""
     if api_key is not None:
@@ -83,16 +62,20 @@ def resolve_api_key(host: str, api_key: str | None) -> str | None:
 class HarnessServer:
     """The HTTP server around an engine (see module docstring). ``start``/``stop`` run uvicorn on a thread."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, context_len: int, cfg: ServeConfig | None = None):
+    def __init__(self, engine: RolloutEngine, tokenizer, context_len: int, cfg: ServeConfig | None = None,
+                 greedy: bool = False):
+        """``greedy``: the engine decodes greedily (held-out evaluation of an agent); requests may then
+        omit the temperature or ask for 0."""
         self.cfg = cfg or ServeConfig()
         self.api_key = resolve_api_key(self.cfg.host, self.cfg.api_key)
         self.engine = engine
         self.tokenizer = tokenizer
+        self.greedy = greedy
         sampling = getattr(engine, "cfg", None)
-        self.temperature = float(getattr(sampling, "temperature", 1.0))
+        self.temperature = 0.0 if greedy else float(getattr(sampling, "temperature", 1.0))
         self.top_p = float(getattr(sampling, "top_p", 1.0))
         self.recorder = EpisodeRecorder(tokenizer, context_len, self.cfg.max_tokens, self.cfg.max_episodes,
-                                        self.cfg.episode_timeout_s)
+                                        self.cfg.episode_timeout_s, self.cfg.max_closed_ids)
         self.bridge: EngineBridge | None = None
         self.app = self._build_app()
         self.port = self.cfg.port
@@ -101,7 +84,7 @@ class HarnessServer:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> HarnessServer:
-        self.bridge = EngineBridge(self.engine)
+        self.bridge = EngineBridge(self.engine, greedy=self.greedy)
         config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning",
                                 lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)

@@ -14,6 +14,7 @@ from tidal.rewards.pool import RewardConfig
 from tidal.rollout.local import SamplingConfig
 from tidal.rollout.thinking import ThinkingConfig
 from tidal.rollout.vllm_engine import VllmOptions
+from tidal.serve.config import HarnessConfig
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.critic import CriticConfig
 from tidal.train.sft import SFTConfig
@@ -140,6 +141,9 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn agent episodes in an environment (docs/agentic.md); ``env.name`` null: single-turn."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """Train an agent written against the ``openai`` client through tidal's OpenAI-compatible endpoint
+    (docs/harness.md); ``harness.function`` null: no harness."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     """Task mixtures scheduled over steps and online difficulty weighting (docs/curriculum.md)."""

@@ -53,7 +53,7 @@ def check_task_fits(cfg: RunConfig, task, max_train: int = 200_000) -> None:
         if context is None:
             return
     else:
-        tokenizer, context = tiny.build_tokenizer(), cfg.model.max_position_embeddings
+        tokenizer, context = tiny.tokenizer_for(cfg.model), cfg.model.max_position_embeddings
 
     def label(split: str, i: int, p) -> str:
         return f"task {cfg.task.name}, {split} prompt {i} ({p.text[:30]!r}{'...' if len(p.text) > 30 else ''})"
@@ -95,11 +95,33 @@ def sampling_for(cfg: RunConfig, make_env) -> RolloutConfig:
 
 
 def with_episodes(engine, cfg: RunConfig, tokenizer, make_env):
-    """``engine`` itself for single-turn runs; for agent runs, an EpisodeEngine around it."""
+    """``engine`` itself for single-turn runs; for agent runs, an EpisodeEngine around it; for a
+    harness run (``harness.function``), a HarnessEngine: the user's agent behind the OpenAI endpoint."""
+    if cfg.harness.function is not None:
+        from tidal.serve.engine import HarnessEngine  # the harness extra (fastapi, uvicorn, openai)
+
+        return HarnessEngine(engine, tokenizer, harness_function(cfg), cfg.harness, model_context(cfg) or 1 << 30,
+                             cfg.rollout.max_new_tokens)
     if make_env is None:
         return engine
     context = model_context(cfg) or 1 << 30
     return EpisodeEngine(engine, tokenizer, make_env, cfg.env, context, cfg.seed, cfg.rollout.max_new_tokens)
+
+
+_HARNESS_FUNCTIONS: dict[str, object] = {}
+
+
+def harness_function(cfg: RunConfig):
+    """The agent ``harness.function`` names, imported once per process (a file is executed once)."""
+    spec = cfg.harness.function
+    if spec not in _HARNESS_FUNCTIONS:
+        try:
+            from tidal.serve.engine import load_function
+        except ImportError as e:
+            raise config_lib.ConfigError(f"harness.function needs the harness extra: pip install 'tidal[harness]' "
+                                         f"({e})") from None
+        _HARNESS_FUNCTIONS[spec] = load_function(spec, roots=[Path(__file__).resolve().parents[2]])
+    return _HARNESS_FUNCTIONS[spec]
 
 
 def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
@@ -117,7 +139,11 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
     def evaluate(model, tokenizer) -> float:
         engine = with_episodes(LocalEngine(model, tokenizer, sampling_for(cfg, make_env), cfg.seed, 0), cfg,
                                tokenizer, make_env)
-        return greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]
+        try:
+            return greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]
+        finally:
+            if cfg.harness.function is not None:
+                engine.close()  # its HTTP servers (the model stays: the warm start goes on training it)
 
     try:
         return warm_start(cfg.model, task, cfg.task, cfg.sft, evaluate=evaluate, progress=progress)
@@ -150,6 +176,8 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
     seed_everything(cfg.seed)
     task = build_task(cfg)
     check_task_fits(cfg, task)
+    if cfg.harness.function is not None:
+        harness_function(cfg)  # a bad harness.function fails here, before the warm start
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base

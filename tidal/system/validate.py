@@ -145,6 +145,12 @@ RULES: list[Rule] = [
     ("rollout.thinking.eval_budget", _optional(NONNEG), "an integer >= 0 (or null: unlimited)"),
     ("reward.length_bias.patience", COUNT, "an integer >= 1"),
     ("reward.length_bias.factor", _unit, "in [0, 1]"),
+    ("harness.max_concurrent_episodes", COUNT, "an integer >= 1"),
+    ("harness.episode_timeout_s", _positive, "> 0 seconds"),
+    ("harness.serve.max_request_bytes", COUNT, "an integer >= 1"),
+    ("harness.serve.max_episodes", _optional(COUNT), "an integer >= 1 (or null)"),
+    ("harness.serve.episode_timeout_s", _optional(_positive), "> 0 seconds (or null)"),
+    ("harness.serve.max_closed_ids", NONNEG, "an integer >= 0"),
 ]
 CRITIC_RULES: list[Rule] = [  # the critic's optimizer (algo.advantage=gae): the policy optimizer's rules
     (f"critic.{key}", ok, requirement) for key, ok, requirement in RULES if key.startswith("optim.")
@@ -251,9 +257,29 @@ def validate_run_config(cfg: RunConfig) -> None:
 
         if cfg.env.name not in ENVS:
             raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
+    _check_harness(cfg)
     validate_trainer(cfg.trainer)
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         betas = cfg.critic.optim.betas
         if len(betas) != 2 or not all(_fraction(b) for b in betas):
             raise ConfigError(f"critic.optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+
+
+def _check_harness(cfg: RunConfig) -> None:
+    """``harness.*`` against the keys it must agree with (docs/harness.md)."""
+    h = cfg.harness
+    if h.function is None:
+        return
+    if not isinstance(h.function, str) or ":" not in h.function:
+        raise ConfigError(f"harness.function must be 'path/to/file.py:function' or 'package.module:function', "
+                          f"got {h.function!r}")
+    if cfg.env.name is not None:
+        raise ConfigError(f"harness.function and env.name={cfg.env.name!r} are both set: the agent is the episode's "
+                          "environment; set env.name=null")
+    if h.max_concurrent_episodes < cfg.rollout.group_size:
+        raise ConfigError(f"harness.max_concurrent_episodes={h.max_concurrent_episodes} must be >= "
+                          f"rollout.group_size={cfg.rollout.group_size}: a group's episodes are admitted together")
+    if h.serve.max_episodes is not None and h.serve.max_episodes < h.max_concurrent_episodes:
+        raise ConfigError(f"harness.serve.max_episodes={h.serve.max_episodes} must be >= "
+                          f"harness.max_concurrent_episodes={h.max_concurrent_episodes} (or null), or agents get 429")

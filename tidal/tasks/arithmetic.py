@@ -20,9 +20,14 @@ terms at a time (the agentic quickstart): its warm-start example is that tool-us
 ``task.params.pad_operands=true`` zero-pads operands to ``max_operand``'s width, "07+45=", which the
 calculator reads too).
 
-``product``: "347*86=" -> "29842", a d1-digit times a d2-digit number (``task.params.digits``, default
-[3, 2]: 81,000 problems). Far past what the tiny model multiplies in its head; one calculator call
-(``<c>347*86</c>=29842 29842``) solves it. Same ``demos`` switch as ``sum_chain``.
+``product``: "37*54=" -> "1998", a d1-digit times a d2-digit number (``task.params.digits``, default
+[2, 2]: 8,100 problems). Beyond what the 1M model multiplies in its head; one calculator call solves
+it: the model copies two short operands into the call and the result into its answer. Its warm-start
+example (``task.params.demos``) is ``tool`` (default), the calculator episode as one text
+(``<c>37*54</c>=1998 1998``, ``agentic_quickstart``), ``chat_tool``, the conversation of an agent that
+calls a ``calculator`` tool through the OpenAI API (user, assistant tool call, tool result, assistant
+answer; rendered by the chat template; ``harness_quickstart``), or ``answer``, the bare product (to
+measure the model without a tool).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from tidal.tasks.config import TaskConfig
 from tidal.types import Prompt
 from tidal.utils.seeding import stable_hash
 
-__all__ = ["Addition", "Product", "Repeat", "SumChain", "TaskConfig"]  # TaskConfig moved to tasks/config.py; importable here too
+# TaskConfig moved to tasks/config.py; importable here too
+__all__ = ["Addition", "Product", "Repeat", "SumChain", "TaskConfig"]
 
 
 class _SplitTask(ABC):
@@ -163,7 +169,7 @@ class Product(_SplitTask):
     name = "product"
 
     def _digits(self) -> tuple[int, int]:
-        digits = self.cfg.params.get("digits", [3, 2])
+        digits = self.cfg.params.get("digits", [2, 2])
         if (not isinstance(digits, (list, tuple)) or len(digits) != 2
                 or not all(isinstance(d, int) and 1 <= d <= 6 for d in digits)):
             raise ValueError(f"task product: params.digits={digits!r} must be two digit counts in [1, 6]")
@@ -177,10 +183,24 @@ class Product(_SplitTask):
         a, b = item
         return Prompt(uid=uid, text=f"{a}*{b}=", answer=str(a * b))
 
-    def sft_example(self, prompt: Prompt) -> str:
+    def sft_example(self, prompt: Prompt) -> str | list[dict]:
         demos = self.cfg.params.get("demos", "tool")
-        if demos not in ("tool", "answer"):
-            raise ValueError(f"task.params.demos={demos!r}: use 'tool' (a calculator trace) or 'answer'")
         if demos == "answer":
             return prompt.answer
-        return calculator_call_trace(prompt.text.rstrip("="))
+        if demos == "tool":
+            return calculator_call_trace(prompt.text.rstrip("="))
+        if demos != "chat_tool":
+            raise ValueError(f"task.params.demos={demos!r}: use 'tool' (a calculator episode), 'chat_tool' (an "
+                             "agent's calculator conversation) or 'answer'")
+        return calculator_conversation(prompt.text, prompt.text.rstrip("="), prompt.answer)
+
+
+def calculator_conversation(question: str, expression: str, answer: str) -> list[dict]:
+    """A correct tool-using conversation in the OpenAI message format: the agent's user message, one
+    ``calculator`` call with ``expression``, the tool's result, and the answer."""
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": answer},
+            {"role": "assistant", "content": answer}]

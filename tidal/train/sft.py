@@ -89,9 +89,23 @@ def validate(cfg: SFTConfig) -> None:
         raise WarmStartError(f"sft.accuracy_band must be [low, high] with 0 <= low <= high <= 1, got {band}")
 
 
-def _encode(tokenizer, prompt_text: str, answer: str) -> tuple[list[int], int]:
+def _encode(tokenizer, prompt_text: str, example) -> tuple[list[int], int]:
+    """(ids, where the loss starts). ``example`` is the answer text ("<bos>prompt answer<eos>"), or a
+    whole conversation as OpenAI messages (a tool-using agent's trace), rendered by the tokenizer's
+    chat template; the loss then covers everything after the first user turn's generation prompt
+    (the model's turns and, as in the plain tool traces, the tools' results between them)."""
+    if isinstance(example, list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise WarmStartError("the task's warm-start example is a conversation, but the tokenizer has no chat "
+                                 "template (set model.tokenizer=chat)")
+        head = tokenizer.apply_chat_template(example[:1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(example, tokenize=False)
+        assert full.startswith(head), "the chat template must render the first turn as a prefix"
+        prompt_ids = tokenizer(head, add_special_tokens=False).input_ids
+        rest = tokenizer(full[len(head):].rstrip("\n"), add_special_tokens=False).input_ids
+        return [*prompt_ids, *rest], len(prompt_ids)
     prompt_ids = [tokenizer.bos_token_id, *tokenizer(prompt_text, add_special_tokens=False).input_ids]
-    answer_ids = [*tokenizer(answer, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    answer_ids = [*tokenizer(example, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
     return prompt_ids + answer_ids, len(prompt_ids)
 
 
@@ -121,7 +135,10 @@ def data_fingerprint(task: Task) -> int:
 
 
 def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task) -> Path:
-    key = json.dumps([dataclasses.asdict(model_cfg), dataclasses.asdict(task_cfg),
+    model = dataclasses.asdict(model_cfg)
+    if model.get("tokenizer") == "char":  # the default: bases cached before the field existed keep their key
+        del model["tokenizer"]
+    key = json.dumps([model, dataclasses.asdict(task_cfg),
                       {k: v for k, v in dataclasses.asdict(sft_cfg).items() if k != "cache_dir"},
                       data_fingerprint(task)], sort_keys=True)
     return Path(sft_cfg.cache_dir) / f"base-{stable_hash(key):016x}"
@@ -143,7 +160,7 @@ def warm_start(model_cfg: ModelConfig, task: Task, task_cfg, sft_cfg: SFTConfig,
         return out
     if sft_cfg.accuracy_band is not None and evaluate is None:
         raise WarmStartError("sft.accuracy_band is set but no evaluator was given (warm_start(evaluate=...))")
-    tokenizer = tiny.build_tokenizer()
+    tokenizer = tiny.tokenizer_for(model_cfg)
     model = tiny.build_model(model_cfg, tokenizer).train()
     result = _train(model, tokenizer, task, sft_cfg, evaluate, progress)
     out.parent.mkdir(parents=True, exist_ok=True)
