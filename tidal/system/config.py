@@ -13,6 +13,7 @@ from tidal.optim import OptimConfig
 from tidal.rewards.pool import RewardConfig
 from tidal.rollout.local import SamplingConfig
 from tidal.rollout.vllm_engine import VllmOptions
+from tidal.system.sdc_guard import SDCConfig
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.critic import CriticConfig
 from tidal.train.sft import SFTConfig
@@ -138,4 +139,6 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of ``algo.advantage=gae`` (PPO with a learned critic); unused otherwise."""
     system: SystemConfig = field(default_factory=SystemConfig)
+    sdc: SDCConfig = field(default_factory=SDCConfig)
+    """Silent-data-corruption detection: per-step fingerprints, replay, rollback (docs/faults.md)."""
     log: LogConfig = field(default_factory=LogConfig)

@@ -221,6 +221,10 @@ def validate_run_config(cfg: RunConfig) -> None:
         if cfg.env.name not in ENVS:
             raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
     validate_trainer(cfg.trainer)
+    try:
+        cfg.sdc.__post_init__()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         betas = cfg.critic.optim.betas
