@@ -128,3 +128,13 @@ def test_worker_mismatch_by_hand():
     logp = torch.tensor([[0.0, -1.1, -1.7], [0.0, -0.5, 8.0]])
     gaps = worker_mismatch(groups, batch, logp, version=3)
     assert gaps[0] == pytest.approx(0.2) and gaps[1] == pytest.approx(0.5)  # worker 1's stale token left out
+
+
+@pytest.mark.parametrize("setting, match", [("sdc.replay_every=-1", "sdc.replay_every must be >= 0"),
+                                            ("sdc.spike_factor=1", "sdc.spike_factor must be > 1")])
+def test_bad_sdc_settings_name_the_key(tmp_path, setting, match):
+    from tidal.config import ConfigError
+    from tidal.system.validate import validate_run_config
+
+    with pytest.raises(ConfigError, match=match):
+        validate_run_config(tiny_cfg(tmp_path, setting))

@@ -61,16 +61,22 @@ class ElasticConfig:
     """One elastic replica; every replica gets the same config."""
 
     task: TaskConfig = field(default_factory=lambda: TaskConfig(max_operand=99))
+    """The task whose reference answers are trained on (2-digit addition)."""
     model: tiny.ModelConfig = field(default_factory=lambda: tiny.ModelConfig(
         hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256))
+    """The tiny model every replica builds from the same seed."""
     steps: int = 200
     """Committed optimizer steps to train (the quorum's step count)."""
     batch_size: int = 64
     """Examples per step, over all live replicas together (the whole batch the loss is normalised over)."""
     lr: float = 3e-3
+    """AdamW learning rate (betas 0.9, 0.95)."""
     grad_clip: float = 1.0
+    """Global gradient-norm clip, applied to the summed gradient."""
     seed: int = 0
+    """Seeds every step's batch (the same on every replica)."""
     num_eval: int = 200
+    """Held-out prompts of the final greedy accuracy."""
     min_replicas: int = 1
     """Fewest live replicas a step needs; 1 lets a lone survivor keep training."""
     timeout_s: float = 10.0
