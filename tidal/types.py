@@ -52,6 +52,9 @@ class Trajectory:
     reward_details: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[int] | None = None
     episode: dict[str, Any] | None = None
+    worker: int | None = None
+    """Which rollout worker sampled it (the Ray backend's seat); None: the run's one engine. The SDC
+    guard's rollout-side check compares workers by it (``system/sdc_guard.py``)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -15,6 +15,7 @@ from tidal.rollout.local import SamplingConfig
 from tidal.rollout.thinking import ThinkingConfig
 from tidal.rollout.vllm_engine import VllmOptions
 from tidal.serve.config import HarnessConfig
+from tidal.system.sdc_guard import SDCConfig
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.critic import CriticConfig
 from tidal.train.sft import SFTConfig
@@ -153,4 +154,6 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of ``algo.advantage=gae`` (PPO with a learned critic); unused otherwise."""
     system: SystemConfig = field(default_factory=SystemConfig)
+    sdc: SDCConfig = field(default_factory=SDCConfig)
+    """Silent-data-corruption detection: per-step fingerprints, replay, rollback (docs/faults.md)."""
     log: LogConfig = field(default_factory=LogConfig)

@@ -46,6 +46,7 @@ from tidal.system.curriculum import PromptSource
 from tidal.system.evaluate import accuracy_metrics, greedy_samples, per_task_accuracy
 from tidal.system.journal import GroupJournal
 from tidal.system.length_growth import LengthGrowth
+from tidal.system.sdc_guard import SDCGuard
 from tidal.system.staleness import StalenessManager
 from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState
@@ -67,7 +68,8 @@ class RunResult:
 class Controller:
     def __init__(self, cfg: RunConfig, task: Task, engine: RolloutEngine, eval_engine: RolloutEngine,
                  reward_pool: RewardPool, trainer: Trainer, tokenizer, tracker: Tracker, out_dir: Path,
-                 state: TrainingState, journal: GroupJournal | None = None, samples: SampleRecorder | None = None):
+                 state: TrainingState, journal: GroupJournal | None = None, samples: SampleRecorder | None = None,
+                 sdc: SDCGuard | None = None):
         self.cfg = cfg
         self.task = task
         self.engine = engine
@@ -80,6 +82,7 @@ class Controller:
         self.state = state
         self.journal = journal
         self.samples = samples  # records rollouts for the inspector (samples.jsonl)
+        self.sdc = sdc  # silent-data-corruption guard: records, replays, raises SilentDataCorruption
         self._cursor = state.next_group  # the stream position after the current step's batch
         self._reloaded_groups = 0
         self.eval_prompts = task.eval_prompts()[: cfg.num_eval]
@@ -112,6 +115,7 @@ class Controller:
                     _scale(self.reward_pool, bias.component, bias.factor ** self.length_bias.fired)
         self._think_close = close_ids(self.tokenizer, cfg.rollout.thinking)
         self._stop_reason: str | None = None
+        self._drawn: list[Group] = []  # every group the step drew, dropped ones too (online difficulty)
 
     def _curriculum_state(self) -> None:
         self.state.extra["curriculum"] = self.source.state_dict()
@@ -246,7 +250,14 @@ class Controller:
         metrics.update(algo_metrics)
         self._unlogged = (step + 1, metrics)  # filled in place: what a Ctrl-C after the update logs
         if batch is not None:
+            version = self.trainer.version
+            if self.sdc is not None:
+                self.sdc.before_step(step + 1, batch)
             metrics.update(self.trainer.step(batch))
+            if self.sdc is not None:
+                metrics.update(self.sdc.rollout_check(groups, batch, getattr(self.trainer, "last_logp_bt", None),
+                                                      version))
+                metrics.update(self.sdc.after_step(step + 1, batch, metrics))
         else:
             self.trainer.skip_step()
         self._after_update(step, trajs, metrics)
@@ -306,6 +317,8 @@ class Controller:
         self._curriculum_state()
         path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", self.tokenizer, self.state,
                                             keep=self.cfg.keep_checkpoints)  # policy (and critic) state
+        if self.sdc is not None:
+            self.sdc.on_checkpoint(path, self.state.step)
         if self.journal is not None:
             self.journal.compact(self.state.next_group)  # what this checkpoint trained is no longer needed
         return path

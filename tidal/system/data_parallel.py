@@ -76,6 +76,9 @@ def _trainer(cfg: RunConfig, model: torch.nn.Module, ref_model: torch.nn.Module 
 def _lead(cfg: RunConfig, out_dir: Path, resume: bool, dp: DataParallel) -> RunResult:
     try:
         controller = run_lib.prepare(cfg, out_dir, resume)
+        if controller.sdc is not None:  # SDC recording and replay are 1-process only (sdc_guard.py)
+            controller.sdc.close()
+            controller.sdc = None
         base = run_lib.base_model_path(cfg, controller.task, progress=False)  # cached by prepare
         ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
         # every rank's quorum: a torchrun job is all or nothing, and the first round should have them all

@@ -366,6 +366,7 @@ class RayEngine:
         w.poll_ref = w.actor.poll.remote(POLL_S)
         for rid, traj in results:
             request = self.dispatch.complete(wid, rid)
+            traj.worker = w.seat  # the SDC guard compares the engines' log-probs worker by worker
             if request is not None:
                 on_done(request, traj)
 

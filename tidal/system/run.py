@@ -13,7 +13,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import sys
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from tidal import config as config_lib
 from tidal.envs import ENVS
@@ -33,6 +36,7 @@ from tidal.system.controller import Controller, RunResult
 from tidal.system.curriculum import build_task, run_reward
 from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
+from tidal.system.sdc_guard import SDCGuard, SilentDataCorruption, rollback
 from tidal.system.validate import validate_run_config
 from tidal.train.checkpoint import TrainingState, latest_checkpoint
 from tidal.train.sft import warm_start
@@ -164,7 +168,8 @@ def _rollout_model(cfg: RunConfig, trainer: Trainer):
     return model
 
 
-def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Controller:
+def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None) -> Controller:
+    """The ready controller. ``faults``: ``train/faults.py`` bit flips to inject (tests, ``tidal bench faults``)."""
     validate_run_config(cfg)  # a value the run cannot use fails before any work, naming the key
     out_dir = Path(out_dir)
     ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
@@ -212,10 +217,12 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> Contro
         trackers.append(WandbTracker(cfg.log.wandb_project, dataclasses.asdict(cfg), out_dir))
     if cfg.log.mlflow_experiment:
         trackers.append(MlflowTracker(cfg.log.mlflow_experiment, dataclasses.asdict(cfg)))
+    # after the engines copied the model: the guard's hooks and shadow trainer are the trainer's alone
+    sdc = SDCGuard(cfg.sdc, trainer, out_dir, state.step, faults)
     samples = SampleRecorder(SampleLog(out_dir / SAMPLES_FILE, cfg.log.samples.max_mb, state.step if resume else None),
                              cfg.log.samples, tokenizer, cfg.task.name)
     return Controller(cfg, task, engine, eval_engine, reward_pool, trainer, tokenizer, MultiTracker(trackers),
-                      out_dir, state, journal=journal, samples=samples)
+                      out_dir, state, journal=journal, samples=samples, sdc=sdc)
 
 
 def close(controller: Controller) -> None:
@@ -223,6 +230,8 @@ def close(controller: Controller) -> None:
     the Ray instance the run started, if any). Each is closed even if another fails; the first
     failure is raised at the end."""
     closers = [controller.tracker.close, controller.reward_pool.close]
+    if controller.sdc is not None:
+        closers.append(controller.sdc.close)
     if controller.journal is not None:
         closers.insert(1, controller.journal.close)
     engine_close = getattr(controller.engine, "close", None)
@@ -247,20 +256,36 @@ def write_pages(out_dir: str | Path) -> None:
     write_report(out_dir)
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult:
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None) -> RunResult:
     """Run RL to completion; always closes trackers and the reward pool, then writes the report. If the
-    run itself failed (a full disk, Ctrl-C), that error is the one raised, not a later one from closing."""
-    controller = prepare(cfg, out_dir, resume)
-    failed = True
-    try:
-        result = controller.run()
-        failed = False
-        return result
-    finally:
+    run itself failed (a full disk, Ctrl-C), that error is the one raised, not a later one from closing.
+
+    Silent data corruption found by the SDC guard (``sdc_guard.py``) rolls the run back to the last
+    verified checkpoint (or the base model) and continues, at most ``sdc.max_rollbacks`` times."""
+    rollbacks = 0
+    while True:
+        controller = prepare(cfg, out_dir, resume, faults=faults)
+        failed, again = True, False
         try:
-            close(controller)
-            if cfg.log.report:
-                write_pages(out_dir)
-        except Exception:
-            if not failed:
-                raise
+            result = controller.run()
+            failed = False
+            return result
+        except SilentDataCorruption as e:
+            incident = e.incident
+            rollbacks += 1
+            if rollbacks > cfg.sdc.max_rollbacks:
+                raise RuntimeError(f"{e} (rollback {rollbacks} > sdc.max_rollbacks={cfg.sdc.max_rollbacks}: "
+                                   "a fault that keeps coming back; stopping)") from e
+            again = True
+        finally:
+            try:
+                close(controller)
+                if cfg.log.report and not again:
+                    write_pages(out_dir)
+            except Exception:
+                if not failed:
+                    raise
+        step = rollback(out_dir, incident["step"])
+        tqdm.write(f"sdc: rolling back to {f'checkpoint step_{step}' if step is not None else 'the base model'} "
+                   f"({incident['message']})", file=sys.stderr)
+        resume = step is not None

@@ -259,6 +259,10 @@ def validate_run_config(cfg: RunConfig) -> None:
             raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
     _check_harness(cfg)
     validate_trainer(cfg.trainer)
+    try:
+        cfg.sdc.__post_init__()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         betas = cfg.critic.optim.betas

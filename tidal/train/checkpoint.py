@@ -10,6 +10,12 @@ disk) removes its temporary directory and raises ``CheckpointError``, one line n
 cause; a ``.tmp_*`` left by a process that died mid-save is never read as a checkpoint and is removed
 by the next save. Older checkpoints beyond ``keep`` are removed.
 
+Content hashes: every file a checkpoint restores from (``model.safetensors``, ``trainer_state.pt``, each
+``<name>.pt``) has its sha256 in ``hashes.json``, written inside the same atomic save, and is checked on
+load: a file changed on disk since (a flipped bit, a truncated copy) fails with ``CheckpointCorrupted``
+naming the file, instead of silently training on corrupted weights. A checkpoint without
+``hashes.json`` (written before hashes existed) loads unchecked.
+
 A model sharded with FSDP (``distributed.py``) is saved as full weights and full optimizer state
 gathered on rank 0, in the same files and numbering as one process writes, so a run can resume with
 a different number of processes; loading one broadcasts it from rank 0 into every rank's shards.
@@ -17,6 +23,8 @@ a different number of processes; loading one broadcasts it from rank 0 into ever
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +38,46 @@ from tidal.utils.seeding import rng_state, set_rng_state
 
 class CheckpointError(OSError):
     """A checkpoint could not be written; the previous one (if any) is intact."""
+
+
+class CheckpointCorrupted(RuntimeError):
+    """A checkpoint file's content no longer matches the sha256 recorded when it was written."""
+
+
+HASHES = "hashes.json"
+HASHED = ("model.safetensors", "trainer_state.pt")
+"""Files whose content hash a checkpoint records (plus every ``<component>.pt``)."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_hashes(directory: Path, names: list[str]) -> None:
+    """Record the sha256 of ``names`` (files in ``directory``) in ``directory/hashes.json``."""
+    hashes = {n: sha256_file(directory / n) for n in names if (directory / n).exists()}
+    (directory / HASHES).write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+
+
+def verify_hashes(directory: str | Path) -> int:
+    """Check every file listed in ``hashes.json`` against its recorded sha256; returns how many were
+    checked (0: no hashes recorded). Raises ``CheckpointCorrupted`` naming the first bad or missing file."""
+    directory = Path(directory)
+    if not (directory / HASHES).exists():
+        return 0
+    hashes = json.loads((directory / HASHES).read_text())
+    for name, want in sorted(hashes.items()):
+        if not (directory / name).exists():
+            raise CheckpointCorrupted(f"checkpoint {directory}: {name} is missing (hashes.json lists it)")
+        got = sha256_file(directory / name)
+        if got != want:
+            raise CheckpointCorrupted(f"checkpoint {directory}: {name} is corrupted (sha256 {got[:16]}..., "
+                                      f"written as {want[:16]}...); roll back to an earlier checkpoint")
+    return len(hashes)
 
 
 @dataclass
@@ -75,6 +123,7 @@ def save_checkpoint(
         )
         for name, component in (components or {}).items():
             torch.save(component.state_dict(), tmp / f"{name}.pt")
+        write_hashes(tmp, [*HASHED, *(f"{name}.pt" for name in components or {})])
         if final.exists():  # the same step saved again (a resumed run): move the old one aside first
             final.rename(root / f".tmp_old_step_{state.step}")
         tmp.rename(final)
@@ -143,8 +192,9 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(weights, trainer state blob) of a checkpoint directory."""
+    """(weights, trainer state blob) of a checkpoint directory, its content hashes checked first."""
     from safetensors.torch import load_file
 
     path = Path(path)
+    verify_hashes(path)
     return load_file(path / "model.safetensors"), torch.load(path / "trainer_state.pt", weights_only=False)

@@ -192,6 +192,9 @@ class Trainer:
         """The last step's trainer log-probs ([B, T], the batch's layout: what each minibatch's loss saw)
         and advantages ([B] or [B, T]), kept for the sample recorder (``inspector/record.py``)."""
         self.last_adv: torch.Tensor | None = None
+        self.observers: list = []
+        """Objects told ``after_backward()`` (gradients final, before clipping) and ``after_optimizer()``
+        (parameters updated) in every minibatch: the SDC recorder (``train/sdc.py``) and fault injection."""
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _logprobs(self, model: torch.nn.Module, *args, **kwargs):
@@ -397,6 +400,8 @@ class Trainer:
             totals = self.dp.sum_floats({**totals, "train/loss": loss_total})
             loss_total = totals.pop("train/loss")
         self.last_logp_bt[idx] = logp_mb
+        for observer in self.observers:
+            observer.after_backward()
         ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         if self.dp.enabled:  # a DTensor: the global norm over every rank's shards
@@ -405,6 +410,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] *= lr_scale
         self.optimizer.step()
+        for observer in self.observers:
+            observer.after_optimizer()
         self.scheduler.step()
         totals.update(advantage_metrics(adv, mask_mb))
         totals["algo/seq_ess"] = ess

@@ -1,0 +1,241 @@
+"""Silent data corruption and elasticity: are injected bit flips found, where, how fast, at what cost?
+
+Three parts (docs/faults.md):
+
+1. *Flips.* Short sync RL runs of a small model (``tidal train quickstart`` shrunk: ``model_sets``) with
+   ``num_faults`` one-bit flips at random steps (a weight at rest, an activation, a gradient, an
+   optimizer state; random layer, element and bit 0-31; ``train/faults.py``), once per detection
+   policy: ``replay_every=1`` (every step replayed: full verification) and the default-like cheap
+   policy (``replay_every=0``: the at-rest check plus replay from the last checkpoint on an anomaly).
+   Each detection rolls the run back to its last verified checkpoint and the run goes on. Reported:
+   detection rate, localisation rate (right step, phase and layer, over detected flips), detection
+   latency in steps, and whether the run ended with the fault-free run's exact weights.
+2. *Overhead.* ``Trainer.step`` on one fixed batch of the quickstart model, with and without the
+   recorder, alternated ``overhead_reps`` times (median): recording cost as a fraction of step time.
+   A replay costs one more step per ``sdc.replay_every`` steps on top (1/N).
+3. *Elastic.* Two torchft replicas (``train/elastic.py``) train ``elastic_steps`` steps; then again, with
+   replica 1 killed (SIGKILL) a third of the way in and restarted after ``restart_after_s``. Reported:
+   throughput kept (committed steps per second, faulted / fault-free: wall-clock, on a shared machine)
+   and final greedy accuracy of both.
+
+    tidal bench faults [--set num_faults=8 --set steps=12 --set elastic_steps=150]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tidal.config import apply_overrides
+from tidal.recipes import RECIPES
+from tidal.system.run import prepare, train
+from tidal.train.faults import KINDS, Fault
+from tidal.train.sdc import StepRecorder, tracked_modules
+
+DESCRIPTION = "SDC detection (injected bit flips: detection, localisation, latency, overhead) and elastic DP (kill a replica)"
+
+
+@dataclass
+class Settings:
+    steps: int = 12
+    """RL steps of each flip run."""
+    num_faults: int = 8
+    """Flips per policy run, at distinct random steps (kinds round-robin)."""
+    seed: int = 0
+    policies: list[str] = field(default_factory=lambda: ["replay_every=1", "replay_every=0"])
+    """``sdc.*`` setting of each flip run."""
+    model_sets: list[str] = field(default_factory=lambda: [
+        "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
+        "model.intermediate_size=128", "sft.steps=60", "sft.accuracy_band=null", "sft.batch_size=64",
+        "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=16", "rollout.max_new_tokens=4",
+        "system.mode=sync", "system.num_threads=1", "num_eval=64", "optim.lr=1e-3", "max_time_s=null",
+        "target_accuracy=null", "log.progress=false", "log.tensorboard=false", "log.report=false"])
+    checkpoint_every: int = 3
+    overhead_reps: int = 7
+    overhead_prompts: int = 64
+    """Prompts (x 8 samples) in the overhead batch, on the quickstart model (1M parameters)."""
+    elastic_steps: int = 150
+    restart_after_s: float = 10.0
+    """Seconds between killing replica 1 and starting it again."""
+
+
+def _cfg(s: Settings, out: Path, *extra: str):
+    return apply_overrides(RECIPES.get("quickstart")(), [*s.model_sets, f"sft.cache_dir={out / 'cache'}",
+                                                          f"max_steps={s.steps}", f"eval_every={s.steps}",
+                                                          f"checkpoint_every={s.checkpoint_every}",
+                                                          "keep_checkpoints=3", *extra])
+
+
+def _faults(s: Settings, model: torch.nn.Module, seed: int) -> list[Fault]:
+    rng = random.Random(seed)
+    params = [n for n, _ in model.named_parameters()]
+    layers = [n for n, _ in tracked_modules(model)]
+    steps = sorted(rng.sample(range(1, s.steps + 1), s.num_faults))
+    faults = []
+    for i, step in enumerate(steps):
+        kind = KINDS[i % len(KINDS)]
+        target = rng.choice(layers if kind == "activation" else params)
+        faults.append(Fault(kind, step, target, index=rng.randrange(1 << 20), bit=rng.randrange(32)))
+    return faults
+
+
+def _params(cfg, out: Path) -> dict[str, torch.Tensor]:
+    controller = prepare(cfg, out, resume=True)
+    try:
+        return {k: v.clone() for k, v in controller.trainer.model.state_dict().items()}
+    finally:
+        controller.tracker.close()
+
+
+def flip_runs(s: Settings, root: Path) -> tuple[list[dict], dict]:
+    base = _cfg(s, root)
+    clean_out = root / "clean"
+    train(base, clean_out)
+    clean = _params(base, clean_out)
+    controller = prepare(base, root / "probe")
+    model = controller.trainer.model
+    controller.tracker.close()
+    rows, faults_by_policy = [], {}
+    for policy in s.policies:
+        cfg = _cfg(s, root, f"sdc.{policy}", f"sdc.max_rollbacks={s.num_faults + 1}")
+        faults = _faults(s, model, s.seed)
+        out = root / policy.replace("=", "_")
+        train(cfg, out, faults=faults)
+        incidents = [json.loads(x) for x in (out / "sdc" / "incidents.jsonl").read_text().splitlines()] \
+            if (out / "sdc" / "incidents.jsonl").exists() else []
+        got = _params(cfg, out)
+        per_fault = []
+        for f in faults:
+            hit = next((i for i in incidents if i["step"] == f.step), None)
+            per_fault.append({
+                "policy": policy, "kind": f.kind, "step": f.step, "target": f.target, "bit": f.bit,
+                "fired": f.fired, "detected": hit is not None,
+                "localized": hit is not None and (hit["phase"], hit["layer"]) == (f.expected_phase, f.expected_layer),
+                "latency_steps": hit["detected_at_step"] - f.step if hit else None,
+                "found": f"{hit['phase']} {hit['layer']}" if hit else None})
+        faults_by_policy[policy] = per_fault
+        fired = [p for p in per_fault if p["fired"]]
+        detected = [p for p in fired if p["detected"]]
+        rows.append({
+            "arm": f"flips, sdc.{policy}", "injected": len(fired), "detected": len(detected),
+            "localized": sum(p["localized"] for p in detected),
+            "detection_rate": len(detected) / max(len(fired), 1),
+            "localization_rate": sum(p["localized"] for p in detected) / max(len(detected), 1),
+            "latency_steps_mean": statistics.mean(p["latency_steps"] for p in detected) if detected else None,
+            "final_weights_equal_clean": all(torch.equal(got[k], clean[k]) for k in got),
+            "false_alarms": len(incidents) - len(detected)})
+    return rows, faults_by_policy
+
+
+def overhead(s: Settings) -> dict:
+    """Median Trainer.step seconds with and without the recorder, on the quickstart model and a fixed batch."""
+    from tidal.algo.config import AlgoConfig
+    from tidal.models import tiny
+    from tidal.optim import OptimConfig
+    from tidal.train.trainer import Trainer, TrainerConfig
+    from tidal.types import TrainBatch
+
+    torch.set_num_threads(1)
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tiny.ModelConfig(), tok)
+    g = torch.Generator().manual_seed(0)
+    b, t, p = s.overhead_prompts * 8, 24, 8  # 8-token prompts, 16 sampled tokens: the quickstart's shape
+    mask = torch.zeros(b, t)
+    mask[:, p:] = 1
+    batch = TrainBatch(torch.randint(3, len(tok), (b, t), generator=g), torch.ones(b, t, dtype=torch.long), mask,
+                       -torch.rand(b, t, generator=g) * mask, torch.zeros(b, t, dtype=torch.long) - 1 + mask.long(),
+                       torch.arange(b) // 8, (torch.rand(b, generator=g) > 0.5).float())
+    plain = Trainer(copy.deepcopy(model), AlgoConfig(), OptimConfig(lr=1e-4), TrainerConfig())
+    recorded = Trainer(copy.deepcopy(model), AlgoConfig(), OptimConfig(lr=1e-4), TrainerConfig())
+    recorder = StepRecorder(recorded)
+    times = {"plain": [], "recorded": []}
+    for k in range(s.overhead_reps + 1):
+        for name, trainer in (("plain", plain), ("recorded", recorded)):
+            t0 = time.perf_counter()
+            if trainer is recorded:
+                recorder.begin_step(k + 1)
+            trainer.step(batch)
+            if trainer is recorded:
+                recorder.end_step()
+            if k:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    plain_s, rec_s = statistics.median(times["plain"]), statistics.median(times["recorded"])
+    return {"arm": "recording overhead", "step_s_plain": plain_s, "step_s_recorded": rec_s,
+            "overhead_frac": rec_s / plain_s - 1.0, "sequences": b, "params": sum(x.numel() for x in model.parameters())}
+
+
+def _elastic(s: Settings, root: Path, kill: bool) -> dict:
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse.address()}
+    outs = [root / f"{'kill' if kill else 'clean'}_{r}.json" for r in (0, 1)]
+
+    def start(r: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "tidal.train.elastic", "--set", f"steps={s.elastic_steps}",
+                                 "--set", f"out={outs[r]}"], env={**env, "REPLICA": str(r)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def committed(r: int) -> int:
+        path = Path(str(outs[r]) + ".progress")
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    try:
+        procs = [start(0), start(1)]
+        killed_at = restarted_at = None
+        if kill:
+            while committed(0) < s.elastic_steps // 3:
+                time.sleep(0.2)
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
+            killed_at = committed(0)
+            time.sleep(s.restart_after_s)
+            restarted_at = committed(0)
+            procs[1] = start(1)
+        for r, p in enumerate(procs):
+            _, err = p.communicate(timeout=1800)
+            assert p.returncode == 0, f"elastic replica {r} failed: {err[-2000:]}"
+        results = [json.loads(o.read_text()) for o in outs]
+    finally:
+        lighthouse.shutdown()
+    progress = [json.loads(x) for x in Path(str(outs[0]) + ".progress").read_text().splitlines()]
+    return {"arm": f"elastic, {'replica 1 killed' if kill else 'fault-free'}", "steps": s.elastic_steps,
+            "seconds": progress[-1]["t"], "steps_per_s": len(progress) / progress[-1]["t"],
+            "accuracy": results[0]["accuracy"], "accuracy_replica1": results[1]["accuracy"],
+            "replicas_identical": results[0]["param_bits"] == results[1]["param_bits"],
+            "failed_attempts": results[0]["failed_attempts"], "min_participants": results[0]["min_participants"],
+            "killed_at_step": killed_at, "restarted_at_step": restarted_at}
+
+
+def run(overrides: list[str], out_dir: Path) -> dict:
+    s = apply_overrides(Settings(), overrides)
+    torch.manual_seed(s.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        flip_rows, per_fault = flip_runs(s, root)
+        over = overhead(s)
+        elastic = [_elastic(s, root, kill=False), _elastic(s, root, kill=True)] if s.elastic_steps else []
+    full = flip_rows[0]
+    result = {
+        "detection_rate": full["detection_rate"], "localization_rate": full["localization_rate"],
+        "overhead_frac": over["overhead_frac"],
+        "detection_latency_steps": full["latency_steps_mean"],
+        "policy": s.policies[0],
+        "table": [*flip_rows, over, *elastic], "faults": per_fault, "settings": s.__dict__,
+    }
+    if elastic:
+        result["elastic"] = {"throughput_kept": elastic[1]["steps_per_s"] / elastic[0]["steps_per_s"],
+                             "accuracy_fault_free": elastic[0]["accuracy"], "accuracy_killed": elastic[1]["accuracy"]}
+    return result

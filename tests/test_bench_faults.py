@@ -1,0 +1,29 @@
+"""``tidal bench faults`` as docs/faults.md runs it (a toy size): the issue's top-level keys, every flip of
+the full-replay policy found at its step, phase and layer, and an elastic run that survives a kill."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tidal import bench
+
+pytest.importorskip("torchft", reason="torchft not installed (pip install -e '.[dev]')")
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "faults.md"
+
+
+@pytest.mark.slow
+def test_bench_faults_as_documented(tmp_path):
+    [command] = re.findall(r"^tidal bench faults (.*)$", DOC.read_text(), flags=re.M)
+    overrides = re.findall(r"--set (\S+)", command)
+    result = bench.load("faults").run(overrides, tmp_path)
+    assert {"detection_rate", "localization_rate", "overhead_frac"} <= set(result)
+    full = result["table"][0]
+    assert full["injected"] >= 1
+    assert result["detection_rate"] == 1.0 and result["localization_rate"] == 1.0, result["faults"]
+    assert full["final_weights_equal_clean"] and full["false_alarms"] == 0
+    assert -0.5 < result["overhead_frac"] < 1.0  # a timing on a shared machine: only its sanity
+    killed = next(r for r in result["table"] if r["arm"] == "elastic, replica 1 killed")
+    assert killed["min_participants"] == 1 and killed["replicas_identical"]
+    assert result["elastic"]["throughput_kept"] > 0
