@@ -1,6 +1,6 @@
 """Sync vs async agent RL when tools are slow: trained episodes per second, side by side in one run.
 
-Both modes run ``agentic_quickstart`` (a tiny model adds 2-5 numbers with a calculator tool, one call
+Both modes run ``agentic_sums`` (a tiny model adds 2-5 numbers with a calculator tool, one call
 per pair, so episodes take 1-5 turns with a long tail) from the same warm-started base and seed, for
 the same number of steps, on the same 2 cores. Every tool call waits a simulated latency drawn from a
 lognormal (``env.latency_median_s``, sigma 1.3: median 100 ms -> p99 ~2 s, like sandboxes and search
@@ -57,7 +57,7 @@ def num_terms(prompt) -> int:
 
 
 def run_mode(overrides: list[str], out: Path) -> dict:
-    cfg = apply_overrides(RECIPES.get("agentic_quickstart")(), overrides)
+    cfg = apply_overrides(RECIPES.get("agentic_sums")(), overrides)
     controller = prepare(cfg, out)
     trained_k: list[int] = []
     real = controller._train_step
@@ -96,7 +96,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     common = [f"max_steps={s.steps}", "eval_every=100000", "max_time_s=null", "target_accuracy=null",
               "checkpoint_every=100000", "log.progress=false", "log.tensorboard=false", "log.report=false",
               *(o for o in overrides if o not in mine)]
-    cfg = apply_overrides(RECIPES.get("agentic_quickstart")(), common)
+    cfg = apply_overrides(RECIPES.get("agentic_sums")(), common)
     base_model_path(cfg, TASKS.get(cfg.task.name)(cfg.task), progress=False)  # warm start outside the timing
     table = []
     for latency in s.latencies:

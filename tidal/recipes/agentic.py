@@ -1,4 +1,8 @@
-"""The agentic CPU recipe: a tiny model learns to add long sums by calling a calculator, multi-turn."""
+"""The agentic CPU recipes: a tiny model learns to use a calculator tool, multi-turn.
+
+``agentic_quickstart``: 2-digit products, one call (reaches issue 23's 0.8). ``agentic_sums``: sums of
+2-5 terms, one call per pair (1-5 turns, a long tail of turns: ``tidal bench agentic`` runs it; the tiny
+model flattens at ~0.65 there, limited by copying operands)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,44 @@ from tidal.system.config import RunConfig
 
 @RECIPES.register("agentic_quickstart")
 def agentic_quickstart() -> RunConfig:
+    """Tiny Qwen2 (1M params) multiplies two 2-digit numbers with a calculator tool, async multi-turn RL.
+
+    An episode: ``37*54=`` -> ``<c>37*54</c>`` (a call, ended at ``</c>``) -> ``=1998 `` (the
+    calculator's result: observation tokens, never trained on) -> ``1998`` (the answer, ended by EOS;
+    reward 1 if it is the product). Without the tool the same model, warm-started 1,000 steps on bare
+    answers (``task.params.demos=answer``, ``env.name=null``), solves 0.065 of the 200 held-out products.
+    With it, a warm start on correct tool-use episodes (``calculator_call_trace``) stops in
+    ``sft.accuracy_band`` [0.35, 0.45] (seed 0: 0.0 up to step 70, 0.035 at 80, 0.335 at 90, 0.75 at
+    100: the band was crossed, so it went back to step 91, at 0.36) and RL takes it to the target.
+
+    Measured on 2 cores shared with 2-3 other jobs (load average 7-11; seconds are contention-bound):
+
+    ==================================  ===========================================================
+    setting (seed 0)                    held-out success at RL step 0 / 10 / 20 / 30 / 40 / ... / 120
+    ==================================  ===========================================================
+    64 x 8, band [0.35, 0.45] (this)    0.36 / 0.57 / 0.765 / 0.785 / **0.805** / 0.805 / 0.815 / 0.835
+                                        / 0.835 / 0.82 / 0.81 / 0.815 / 0.845 (0.8 at step 40, 250 s)
+    3-digit x 2-digit, 32 x 8, band     0.33 / 0.20 / 0.285 / 0.255 / 0.18 / ... / 0.31 (step 100) /
+    [0.3, 0.45]                         0.445 / 0.485 / 0.53 / 0.55 / 0.615 (steps 120-200)
+    ==================================  ===========================================================
+
+    On the harder 3-digit x 2-digit products (and a base fresh off its jump) the first RL steps undid the
+    base and it recovered slowly; the errors left were copies again (an operand's digits swapped,
+    ``212*94`` -> ``<c>221*94</c>``; a 4-digit result copied with a doubled digit, ``=6721 `` ->
+    ``66721``). Seed 1 of this recipe: see issue 23's closing note and ``docs/agentic.md``.
+    """
+    cfg = agentic_sums()
+    cfg.target_accuracy = 0.8  # issue 23's goal (and at least +0.3 over the base)
+    cfg.task.name = "product"
+    cfg.task.params = {"digits": [2, 2]}
+    cfg.env.max_turns = 3  # a call and an answer (one spare turn for a second call)
+    cfg.rollout.prompts_per_step = 64  # 32 was noisier for the sums (agentic_sums' table); episodes are short here
+    cfg.sft.accuracy_band = [0.35, 0.45]
+    return cfg
+
+
+@RECIPES.register("agentic_sums")
+def agentic_sums() -> RunConfig:
     """Tiny Qwen2 (1M params) adds 2-5 two-digit numbers with a calculator tool, async multi-turn RL.
 
     An episode (docs/agentic.md): ``12+34+56=`` -> ``<c>12+34</c>`` -> ``=46 `` -> ``<c>46+56</c>`` ->
