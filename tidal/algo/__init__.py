@@ -31,6 +31,7 @@ from tidal.algo import losses as _losses  # noqa: E402,F401
 from tidal.algo.advantages import advantage_metrics  # noqa: E402
 from tidal.algo.aggregation import aggregate, aggregation_weights, masked_mean  # noqa: E402
 from tidal.algo.config import AlgoConfig, bind  # noqa: E402
+from tidal.algo.distill import distill_advantage  # noqa: E402
 from tidal.algo.correction import (  # noqa: E402
     effective_sample_size,
     effective_sample_size_log,
@@ -54,6 +55,7 @@ from tidal.algo.value import explained_variance, value_loss  # noqa: E402
 
 __all__ = [
     "ADVANTAGES",
+    "distill_advantage",
     "POLICY_LOSSES",
     "LOSS_AGGREGATIONS",
     "KL_ESTIMATORS",
