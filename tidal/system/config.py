@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tidal.algo.config import AlgoConfig
+from tidal.distill.teacher import DistillConfig
 from tidal.envs.config import EnvConfig
 from tidal.inspector.samples import SampleLogConfig
 from tidal.models.tiny import ModelConfig
@@ -137,5 +138,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of ``algo.advantage=gae`` (PPO with a learned critic); unused otherwise."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: a teacher scores every sampled token in the scorer (docs/distill.md)."""
     system: SystemConfig = field(default_factory=SystemConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from tidal.api import RolloutEngine, Task, Tracker
 from tidal.config import ConfigError
+from tidal.distill.teacher import TeacherScorer, distill_metrics
 from tidal.inspector.record import SampleRecorder
 from tidal.rewards.monitor import reward_metrics
 from tidal.rewards.pool import RewardPool
@@ -64,7 +65,8 @@ class RunResult:
 class Controller:
     def __init__(self, cfg: RunConfig, task: Task, engine: RolloutEngine, eval_engine: RolloutEngine,
                  reward_pool: RewardPool, trainer: Trainer, tokenizer, tracker: Tracker, out_dir: Path,
-                 state: TrainingState, journal: GroupJournal | None = None, samples: SampleRecorder | None = None):
+                 state: TrainingState, journal: GroupJournal | None = None, samples: SampleRecorder | None = None,
+                 teacher: TeacherScorer | None = None):
         self.cfg = cfg
         self.task = task
         self.engine = engine
@@ -77,6 +79,7 @@ class Controller:
         self.state = state
         self.journal = journal
         self.samples = samples  # records rollouts for the inspector (samples.jsonl)
+        self.teacher = teacher  # on-policy distillation: scores every sampled token, beside the reward
         self._cursor = state.next_group  # the stream position after the current step's batch
         self._reloaded_groups = 0
         self.eval_prompts = task.eval_prompts()[: cfg.num_eval]
@@ -128,6 +131,8 @@ class Controller:
         scores = self.reward_pool.score([(t.text, _with_length(prompts[i // n], t)) for i, t in single])
         for (_, t), (reward, details) in zip(single, scores):
             t.reward, t.reward_details = reward, details
+        if self.teacher is not None:  # on the scorer thread in async mode: off the trainer's path
+            self.teacher.score([t for t in trajs if not t.infra_failed])
         groups = []
         for i, p in enumerate(prompts):
             group = trajs[i * n : (i + 1) * n]
@@ -168,6 +173,8 @@ class Controller:
         }
         metrics.update(reward_metrics(rewards, [t.reward_details for t in trajs], [t.num_tokens for t in trajs]))
         metrics.update(episode_metrics(trajs))
+        if self.teacher is not None:
+            metrics.update(distill_metrics(trajs, self.teacher))
         if self.cfg.env.name is not None:
             metrics["agent/infra_failures"] = float(self._infra_failed)
         batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)

@@ -221,8 +221,29 @@ def validate_run_config(cfg: RunConfig) -> None:
         if cfg.env.name not in ENVS:
             raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
     validate_trainer(cfg.trainer)
+    _check_distill(cfg)
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         betas = cfg.critic.optim.betas
         if len(betas) != 2 or not all(_fraction(b) for b in betas):
             raise ConfigError(f"critic.optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+
+
+def _check_distill(cfg: RunConfig) -> None:
+    """On-policy distillation's keys: a teacher that exists, and settings that keep its signal."""
+    d = cfg.distill
+    if d.teacher is None:
+        return
+    from pathlib import Path
+
+    if d.teacher != "quickstart" and not (Path(d.teacher) / "config.json").exists():
+        raise ConfigError(f"distill.teacher={d.teacher!r}: no Hugging Face model directory there (config.json); "
+                          "use a model directory, or `quickstart` to build the quickstart teacher")
+    if not (isinstance(d.micro_batch, int) and d.micro_batch >= 1):
+        raise ConfigError(f"distill.micro_batch must be >= 1, got {d.micro_batch}")
+    if cfg.algo.advantage in VALUE_ADVANTAGES:
+        raise ConfigError(f"distill.teacher with algo.advantage={cfg.algo.advantage}: on-policy distillation gives "
+                          "per-token advantages itself; use a group estimator (grpo)")
+    if cfg.algo.skip_zero_adv_groups:
+        raise ConfigError("distill.teacher needs algo.skip_zero_adv_groups=false: a group whose rewards are all equal "
+                          "still carries the teacher's per-token signal")
