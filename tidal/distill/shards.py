@@ -17,7 +17,7 @@ Each shard holds, for S sequences with P response positions in all:
 
 Row j of a sequence's positions is the teacher's distribution over the token at response position j
 (given the prompt and the response before it). Bytes per position: k x (2 + 2) + 4, so 132 at
-k = 32 against 4 x V for the full fp32 distribution (204 bytes at the tiny vocabulary of 51,
+k = 32 against 4 x V for the full fp32 distribution (216 bytes at the tiny vocabulary of 54,
 607,744 at Qwen2's 151,936). fp16 log-probs keep about 3 significant digits; the residual is kept
 in fp32 because it is 1 minus a sum and loses the most to rounding. safetensors was chosen over
 Parquet because every array is a fixed-width tensor that ``safe_open`` reads without a copy and a
