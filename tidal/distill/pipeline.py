@@ -78,7 +78,7 @@ def distill_traces(teacher_dir: str, out_dir: str | Path, base_cfg, overrides: l
         summary.update(traces=counts, traces_seconds=time.perf_counter() - start,
                        traces_config=dataclasses.asdict(sec["traces"]))
         if train:
-            summary.update(_train(cfg, sec["student"], student, read_traces(out / "traces.jsonl"), sft_loss,
+            summary.update(train_from(cfg, sec["student"], student, read_traces(out / "traces.jsonl"), sft_loss,
                                   evaluate, out / "student", progress, "student (SFT on traces)"))
     finally:
         pool.close()
@@ -110,14 +110,14 @@ def distill_logits(teacher_dir: str, out_dir: str | Path, base_cfg, top_k: int |
                            extra_meta={"teacher": str(teacher_dir), "source": traces or "teacher samples"})
         summary.update(store={k: v for k, v in meta.items() if k != "shards"}, store_seconds=time.perf_counter() - t0)
         if train:
-            held_out = _held_out(teacher, tokenizer, cfg, lcfg, task)
+            held_out = held_out_samples(teacher, tokenizer, cfg, lcfg, task)
             data = list(LogitShards(out / "logits"))
-            sparse = _train(cfg, sec["student"], str(start_dir), data, sparse_kl_loss, evaluate, out / "student",
+            sparse = train_from(cfg, sec["student"], str(start_dir), data, sparse_kl_loss, evaluate, out / "student",
                             progress, f"student (top-{lcfg.top_k} KL)", teacher, held_out)
             summary["sparse"] = sparse
             if compare_full:
                 pairs = [(s.prompt_ids, s.response_ids) for s in data]
-                full = _train(cfg, sec["student"], str(start_dir), pairs, full_kl_loss_with(teacher), evaluate,
+                full = train_from(cfg, sec["student"], str(start_dir), pairs, full_kl_loss_with(teacher), evaluate,
                               out / "student_full", progress, "student (full KL)", teacher, held_out)
                 summary["full"] = full
                 summary["rel_loss_gap"] = sparse["eval_kl"] / full["eval_kl"] - 1.0
@@ -127,7 +127,7 @@ def distill_logits(teacher_dir: str, out_dir: str | Path, base_cfg, top_k: int |
     return summary
 
 
-def _held_out(teacher, tokenizer, cfg, lcfg: LogitsConfig, task) -> list:
+def held_out_samples(teacher, tokenizer, cfg, lcfg: LogitsConfig, task) -> list:
     """The teacher's responses to the held-out prompts: where every student's KL to the teacher is read."""
     from tidal.rollout.local import LocalEngine
     from tidal.rollout.requests import group_requests
@@ -150,7 +150,7 @@ def eval_kl(student, teacher, seqs: list, pad_id: int, batch: int = 256) -> floa
     return total / max(count, 1)
 
 
-def _train(cfg, scfg: StudentConfig, student: str | None, data: list, loss_fn, evaluate, out: Path, progress: bool,
+def train_from(cfg, scfg: StudentConfig, student: str | None, data: list, loss_fn, evaluate, out: Path, progress: bool,
            desc: str, teacher=None, held_out: list | None = None) -> dict:
     start_dir = student_start(cfg, student, progress)
     model, tokenizer = tiny.load(start_dir)
