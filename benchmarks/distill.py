@@ -18,8 +18,10 @@ supervised steps). Methods:
 Reported per method: held-out greedy accuracy at each evaluation against student steps and seconds,
 the accuracy reached within the budget, the teacher-data seconds (generation and storage, paid once and
 reported apart) and, for logits, bytes per position and the information lost. Top-level keys:
-``gap_closed`` = (best distilled accuracy - RL alone's) / (teacher's - RL alone's), all within the
-same budget; ``k32_rel_loss_gap`` = eval_kl(k = 32) / eval_kl(full) - 1. Seconds are wall time measured
+``gap_closed`` = (best distilled accuracy - RL alone's) / (teacher's - RL alone's), each the accuracy
+when the same budget ran out; ``k32_rel_loss_gap`` = eval_kl(k = 32) / eval_kl(full) - 1 at the last
+step both students reached (the full-KL student runs its teacher on the fly and takes fewer steps per
+second: comparing at equal seconds would mix that cost into the loss). Seconds are wall time measured
 on a shared 2-core machine: noisy; steps are the reproducible axis.
 
     tidal bench distill [--set budget_s=60] [--set methods=[rl,traces]] [--set ks=[1,8,32]] [--set seed=1]
@@ -68,6 +70,8 @@ class Settings:
     num_prompts: int = 2000
     """Training prompts the teacher answers (traces and logits)."""
     samples_per_prompt: int = 4
+    min_reward: float = 1.0
+    """A trace is kept when its reward is at least this (``traces.min_reward``)."""
     traces_rl_sft_steps: int = 100
     teacher: str | None = None
     """A teacher model directory; None: the quickstart teacher (built once and cached)."""
@@ -88,9 +92,20 @@ def resolve(overrides: list[str]) -> tuple[Settings, object]:
 
 
 def within(curve: list[dict], budget_s: float) -> float:
-    """Accuracy at the last evaluation within the budget (the start's if none)."""
+    """Accuracy at the last evaluation within ``budget_s`` seconds (the start's if none)."""
     inside = [c for c in curve if c["seconds"] <= budget_s + 1e-9] or curve[:1]
     return inside[-1]["accuracy"]
+
+
+def matched_rel_gap(sparse: list[dict], full: list[dict], key: str = "eval_kl") -> tuple[float, int] | None:
+    """``key`` of the sparse curve over the full one, minus 1, at the last step both evaluated (the full
+    KL student takes fewer steps in the same time: its teacher runs on the fly), and that step."""
+    common = sorted({c["step"] for c in sparse if key in c} & {c["step"] for c in full if key in c})
+    if not common:
+        return None
+    at = common[-1]
+    value = lambda curve: next(c[key] for c in curve if c["step"] == at)  # noqa: E731
+    return value(sparse) / value(full) - 1.0, at
 
 
 def gap_closed(best: float, alone: float, teacher: float) -> float:
@@ -131,10 +146,16 @@ def run(overrides: list[str], out_dir: Path) -> dict:
 
     def offline(name: str, data, loss_fn, held_out=None, steps_cfg=scfg) -> dict:
         model, _ = tiny.load(base)
-        r = train_student(model, data, loss_fn, steps_cfg, tok.pad_token_id, evaluate, progress=False, desc=name)
+
+        def measure(m):  # logit students: also their full KL to the teacher on held-out teacher responses
+            acc = evaluate(m)
+            return acc if held_out is None else {"accuracy": acc,
+                                                 "eval_kl": eval_kl(m, teacher, held_out, tok.pad_token_id)}
+
+        r = train_student(model, data, loss_fn, steps_cfg, tok.pad_token_id, measure, progress=False, desc=name)
         out = {"curve": r.curve, "steps": r.steps, "seconds": r.seconds, "model": model}
         if held_out is not None:
-            out["eval_kl"] = eval_kl(model, teacher, held_out, tok.pad_token_id)
+            out["eval_kl"] = r.curve[-1]["eval_kl"]
         print(json.dumps({"method": name, "acc": r.curve[-1]["accuracy"], "steps": r.steps}), flush=True)
         return out
 
@@ -147,8 +168,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         traces_s = None
         if need_traces:
             t0 = time.perf_counter()
-            counts = generate_traces(teacher, tok, task, cfg, TracesConfig(num_prompts=s.num_prompts,
-                                     samples_per_prompt=s.samples_per_prompt), pool, out_dir / "traces.jsonl", False)
+            tcfg = TracesConfig(num_prompts=s.num_prompts, samples_per_prompt=s.samples_per_prompt,
+                                min_reward=s.min_reward)
+            counts = generate_traces(teacher, tok, task, cfg, tcfg, pool, out_dir / "traces.jsonl", False)
             traces_s = time.perf_counter() - t0
             traces = read_traces(out_dir / "traces.jsonl")
             if "traces" in s.methods:
@@ -157,8 +179,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
                 sft_cfg = dataclasses.replace(scfg, steps=s.traces_rl_sft_steps, max_time_s=None)
                 sft = offline("traces_rl/sft", traces, sft_loss, steps_cfg=sft_cfg)
                 tiny.save(sft.pop("model"), tok, out_dir / "traces_rl_sft")
+                left_s = max(s.budget_s - sft["seconds"], 1.0)
                 rl_cfg = apply_overrides(copy.deepcopy(cfg), [f"model.path={out_dir / 'traces_rl_sft'}",
-                                                                    f"max_time_s={max(s.budget_s - sft['seconds'], 1.0)}"])
+                                                              f"max_time_s={left_s}"])
                 rl = _rl(rl_cfg, out_dir / "traces_rl", evaluate)
                 shifted = [{**c, "step": c["step"] + sft["steps"], "seconds": c["seconds"] + sft["seconds"]}
                            for c in rl["curve"][1:]]
@@ -192,19 +215,22 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     for name, r in results.items():
         r.pop("model", None)
         curve = r["curve"]
-        table.append({"method": name, "steps": r["steps"], "acc_in_budget": within(curve, s.budget_s),
+        table.append({"method": name, "steps": r["steps"], "final_acc": curve[-1]["accuracy"],
+                      "acc_half_budget": within(curve, s.budget_s / 2),
                       "best_acc": max(c["accuracy"] for c in curve), "final_s": round(curve[-1]["seconds"], 1),
                       "eval_kl": r.get("eval_kl"), "bytes_per_pos": r.get("bytes_per_position"),
                       "info_loss": r.get("info_loss_kl"), "data_s": round(r["data_s"], 1) if r.get("data_s") else None})
-    acc = {row["method"]: row["acc_in_budget"] for row in table}
+    acc = {row["method"]: row["final_acc"] for row in table}  # every method stopped by the same budget
     distilled = {m: a for m, a in acc.items() if m != "rl"}
     best = max(distilled, key=distilled.get) if distilled else None
-    k32 = results.get("logits_k32", {}).get("eval_kl")
-    full = results.get("logits_full", {}).get("eval_kl")
+    matched = None
+    if "logits_k32" in results and "logits_full" in results:
+        matched = matched_rel_gap(results["logits_k32"]["curve"], results["logits_full"]["curve"])
     return {
         "benchmark": "distill", "description": DESCRIPTION, "table": table,
         "gap_closed": gap_closed(distilled[best], acc["rl"], teacher_acc) if best and "rl" in acc else None,
-        "k32_rel_loss_gap": k32 / full - 1.0 if k32 is not None and full else None,
+        "k32_rel_loss_gap": matched[0] if matched else None,
+        "k32_rel_loss_gap_at_step": matched[1] if matched else None,
         "best_distilled": best, "teacher_accuracy": teacher_acc, "base_accuracy": base_acc,
         "teacher": str(tdir), "teacher_build_s": teacher_build_s, "budget_s": s.budget_s,
         "settings": dataclasses.asdict(s), "overrides": overrides,

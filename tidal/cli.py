@@ -417,10 +417,10 @@ def cmd_distill(args) -> int:
     from tidal.distill import pipeline
     from tidal.system.run import teacher_path
 
-    cfg, _ = pipeline.resolve(_train_config(args.recipe, []), args.set)
+    cfg, sections = pipeline.resolve(_train_config(args.recipe, []), args.set)
     if args.mode == "teacher" or args.teacher == "quickstart":
         cfg.distill.teacher = "quickstart"
-        teacher = str(teacher_path(cfg, progress=True))
+        teacher = str(teacher_path(cfg, progress=True, teacher=sections["teacher"]))
         if args.mode == "teacher":
             print(json.dumps({"teacher": teacher}))
             return 0

@@ -9,7 +9,8 @@ eval_kl(full) - 1 says what the sparsity cost.
 
 The student starts from ``student`` (a model directory) or, by default, the recipe's warm-started base
 (``system/run.base_model_path``, cached): the model an RL run of the same recipe would start from.
-``--set`` keys go to ``traces.*`` / ``logits.*`` / ``student.*`` here and to the run config otherwise
+``--set`` keys go to ``traces.*`` / ``logits.*`` / ``student.*`` / ``teacher.*`` (the quickstart teacher)
+here and to the run config otherwise
 (task, reward, rollout, sft ...).
 """
 
@@ -35,11 +36,12 @@ from tidal.distill.student import (
     sparse_kl_loss,
     train_student,
 )
+from tidal.distill.teacher import TeacherConfig
 from tidal.distill.traces import TracesConfig, generate_traces, read_traces
 from tidal.models import tiny
 from tidal.system.run import base_model_path
 
-SECTIONS = {"traces": TracesConfig, "logits": LogitsConfig, "student": StudentConfig}
+SECTIONS = {"traces": TracesConfig, "logits": LogitsConfig, "student": StudentConfig, "teacher": TeacherConfig}
 
 
 def resolve(base_cfg, overrides: list[str]) -> tuple[object, dict]:
@@ -52,8 +54,9 @@ def resolve(base_cfg, overrides: list[str]) -> tuple[object, dict]:
             apply_overrides(sections[head], [tail])
         else:
             rest.append(item)
-    for name, obj in sections.items():
-        obj.__post_init__()  # overrides bypass __init__: validate, naming the key
+    for obj in sections.values():
+        if hasattr(obj, "__post_init__"):
+            obj.__post_init__()  # overrides bypass __init__: validate, naming the key
     cfg = apply_overrides(base_cfg, rest)
     return cfg, sections
 

@@ -142,7 +142,8 @@ def full_kl_loss_with(teacher) -> Callable:
     return full_kl_loss
 
 
-Evaluate = Callable[[torch.nn.Module], float]
+Evaluate = Callable[[torch.nn.Module], "float | dict[str, float]"]
+"""Held-out greedy accuracy of a model, or a dict with ``accuracy`` and other measures (kept in the curve)."""
 
 
 @dataclass
@@ -168,10 +169,11 @@ def train_student(model, data: list, loss_fn: Callable, cfg: StudentConfig, pad_
         if evaluate is None:
             return
         model.eval()
-        acc = float(evaluate(model))
+        measured = evaluate(model)
         model.train()
-        curve.append({"step": step, "seconds": round(seconds, 3), "accuracy": acc, "loss": loss})
-        bar.set_postfix(acc=f"{acc:.3f}", loss=f"{loss:.3f}")
+        measured = dict(measured) if isinstance(measured, dict) else {"accuracy": float(measured)}
+        curve.append({"step": step, "seconds": round(seconds, 3), **measured, "loss": loss})
+        bar.set_postfix(acc=f"{measured['accuracy']:.3f}", loss=f"{loss:.3f}")
 
     bar = progress_bar(progress, total=cfg.steps, desc=desc, leave=False)
     model.train()

@@ -7,11 +7,12 @@ over the prompt + response, in micro-batches) and stores them on the trajectory
 reward, so the teacher runs beside the engine and the trainer, never on the trainer's path; the
 trainer turns the stored log-probs into per-token advantages (``algo/distill.distill_advantage``).
 
-``system/run.teacher_path`` makes the quickstart's teacher (with ``teacher_run_config``): a wider tiny model (hidden 192, ~2.4M parameters,
-against the student's 1.06M) trained by tidal's own supervised warm start until its held-out greedy
-accuracy reaches ``accuracy_band`` (default [0.95, 1]), cached under ``.tidal_cache/base-*`` exactly
-like the warm-start bases (same key scheme, same atomic publish), so a second call is free.
-FACTS.md: hidden 256 (4.2M) is slow to train on 2 cores; 192 is the trade chosen here.
+``system/run.teacher_path`` makes the quickstart's teacher (with ``teacher_run_config``): a wider tiny
+model (hidden 192, ~2.4M parameters, against the student's 1.06M) trained by tidal's own supervised warm
+start until its held-out greedy accuracy reaches ``accuracy_band`` (default [0.95, 1]), cached under
+``.tidal_cache/base-*`` exactly like the warm-start bases (same key scheme, same atomic publish), so a
+second call is free. FACTS.md: hidden 256 (4.2M) is slow to train on 2 cores; 192 is the trade chosen
+here.
 """
 
 from __future__ import annotations

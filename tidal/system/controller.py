@@ -397,13 +397,28 @@ class Controller:
                 to_score.put(None)
 
         def score_forever() -> None:
+            """Score every group that is waiting in one call: a teacher's forward (on-policy distillation)
+            costs about as much for 8 rows as for 1,000 on a small model, so scoring group by group made
+            it 5x slower than the trainer (``tidal bench distill``). Groups are published in queue order."""
             try:
-                while (item := to_score.get()) is not None:
-                    first, prompts, trajs = item
-                    for i, group in enumerate(self._score(prompts, trajs)):
+                done = False
+                while not done and (item := to_score.get()) is not None:
+                    items = [item]
+                    while True:
+                        try:
+                            more = to_score.get_nowait()
+                        except queue.Empty:
+                            break
+                        if more is None:
+                            done = True
+                            break
+                        items.append(more)
+                    groups = self._score([p for _, ps, _ in items for p in ps], [t for _, _, ts in items for t in ts])
+                    indices = [first + i for first, ps, _ in items for i in range(len(ps))]
+                    for index, group in zip(indices, groups, strict=True):
                         if self.journal is not None:
-                            self.journal.append(first + i, group)  # queued: written on the journal's thread
-                        publish(first + i, group)
+                            self.journal.append(index, group)  # queued: written on the journal's thread
+                        publish(index, group)
             except BaseException as e:
                 buffer.fail(e)
 
