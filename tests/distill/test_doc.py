@@ -12,7 +12,8 @@ from tidal.config import apply_overrides
 from ..system.test_controller import TINY_OVERRIDES
 
 DOC = Path(__file__).resolve().parent.parent.parent / "docs" / "distill.md"
-SMALL = ["traces.num_prompts=12", "traces.min_reward=0", "logits.num_prompts=12", "student.steps=2", "student.eval_every=1",
+SMALL = ["traces.num_prompts=12", "traces.min_reward=0", "logits.num_prompts=12", "student.steps=2",
+         "student.eval_every=1",
          "student.batch_size=8", "teacher.model.hidden_size=32", "teacher.model.num_layers=1",
          "teacher.model.num_heads=2", "teacher.model.num_kv_heads=2", "teacher.model.intermediate_size=64",
          "teacher.accuracy_band=[0.0,1.0]", "teacher.check_every=1"]

@@ -31,7 +31,6 @@ from tidal.algo import losses as _losses  # noqa: E402,F401
 from tidal.algo.advantages import advantage_metrics  # noqa: E402
 from tidal.algo.aggregation import aggregate, aggregation_weights, masked_mean  # noqa: E402
 from tidal.algo.config import AlgoConfig, bind  # noqa: E402
-from tidal.algo.distill import distill_advantage  # noqa: E402
 from tidal.algo.correction import (  # noqa: E402
     effective_sample_size,
     effective_sample_size_log,
@@ -41,6 +40,7 @@ from tidal.algo.correction import (  # noqa: E402
     sequence_log_ratio,
     truncated_is,
 )
+from tidal.algo.distill import distill_advantage  # noqa: E402
 from tidal.algo.entropy import entropy_loss, high_entropy_mask  # noqa: E402
 from tidal.algo.kl import (  # noqa: E402
     kl_k1,
