@@ -18,6 +18,14 @@ def test_gap_closed_and_accuracy_within_the_budget():
     assert bd.within(curve, 10.0) == 0.6 and bd.within(curve, 12.0) == 0.8 and bd.within(curve, 1.0) == 0.3
 
 
+def test_k32_gap_is_read_at_matched_steps():
+    sparse = [{"step": s, "eval_kl": v} for s, v in [(0, 9.0), (10, 2.0), (20, 1.1), (30, 1.0), (40, 0.5)]]
+    full = [{"step": s, "eval_kl": v} for s, v in [(0, 9.0), (10, 2.0), (20, 1.0), (30, 1.0)]]
+    gap, at = bd.matched_rel_gap(sparse, full, last=2)  # steps 20 and 30: (1.1 + 1.0) / (1.0 + 1.0) - 1
+    assert at == 30 and gap == pytest.approx(0.05)
+    assert bd.matched_rel_gap(sparse[:1], full) is None  # step 0 alone is no comparison
+
+
 def test_unknown_method_is_named():
     with pytest.raises(ValueError, match="unknown \\['distil'\\]"):
         bd.resolve(["methods=[rl,distil]"])
