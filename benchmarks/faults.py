@@ -44,7 +44,8 @@ from tidal.system.run import prepare, train
 from tidal.train.faults import KINDS, Fault
 from tidal.train.sdc import StepRecorder, tracked_modules
 
-DESCRIPTION = "SDC detection (injected bit flips: detection, localisation, latency, overhead) and elastic DP (kill a replica)"
+DESCRIPTION = ("SDC detection (injected bit flips: detection, localisation, latency, overhead) "
+               "and elastic DP (kill a replica)")
 
 
 @dataclass
@@ -173,7 +174,8 @@ def overhead(s: Settings) -> dict:
                 times[name].append(time.perf_counter() - t0)
     plain_s, rec_s = statistics.median(times["plain"]), statistics.median(times["recorded"])
     return {"arm": "recording overhead", "step_s_plain": plain_s, "step_s_recorded": rec_s,
-            "overhead_frac": rec_s / plain_s - 1.0, "sequences": b, "params": sum(x.numel() for x in model.parameters())}
+            "overhead_frac": rec_s / plain_s - 1.0, "sequences": b,
+            "params": sum(x.numel() for x in model.parameters())}
 
 
 def _elastic(s: Settings, root: Path, kill: bool) -> dict:

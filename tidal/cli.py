@@ -421,6 +421,42 @@ def cmd_score(args) -> int:
     return 0
 
 
+@_one_line_errors
+def cmd_distill(args) -> int:
+    """Teacher to student: ``teacher`` (build or find the quickstart teacher), ``traces`` or ``logits``
+    (``distill/pipeline.py``); prints the summary's headline numbers, writes OUT/summary.json."""
+    from tidal.distill import pipeline
+    from tidal.system.run import teacher_path
+
+    cfg, sections = pipeline.resolve(_train_config(args.recipe, []), args.set)
+    if args.mode == "teacher" or args.teacher == "quickstart":
+        cfg.distill.teacher = "quickstart"
+        teacher = str(teacher_path(cfg, progress=True, teacher=sections["teacher"]))
+        if args.mode == "teacher":
+            print(json.dumps({"teacher": teacher}))
+            return 0
+    elif args.teacher is None:
+        raise ConfigError(f"tidal distill {args.mode} needs --teacher DIR (a model directory, or quickstart)")
+    else:
+        teacher = args.teacher
+    out = Path(args.out or f"runs/distill_{args.mode}")
+    common = dict(overrides=args.set, student=args.student, progress=True, train=not args.no_train)
+    if args.mode == "traces":
+        s = pipeline.distill_traces(teacher, out, _train_config(args.recipe, []), **common)
+        head = {"traces": s["traces"], "student": s.get("student")}
+    else:
+        s = pipeline.distill_logits(teacher, out, _train_config(args.recipe, []), top_k=args.top_k,
+                                    traces=args.traces, compare_full=args.compare_full, **common)
+        head = {"store": {k: s["store"][k] for k in ("k", "num_positions", "bytes_per_position", "info_loss_kl")},
+                "sparse": s.get("sparse"), "full": s.get("full"), "rel_loss_gap": s.get("rel_loss_gap")}
+    for key in ("student", "sparse", "full"):
+        if head.get(key):
+            head[key] = {k: head[key][k] for k in ("start_accuracy", "final_accuracy", "eval_kl", "student_out")
+                         if k in head[key]}
+    print(json.dumps({"out": str(out), "teacher_accuracy": s["teacher_accuracy"], **head}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Asynchronous RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -449,6 +485,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sp.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     sp.set_defaults(fn=cmd_bench)
+
+    sp = sub.add_parser("distill", help="teacher -> student: traces (SFT on verified teacher samples), logits "
+                        "(k-sparse teacher distributions, forward KL), teacher (build the quickstart teacher); "
+                        "docs/distill.md")
+    sp.add_argument("mode", choices=["traces", "logits", "teacher"])
+    sp.add_argument("--teacher", help="teacher model directory, or quickstart (built once, cached)")
+    sp.add_argument("--student", help="student model directory to start from (default: the recipe's warm-started base)")
+    sp.add_argument("--recipe", default="quickstart", help="recipe whose task, reward and base to use")
+    sp.add_argument("--out", help="output directory (default runs/distill_MODE)")
+    sp.add_argument("--top-k", type=int, default=None, help="logits: token ids kept per position (default 32)")
+    sp.add_argument("--traces", help="logits: store the teacher's distributions on these traces (a traces.jsonl)")
+    sp.add_argument("--compare-full", action="store_true",
+                    help="logits: also train a student with full-vocabulary KL on the fly, from the same start")
+    sp.add_argument("--no-train", action="store_true", help="write the teacher data only")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="traces.*, logits.*, student.* (docs/distill.md) or a run-config key")
+    sp.set_defaults(fn=cmd_distill)
 
     sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems, rl-difficulty, "
                         "rephrase, train-classifier, compare (docs/curate.md)")

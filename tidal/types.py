@@ -55,6 +55,9 @@ class Trajectory:
     worker: int | None = None
     """Which rollout worker sampled it (the Ray backend's seat); None: the run's one engine. The SDC
     guard's rollout-side check compares workers by it (``system/sdc_guard.py``)."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's log-probability of each token (``distill/teacher.py`` fills it
+    in the scorer, off the trainer's path); None when no teacher scored this sample."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -62,6 +65,9 @@ class Trajectory:
             f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but "
             f"{len(self.logprobs)} logprobs and {len(self.versions)} versions"
         )
+        assert self.teacher_logprobs is None or len(self.teacher_logprobs) == n, (
+            f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but {len(self.teacher_logprobs)} "
+            "teacher log-probs")
         assert self.loss_mask is None or len(self.loss_mask) == n, (
             f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but {len(self.loss_mask)} mask entries")
 
@@ -120,6 +126,7 @@ class TrainBatch:
     versions_bt: torch.Tensor  # long, policy version of each response token (-1 elsewhere)
     group_index_b: torch.Tensor  # long, which group each row came from
     rewards_b: torch.Tensor  # float, each sequence's scalar reward
+    teacher_logp_bt: torch.Tensor | None = None  # float, a teacher's log-prob of each response token (distillation)
 
     @property
     def num_sequences(self) -> int:

@@ -56,6 +56,7 @@ def test_bind_data_wins_and_unknown_data_is_ignored():
 def test_every_field_reaches_some_component():
     """No dead knobs: each field is a registry choice, read by the trainer, or a parameter of some function."""
     import tidal.algo.correction as correction
+    import tidal.algo.distill as distill
     import tidal.algo.entropy as entropy
     import tidal.algo.kl as kl
     import tidal.algo.value as value
@@ -66,7 +67,7 @@ def test_every_field_reaches_some_component():
         for f in map(reg.get, reg)
     ]
     fns += [kl.kl_loss, kl.kl_reward_penalty, correction.ess_lr_scale, entropy.entropy_loss, entropy.high_entropy_mask,
-            value.value_loss]
+            value.value_loss, distill.distill_advantage]
     params = set().union(*(inspect.signature(f).parameters for f in fns))
     trainer_side = {"advantage", "policy_loss", "correction", "skip_zero_adv_groups", "overlong_filter", "kl_in_reward",
                     "ess_lr_scaling"}

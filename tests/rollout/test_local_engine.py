@@ -153,7 +153,8 @@ def test_per_request_length_budget(small_model, tokenizer):
 
 @pytest.mark.parametrize("interrupt", [False, True])
 def test_identical_rows_share_compute_not_samples(small_model, tokenizer, interrupt):
-    """At a low temperature (a random model is nearly uniform, so very low) a group's samples mostly agree, so most rows are computed once and copied.
+    """At a low temperature (a random model is nearly uniform, so very low) a group's samples mostly
+    agree, so most rows are computed once and copied.
     Every sample must still get the tokens and log-probs it gets when each row runs on its own
     (including across a weight update, where identical rows are re-read once), and those log-probs
     must equal a full forward of the sample's own sequence."""

@@ -47,7 +47,10 @@ def test_resume_with_mixture_online_difficulty_and_length_growth_equals_uninterr
 
 
 def test_async_eta0_equals_sync_with_online_difficulty(tmp_path):
-    opts = [*ONLINE, *GROWTH, "rollout.dynamic_sampling=true", "rollout.max_staleness=0"]
+    """Without dynamic sampling: with it, async frees a dropped group's slot at once, so its replacement
+    may be drawn before or after the step's update depending on timing (docs/curriculum.md); under load
+    that made this comparison fail most runs."""
+    opts = [*ONLINE, *GROWTH, "rollout.max_staleness=0"]
     sync_c, sync_r = run(tiny_cfg(tmp_path, *opts, "system.mode=sync"), tmp_path / "s")
     async_c, async_r = run(tiny_cfg(tmp_path, *opts, "system.mode=async"), tmp_path / "a")
     assert curriculum_rows(sync_r.history) == curriculum_rows(async_r.history)

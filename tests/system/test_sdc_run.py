@@ -12,7 +12,7 @@ from tidal.train.checkpoint import CheckpointCorrupted, load_checkpoint
 from tidal.train.faults import Fault
 from tidal.types import Group, Prompt, TrainBatch, Trajectory
 
-from .test_controller import params, run, tiny_cfg
+from .test_controller import params, tiny_cfg
 
 SETTINGS = ("system.mode=sync", "max_steps=5", "checkpoint_every=2", "keep_checkpoints=3", "eval_every=5")
 
@@ -120,7 +120,8 @@ def _traj(uid, j, worker, logprobs, versions):
 
 
 def test_worker_mismatch_by_hand():
-    groups = [Group(Prompt("a", "a", "1"), [_traj("a", 0, 0, [-1.0, -2.0], [3, 3]), _traj("a", 1, 1, [-1.0, -1.0], [3, 2])])]
+    groups = [Group(Prompt("a", "a", "1"),
+                    [_traj("a", 0, 0, [-1.0, -2.0], [3, 3]), _traj("a", 1, 1, [-1.0, -1.0], [3, 2])])]
     # rows: [prompt, tok, tok]; trainer log-probs differ by 0.1, 0.3 on row 0 and by 0.5, 9 on row 1
     batch = TrainBatch(torch.tensor([[5, 6, 6], [5, 6, 6]]), torch.ones(2, 3, dtype=torch.long),
                        torch.tensor([[0.0, 1, 1], [0, 1, 1]]), torch.tensor([[0.0, -1, -2], [0, -1, -1]]),

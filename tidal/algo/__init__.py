@@ -40,6 +40,7 @@ from tidal.algo.correction import (  # noqa: E402
     sequence_log_ratio,
     truncated_is,
 )
+from tidal.algo.distill import distill_advantage  # noqa: E402
 from tidal.algo.entropy import entropy_loss, high_entropy_mask  # noqa: E402
 from tidal.algo.kl import (  # noqa: E402
     kl_k1,
@@ -54,6 +55,7 @@ from tidal.algo.value import explained_variance, value_loss  # noqa: E402
 
 __all__ = [
     "ADVANTAGES",
+    "distill_advantage",
     "POLICY_LOSSES",
     "LOSS_AGGREGATIONS",
     "KL_ESTIMATORS",

@@ -205,6 +205,15 @@ class AlgoConfig:
     """Weight of the value loss. The critic has its own optimizer (``critic.optim``), as in verl and
     OpenRLHF, so 1.0; TRL's 0.1 weighs it inside one loss shared with the policy."""
 
+    # --- on-policy distillation (a teacher scores every sampled token; tidal/algo/distill.py) ---
+    distill_kl_coef: float = 1.0
+    """Weight of the per-token reverse-KL reward -(log pi_behav - log pi_teacher) in each token's advantage
+    when a teacher scored the batch (``distill.teacher``; Thinking Machines' on-policy distillation, 2025,
+    and GKD, arXiv 2306.13649). 1.0: the post's pure distillation. Unused without a teacher."""
+    distill_reward_coef: float = 0.0
+    """Weight of the configured estimator's reward advantage added to the distillation advantage (0: the
+    teacher's signal alone; > 0 mixes in the verifier, as GKD's RL + distillation objective does)."""
+
     def kwargs_for(self, fn: Callable[..., Any]) -> dict[str, Any]:
         """The fields ``fn`` accepts as keyword arguments, under the names ``fn`` uses."""
         accepted = _keyword_params(fn)

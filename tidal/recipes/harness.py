@@ -19,7 +19,8 @@ def harness_quickstart() -> RunConfig:
     warm-started on synthetic conversations of that agent (``task.params.demos=chat_tool``) until its
     held-out success is in [0.3, 0.5].
 
-    Measured (operands 0-99 then, 10-99 since the task took ``task.params.digits``; seed 0, 2 CPU cores shared with other jobs at a load average of 7-10; wall-clock numbers
+    Measured (operands 0-99 then, 10-99 since the task took ``task.params.digits``; seed 0, 2 CPU
+    cores shared with other jobs at a load average of 7-10; wall-clock numbers
     are contention-bound): the warm start stopped at 0.40 held-out success after 280 steps (success
     0.0-0.02 up to step 240, then 0.065 / 0.09 / 0.2 / 0.4 at steps 250-280: the usual steep jump).
     RL through the endpoint, async, 32 tasks x 8 episodes per step:
@@ -37,7 +38,8 @@ def harness_quickstart() -> RunConfig:
     failures get wrong is a copied digit (``74*92=`` -> ``"75*92"``, or the tool's ``1984`` answered
     as ``1964``). **Not yet measured**: the 0.8 target within 10 minutes (the runs above were stopped
     after 12 and 22 steps for lack of CPU; at this rate 0.8 is not
-    within reach in 10 minutes: the recipe needs tuning, e.g. a higher base or a lower temperature), a second seed, and the model's success without the tool
+    within reach in 10 minutes: the recipe needs tuning, e.g. a higher base or a lower temperature),
+    a second seed, and the model's success without the tool
     (``task.params.demos=answer``, ``harness.function=null``, ``model.tokenizer=char``). A warm-start
     band of [0.55, 0.7] (sharper turns, higher sampled success) was tried and not finished: after a
     replay the warm start checks every step, and each check is 200 agent episodes through HTTP.

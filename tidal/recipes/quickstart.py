@@ -128,3 +128,22 @@ def quickstart_sync() -> RunConfig:
     cfg.system.mode = "sync"
     cfg.rollout.max_staleness = 0
     return cfg
+
+
+@RECIPES.register("on_policy_distill")
+def on_policy_distill() -> RunConfig:
+    """The quickstart student (1M parameters, its warm-started base) taught on-policy by a teacher.
+
+    The student samples as in the quickstart; in the scorer thread the teacher (``distill.teacher``: a
+    model directory, or ``quickstart`` for the cached 2.4M-parameter teacher tidal builds itself) scores
+    every sampled token, and each token's advantage is its negative reverse-KL estimate, log pi_teacher -
+    log pi_behav (Thinking Machines' on-policy distillation, 2025; GKD, arXiv 2306.13649). The verifier's
+    reward is logged but not trained on (``algo.distill_reward_coef=0``; raise it to mix RL in). Groups
+    whose rewards are all equal still carry the teacher's signal, so none is skipped. docs/distill.md.
+    """
+    cfg = quickstart()
+    cfg.distill.teacher = "quickstart"
+    cfg.algo.skip_zero_adv_groups = False
+    cfg.algo.distill_kl_coef = 1.0
+    cfg.algo.distill_reward_coef = 0.0
+    return cfg

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tidal.algo.config import AlgoConfig
+from tidal.distill.teacher import DistillConfig
 from tidal.envs.config import EnvConfig
 from tidal.inspector.samples import SampleLogConfig
 from tidal.models.tiny import ModelConfig
@@ -15,12 +16,12 @@ from tidal.rollout.local import SamplingConfig
 from tidal.rollout.thinking import ThinkingConfig
 from tidal.rollout.vllm_engine import VllmOptions
 from tidal.serve.config import HarnessConfig
+from tidal.system.curriculum import CurriculumConfig
+from tidal.system.length_growth import LengthGrowthConfig
 from tidal.system.sdc_guard import SDCConfig
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.critic import CriticConfig
 from tidal.train.sft import SFTConfig
-from tidal.system.curriculum import CurriculumConfig
-from tidal.system.length_growth import LengthGrowthConfig
 from tidal.train.trainer import TrainerConfig
 
 
@@ -153,6 +154,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of ``algo.advantage=gae`` (PPO with a learned critic); unused otherwise."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: a teacher scores every sampled token in the scorer (docs/distill.md)."""
     system: SystemConfig = field(default_factory=SystemConfig)
     sdc: SDCConfig = field(default_factory=SDCConfig)
     """Silent-data-corruption detection: per-step fingerprints, replay, rollback (docs/faults.md)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tidal import config as config_lib
+from tidal.distill.teacher import TeacherConfig, TeacherScorer, teacher_run_config
 from tidal.envs import ENVS
 from tidal.inspector.record import SampleRecorder
 from tidal.inspector.samples import FILE_NAME as SAMPLES_FILE
@@ -155,6 +156,16 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
         pool.close()
 
 
+def teacher_path(cfg: RunConfig, progress: bool = True, teacher: TeacherConfig | None = None) -> Path:
+    """``distill.teacher``'s directory; for ``quickstart`` (or when asked for with no teacher set), the
+    quickstart teacher of this run's task: a wider tiny model warm-started to high accuracy, built once
+    and cached under ``sft.cache_dir`` like the warm-start bases (``distill/teacher.py``)."""
+    if cfg.distill.teacher not in (None, "quickstart"):
+        return Path(cfg.distill.teacher)
+    tcfg = teacher_run_config(cfg, teacher or TeacherConfig())
+    return base_model_path(tcfg, build_task(tcfg), progress=progress)
+
+
 def _rollout_model(cfg: RunConfig, trainer: Trainer):
     """The model the rollout engine starts from: the trainer's, or with ``rollout.weight_quant`` a copy
     holding the weights the engine will be sent (quantized, then dequantized), so version 0 is
@@ -221,8 +232,12 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     sdc = SDCGuard(cfg.sdc, trainer, out_dir, state.step, faults)
     samples = SampleRecorder(SampleLog(out_dir / SAMPLES_FILE, cfg.log.samples.max_mb, state.step if resume else None),
                              cfg.log.samples, tokenizer, cfg.task.name)
+    teacher = None
+    if cfg.distill.teacher is not None:  # on-policy distillation: the teacher scores in the scorer thread
+        teacher = TeacherScorer(teacher_path(cfg, cfg.log.progress), tokenizer, cfg.distill.micro_batch,
+                                cfg.rollout.temperature)
     return Controller(cfg, task, engine, eval_engine, reward_pool, trainer, tokenizer, MultiTracker(trackers),
-                      out_dir, state, journal=journal, samples=samples, sdc=sdc)
+                      out_dir, state, journal=journal, samples=samples, sdc=sdc, teacher=teacher)
 
 
 def close(controller: Controller) -> None:

@@ -263,6 +263,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         cfg.sdc.__post_init__()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_distill(cfg)
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         betas = cfg.critic.optim.betas
@@ -287,3 +288,23 @@ def _check_harness(cfg: RunConfig) -> None:
     if h.serve.max_episodes is not None and h.serve.max_episodes < h.max_concurrent_episodes:
         raise ConfigError(f"harness.serve.max_episodes={h.serve.max_episodes} must be >= "
                           f"harness.max_concurrent_episodes={h.max_concurrent_episodes} (or null), or agents get 429")
+
+
+def _check_distill(cfg: RunConfig) -> None:
+    """On-policy distillation's keys: a teacher that exists, and settings that keep its signal."""
+    d = cfg.distill
+    if d.teacher is None:
+        return
+    from pathlib import Path
+
+    if d.teacher != "quickstart" and not (Path(d.teacher) / "config.json").exists():
+        raise ConfigError(f"distill.teacher={d.teacher!r}: no Hugging Face model directory there (config.json); "
+                          "use a model directory, or `quickstart` to build the quickstart teacher")
+    if not (isinstance(d.micro_batch, int) and d.micro_batch >= 1):
+        raise ConfigError(f"distill.micro_batch must be >= 1, got {d.micro_batch}")
+    if cfg.algo.advantage in VALUE_ADVANTAGES:
+        raise ConfigError(f"distill.teacher with algo.advantage={cfg.algo.advantage}: on-policy distillation gives "
+                          "per-token advantages itself; use a group estimator (grpo)")
+    if cfg.algo.skip_zero_adv_groups:
+        raise ConfigError("distill.teacher needs algo.skip_zero_adv_groups=false: a group whose rewards are all equal "
+                          "still carries the teacher's per-token signal")

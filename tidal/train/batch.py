@@ -30,6 +30,9 @@ def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tupl
     # Rows are built as lists and turned into tensors once: per-row tensor writes cost more than the
     # trainer's forward on the tiny model (profiled with py-spy).
     input_ids, attn, loss_mask, behav, versions = [], [], [], [], []
+    scored = [t.teacher_logprobs is not None for t in trajs]
+    assert all(scored) or not any(scored), "a batch mixes samples a teacher scored with samples it did not"
+    teacher = [] if all(scored) else None
     for t in trajs:
         p, n = len(t.prompt_ids), len(t.token_ids)
         pad = width - p - n
@@ -42,9 +45,12 @@ def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tupl
         loss_mask.append([0.0] * p + trained + [0.0] * pad)
         behav.append([0.0] * p + list(t.logprobs) + [0.0] * pad)
         versions.append([-1] * p + list(t.versions) + [-1] * pad)
+        if teacher is not None:
+            teacher.append([0.0] * p + list(t.teacher_logprobs) + [0.0] * pad)
     input_ids, attn = torch.tensor(input_ids, dtype=torch.long), torch.tensor(attn, dtype=torch.long)
     loss_mask, behav = torch.tensor(loss_mask), torch.tensor(behav)
     versions = torch.tensor(versions, dtype=torch.long)
     group_index = torch.tensor([gi for gi in keep for _ in groups[gi].trajectories])
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    return TrainBatch(input_ids, attn, loss_mask, behav, versions, group_index, rewards), metrics
+    teacher_bt = torch.tensor(teacher) if teacher is not None else None
+    return TrainBatch(input_ids, attn, loss_mask, behav, versions, group_index, rewards, teacher_bt), metrics

@@ -45,6 +45,7 @@ from tidal.algo import (
     advantage_metrics,
     aggregation_weights,
     bind,
+    distill_advantage,
     effective_sample_size_log,
     entropy_loss,
     ess_lr_scale,
@@ -277,7 +278,10 @@ class Trainer:
         if prox_bt is not None:  # VCPO: sequence importance ratio of the current policy to the sampler
             log_w = sequence_log_ratio(prox_bt[idx], batch.behav_logp_bt[idx], mask).clamp(-20, 20)
             data["seq_is_weight_b"] = log_w.exp()
-        return bind(self.advantage, self.algo, **data)(rewards_b[idx], batch.group_index_b[idx])
+        adv = bind(self.advantage, self.algo, **data)(rewards_b[idx], batch.group_index_b[idx])
+        if batch.teacher_logp_bt is not None:  # on-policy distillation: the teacher's per-token reverse KL
+            adv = bind(distill_advantage, self.algo)(adv, batch.teacher_logp_bt[idx], batch.behav_logp_bt[idx], mask)
+        return adv
 
     def _agg_weights(self, fn, mask_bt: torch.Tensor, group_ids_b: torch.Tensor) -> torch.Tensor:
         """Per-token weights of ``fn``'s aggregation over a whole minibatch: sliced per micro-batch, the
