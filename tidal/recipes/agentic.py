@@ -19,24 +19,30 @@ def agentic_quickstart() -> RunConfig:
     reward 1 if it is the product). Without the tool the same model, warm-started 1,000 steps on bare
     answers (``task.params.demos=answer``, ``env.name=null``), solves 0.065 of the 200 held-out products.
     With it, a warm start on correct tool-use episodes (``calculator_call_trace``) stops in
-    ``sft.accuracy_band`` [0.35, 0.45] (seed 0: 0.0 up to step 70, 0.035 at 80, 0.335 at 90, 0.75 at
-    100: the band was crossed, so it went back to step 91, at 0.36) and RL takes it to the target.
+    ``sft.accuracy_band`` [0.3, 0.5], and async RL (64 prompts x 8 episodes per step, lr 2e-4, eta 1)
+    takes it to the 0.8 target. ``tidal train agentic_quickstart --set seed=S --set model.init_seed=S
+    --set sft.seed=S``, one at a time on an idle 2-core machine (the slow test runs seeds 0 and 1):
 
-    Measured on 2 cores shared with 2-3 other jobs (load average 7-11; seconds are contention-bound):
+    ====  =====  ================================================  ===========  ==================
+    seed  base   held-out success at RL step 0 / 10 / 20 / ...     0.8 after    whole command
+    ====  =====  ================================================  ===========  ==================
+    0     0.335  0.335 / 0.52 / 0.705 / 0.78 / 0.795 / 0.80         50 steps     124 s
+    1     0.31   0.31 / 0.67 / 0.805                               20 steps     65 s
+    2     0.34   0.34 / 0.38 / 0.525 / 0.695 / 0.825               40 steps     112 s
+    ====  =====  ================================================  ===========  ==================
 
-    ==================================  ===========================================================
-    setting (seed 0)                    held-out success at RL step 0 / 10 / 20 / 30 / 40 / ... / 120
-    ==================================  ===========================================================
-    64 x 8, band [0.35, 0.45] (this)    0.36 / 0.57 / 0.765 / 0.785 / **0.805** / 0.805 / 0.815 / 0.835
-                                        / 0.835 / 0.82 / 0.81 / 0.815 / 0.845 (0.8 at step 40, 250 s)
-    3-digit x 2-digit, 32 x 8, band     0.33 / 0.20 / 0.285 / 0.255 / 0.18 / ... / 0.31 (step 100) /
-    [0.3, 0.45]                         0.445 / 0.485 / 0.53 / 0.55 / 0.615 (steps 120-200)
-    ==================================  ===========================================================
+    Median 40 RL steps (80 s) to 0.8, +0.47 over the base; the whole command (warm start included)
+    1-2 minutes. The warm start's jump is steep (seed 1: 0.015 at step 80, 0.635 at 90; it goes back
+    and stops at step 87, 0.31); an earlier band of [0.35, 0.45] was jumped over in one step by seed 1
+    (0.325 -> 0.475). First measured with that band on a machine shared with three other jobs
+    (seed 0, base 0.36): 0.36 / 0.57 / 0.765 / 0.785 / 0.805 at steps 0-40, 0.845 at 120.
 
+    Tried first (seed 0, 32 x 8, band [0.3, 0.45], 3-digit x 2-digit products, shared machine): 0.33 /
+    0.20 / 0.285 / 0.255 / 0.18 at steps 0-40, 0.31 at 100, 0.615 at 200.
     On the harder 3-digit x 2-digit products (and a base fresh off its jump) the first RL steps undid the
     base and it recovered slowly; the errors left were copies again (an operand's digits swapped,
     ``212*94`` -> ``<c>221*94</c>``; a 4-digit result copied with a doubled digit, ``=6721 `` ->
-    ``66721``). Seed 1 of this recipe: see issue 23's closing note and ``docs/agentic.md``.
+    ``66721``).
     """
     cfg = agentic_sums()
     cfg.target_accuracy = 0.8  # issue 23's goal (and at least +0.3 over the base)
@@ -44,7 +50,8 @@ def agentic_quickstart() -> RunConfig:
     cfg.task.params = {"digits": [2, 2]}
     cfg.env.max_turns = 3  # a call and an answer (one spare turn for a second call)
     cfg.rollout.prompts_per_step = 64  # 32 was noisier for the sums (agentic_sums' table); episodes are short here
-    cfg.sft.accuracy_band = [0.35, 0.45]
+    # [0.35, 0.45] was jumped over in one step by seed 1's warm start (0.325 -> 0.475 at step 89)
+    cfg.sft.accuracy_band = [0.3, 0.5]
     return cfg
 
 
