@@ -82,6 +82,15 @@ class Trajectory:
         return bool(self.episode and self.episode.get("infra_failure"))
 
     @property
+    def score_text(self) -> str | None:
+        """The text the run's reward scores: the response of a single-turn sample; for an agent episode,
+        only the final answer of a harness run with ``harness.reward=task`` (``episode["final_answer"]``);
+        None for episodes their environment or agent already rewarded, and for failed ones."""
+        if self.episode is None:
+            return self.text
+        return None if self.infra_failed else self.episode.get("final_answer")
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -8,8 +8,12 @@ trainer's log-probs of a harness episode equal the recorded behaviour log-probs 
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 import threading
+
+import openai
 
 import pytest
 import torch
@@ -17,15 +21,19 @@ import torch
 from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.models.logprobs import token_logprobs
+from tidal.rewards import build_reward
+from tidal.rewards.pool import RewardConfig, RewardPool
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
 from tidal.serve.config import HarnessConfig
 from tidal.serve.engine import HarnessEngine, as_reward, load_function
+from tidal.system.evaluate import greedy_samples
 from tidal.types import Prompt
 
 TINY = tiny.ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
                         tokenizer="chat")
 RELEASE = threading.Event()
+CANCELLED = threading.Event()
 
 
 def two_turn_agent(client, task):
@@ -35,6 +43,34 @@ def two_turn_agent(client, task):
     messages += [reply.model_dump(exclude_none=True), {"role": "tool", "content": "42"}]
     reply = client.chat.completions.create(model="m", messages=messages).choices[0].message
     return float(any(c.isdigit() for c in reply.content or ""))
+
+
+async def async_two_turn_agent(client, task):
+    """``two_turn_agent`` as an asyncio agent: an ``openai.AsyncOpenAI`` client, awaited calls."""
+    assert isinstance(client, openai.AsyncOpenAI)
+    messages = [{"role": "user", "content": task.text}]
+    reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+    messages += [reply.model_dump(exclude_none=True), {"role": "tool", "content": "42"}]
+    reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+    if task.meta.get("kind") == "hang":
+        CANCELLED.clear()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            CANCELLED.set()
+            raise
+    if task.meta.get("kind") == "crash":
+        raise RuntimeError("the async agent's own bug")
+    return float(any(c.isdigit() for c in reply.content or ""))
+
+
+REPLIES: dict[str, str] = {}
+
+
+def talking_agent(client, task):
+    """An agent with no grading code: it asks once and returns nothing (``harness.reward=task``)."""
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": task.text}])
+    REPLIES[task.text] = reply.choices[0].message.content or ""
 
 
 def misbehaving_agent(client, task):
@@ -159,3 +195,57 @@ def test_closed_episode_ids_are_remembered_up_to_a_bound(chat_model):
         recorder.open("c")  # remembered: a late request gets 409 episode_closed
     fresh = recorder.open("a")  # forgotten: opened again as a new, empty episode
     assert fresh.segments == [] and recorder.totals["episodes"] == 4
+
+
+def test_async_agents_run_on_one_loop_and_train_exactly(chat_model):
+    """``async def run_episode``: AsyncOpenAI client, episodes as tasks; a hung one is cancelled (the
+    coroutine sees CancelledError), a crashing one is counted; healthy ones equal the trainer's log-probs."""
+    model, tok = chat_model
+    kinds = ["ok", "hang", "crash", "ok"]
+    prompts = [Prompt(f"a{i}", f"{i}*3=", str(3 * i), meta={"kind": k}) for i, k in enumerate(kinds)]
+    engine = harness(model, tok, async_two_turn_agent, episode_timeout_s=3.0)
+    assert engine.is_async
+    try:
+        trajs = engine.generate(group_requests(tok, prompts, 1))
+        stats = engine.stats()
+        threads = [t.name for t in threading.enumerate()]
+    finally:
+        engine.close()
+    failed = {p.meta["kind"]: t.episode["infra_failure"] for p, t in zip(prompts, trajs) if t.infra_failed}
+    assert set(failed) == {"hang", "crash"} and "the async agent's own bug" in failed["crash"]
+    assert CANCELLED.wait(5), "the hung agent's task must be cancelled, not abandoned"
+    assert stats["harness/hung"] == 1 and stats["harness/crashed"] == 1 and stats["harness/finished"] == 2
+    assert not any(n.startswith("tidal-agent-") for n in threads), "async agents need no thread each"
+    t = trajs[0]
+    ids = torch.tensor([t.prompt_ids + t.token_ids])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+    assert t.episode["turns"] == 2 and (~mask).any()
+    assert (logp[0, len(t.prompt_ids):][mask] - torch.tensor(t.logprobs)[mask]).abs().max().item() < 1e-4
+
+
+def test_task_reward_scores_the_final_answer(chat_model):
+    """``harness.reward=task``: the agent returns None; the run's reward pool scores the content of the
+    last reply the agent got, exactly as it scores a single-turn sample's text."""
+    model, tok = chat_model
+    prompts = [Prompt(f"t{i}", f"{i}*3=", str(3 * i)) for i in range(3)]
+    pool = RewardPool(build_reward("exact_match", {}), RewardConfig(num_workers=0))
+    engine = harness(model, tok, talking_agent, reward="task")
+    try:
+        trajs = greedy_samples(engine, tok, prompts, pool)
+    finally:
+        engine.close()
+    for t, p in zip(trajs, prompts):
+        assert not t.infra_failed and t.score_text == t.episode["final_answer"] == REPLIES[p.text]
+        assert (t.reward, t.reward_details) == pool.score([(t.score_text, p)])[0]
+        assert "harness_reward" not in t.reward_details, "scored by the pool, not by the agent"
+    right = dataclasses.replace(trajs[0], episode={**trajs[0].episode, "final_answer": prompts[0].answer})
+    assert pool.score([(right.score_text, prompts[0])])[0][0] == 1.0, "the right answer scores 1"
+    # by default the agent rewards: returning None is its failure, counted
+    engine = harness(model, tok, talking_agent)
+    try:
+        failed = engine.generate(group_requests(tok, prompts, 1))
+    finally:
+        engine.close()
+    assert all(t.infra_failed and "must return the episode's reward" in t.episode["infra_failure"] for t in failed)

@@ -48,6 +48,15 @@ def test_a_harness_trains_in_both_modes_within_the_staleness_bound(tmp_path, mod
     assert result.base_accuracy is not None and "eval/accuracy" in result.history[-1]
 
 
+def test_an_agent_without_grading_code_trains_on_the_task_reward(tmp_path):
+    """``harness.reward=task``: the agent returns None, the controller's reward pool scores its answers."""
+    result = run(cfg_for(tmp_path, "harness.function=tests.serve.test_harness_engine:talking_agent",
+                         "harness.reward=task", "system.mode=async", "max_steps=2"), tmp_path / "task")
+    rows = result.history[1:]
+    assert all(r["agent/infra_failures"] == 0 and r["harness/finished"] >= 12 * r["step"] for r in rows)
+    assert "eval/accuracy" in result.history[-1]
+
+
 def test_harness_quickstart_runs_end_to_end_with_the_example_agent(tmp_path):
     """The recipe as written (its example agent file, its chat tokenizer and task), on a tiny model."""
     out = tmp_path / "run"
@@ -67,6 +76,7 @@ def test_harness_quickstart_runs_end_to_end_with_the_example_agent(tmp_path):
     ("env.name=calculator", "harness.function and env.name='calculator' are both set"),
     ("harness.serve.max_episodes=4", "harness.serve.max_episodes=4 must be >="),
     ("harness.episode_timeout_s=0", "harness.episode_timeout_s must be > 0 seconds"),
+    ("harness.reward=judge", "harness.reward='judge': use 'agent'"),
 ])
 def test_bad_harness_config_is_one_clear_error(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):

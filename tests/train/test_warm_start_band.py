@@ -80,6 +80,10 @@ def test_failures_name_the_band_and_what_to_change(tmp_path):
     jump = lambda s: 0.1 if s < 6 else 0.9  # noqa: E731
     with pytest.raises(WarmStartError, match="jumped over sft.accuracy_band"):
         warm_start(MODEL, _task(), TASK_CFG, sft, scripted(step_of, jump, []), progress=False)
+    # the jump is at the replay's first step: "from" is the step before it (4), not the overshooting check (8)
+    at_once = lambda s: 0.1 if s < 5 else 0.9  # noqa: E731
+    with pytest.raises(WarmStartError, match=r"from 0.100 to 0.900 at step 5\)"):
+        warm_start(MODEL, _task(), TASK_CFG, sft, scripted(step_of, at_once, []), progress=False)
     every_step = SFTConfig(steps=12, accuracy_band=[0.3, 0.45], check_every=1, batch_size=8, cache_dir=str(tmp_path))
     with pytest.raises(WarmStartError, match="from nan to 0.900 at step 1"):  # over the band at the first check
         warm_start(MODEL, _task(), TASK_CFG, every_step, scripted(step_of, lambda s: 0.9, []), progress=False)

@@ -71,21 +71,29 @@ CHAT_TEMPLATE = (
 CHAT_CHARS = CHARS + '{}"_'
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+# Multi-character tokens a real vocabulary has for chat and tool-call text: the role names, the JSON keys
+# and tool name of the calculator call, and the JSON punctuation runs between them. Qwen2.5's BPE writes
+# ``{"name":"calculator","arguments":{"expression":"37*54"}}`` in about 20 tokens; one token per character
+# took 52, and every extra sampled token is another chance for a temperature-1 sample to break the call.
+# Digits stay one token each (as in Qwen and Llama), so arithmetic is unchanged.
+CHAT_WORDS = ("user", "assistant", "tool", "system", "name", "arguments", "calculator", "expression",
+              '{"', '":"', '","', '":{"', '"}}', '"}')
 
 
 def build_chat_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer with a chat template (``CHAT_TEMPLATE``): pad=0, ``<|im_start|>``,
-    ``<|im_end|>`` (= EOS: a turn ends there), the characters, then ``<tool_call>`` and ``</tool_call>``
-    as single tokens that are not special (as in Qwen2.5: ``decode(skip_special_tokens=True)`` keeps
-    them, so the server can parse a turn's tool calls from its text). No BOS: the template opens
-    every conversation."""
+    ``<|im_end|>`` (= EOS: a turn ends there), the characters, then ``<tool_call>``, ``</tool_call>`` and
+    ``CHAT_WORDS`` as single tokens that are not special (as in Qwen2.5: ``decode(skip_special_tokens=True)``
+    keeps them, so the server can parse a turn's tool calls from its text). Multi-character tokens make
+    re-tokenization drift possible (a sampled ``n a m e`` re-encodes as ``name``), which the server's
+    exact continuation from recorded ids is built for. No BOS: the template opens every conversation."""
     vocab = {tok: i for i, tok in enumerate([PAD, IM_START, IM_END, *CHAT_CHARS])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=IM_END,
                                   additional_special_tokens=[IM_START])
-    tok.add_tokens(list(TOOL_CALL_TAGS))
+    tok.add_tokens(list(TOOL_CALL_TAGS) + list(CHAT_WORDS))
     tok.chat_template = CHAT_TEMPLATE
     tok.padding_side = "left"
     return tok

@@ -33,7 +33,7 @@ from tidal.api import GenRequest
 from tidal.models.quant import dequantize_state_dict
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
-from tidal.rollout.slots import SlotCache
+from tidal.rollout.slots import SlotCache, cache_kwargs
 from tidal.types import Trajectory
 
 
@@ -348,8 +348,8 @@ class LocalEngine:
             mask[r, width - len(s) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                            use_cache=True).logits[:, -1]
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **cache_kwargs(self.model, cache)).logits[:, -1]
         slots.admit(cache, mask, positions[:, -1], logits, torch.tensor(source))
 
     def _save_turn(self, row: _Row, slots: SlotCache, slot: int) -> None:
@@ -400,7 +400,7 @@ class LocalEngine:
         for layer, (k, v) in enumerate(zip(past_k, past_v)):
             cache.update(k, v, layer)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:],
-                            past_key_values=cache, use_cache=True).logits[:, -1]
+                            use_cache=True, **cache_kwargs(self.model, cache)).logits[:, -1]
         for row, _ in resumed:  # each its own context
             row.node, self._next_node = self._next_node, self._next_node + 1
         slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n))

@@ -23,9 +23,23 @@ supported: a sliding-window layer would need its own mask.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import Cache, DynamicCache
 
+
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """``{name: cache}`` for the model's forward: transformers >= 5.2x names the KV cache ``cache`` and
+    warns on every call that still passes ``past_key_values``; older releases only know the latter."""
+    name = _CACHE_ARG.get(type(model))
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = _CACHE_ARG[type(model)] = "cache" if "cache" in params else "past_key_values"
+    return {name: cache}
+
+
+_CACHE_ARG: dict[type, str] = {}
 
 class SlotCache(Cache):
     """Running rows' keys and values in preallocated slots (see module docstring), plus each
@@ -85,7 +99,7 @@ class SlotCache(Cache):
         self._fed = None if shared is None else shared[0]
         try:
             logits = model(input_ids=tokens_n[fed, None], attention_mask=mask, position_ids=pos[fed, None],
-                           past_key_values=self, use_cache=True).logits[:, -1]
+                           use_cache=True, **cache_kwargs(model, self)).logits[:, -1]
         finally:
             self._fed = None
         if shared is not None:

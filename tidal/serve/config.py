@@ -43,6 +43,11 @@ class HarnessConfig:
     directory, then from tidal's source checkout) or ``package.module:run_episode``. It gets a real
     ``openai.OpenAI`` client whose base URL carries the episode id, and the task (``tidal.types.Prompt``:
     ``text``, ``answer``, ``meta``); it returns the episode's reward (a number). null: no harness."""
+    reward: str = "agent"
+    """Who rewards an episode: ``agent`` (the number ``run_episode`` returns) or ``task`` (the run's task
+    reward, ``reward.*``, scored on the episode's final answer: the content of the last reply the agent
+    got; ``run_episode`` may then return None, and any number it returns is ignored). ``task`` lets an
+    agent that only talks (no grading code) train on tidal's verifiers: math-verify, unit tests, judges."""
     max_concurrent_episodes: int = 256
     """Agents running at once (one thread each; their HTTP calls share the engine's continuous batch).
     At least ``rollout.group_size``: groups are admitted whole."""

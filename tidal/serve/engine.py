@@ -15,11 +15,18 @@ produced them:
 - ``request_weight_update`` goes to the inner engine, which interrupts the turns it is decoding and
   resumes them under the new weights (every token keeps the version that sampled it), so the
   staleness bound is the controller's, counted from each episode's oldest sampled token.
-- An agent that raises, returns something that is not a number, makes no completion request, or does
-  not return within ``harness.episode_timeout_s`` has its episode dropped on the server (its later
-  requests get 409) and reported as an infrastructure failure: the controller leaves it out of its
-  group's baseline (as for a built-in environment that fails) and ``harness/*`` counts it. A hung
-  agent's thread cannot be killed; it is abandoned (daemon) and counted in ``harness/hung``.
+- The reward is the number the agent returns, or with ``harness.reward=task`` the run's task reward on
+  the episode's final answer (the last reply's content), scored by the reward pool like a single-turn
+  sample (``Trajectory.score_text``), so an agent needs no grading code of its own.
+- An agent that raises, returns something that is not a number (with ``harness.reward=agent``), makes
+  no completion request, or does not return within ``harness.episode_timeout_s`` has its episode
+  dropped on the server (its later requests get 409) and reported as an infrastructure failure: the
+  controller leaves it out of its group's baseline (as for a built-in environment that fails) and
+  ``harness/*`` counts it. A hung agent's thread cannot be killed; it is abandoned (daemon) and
+  counted in ``harness/hung``.
+- ``async def run_episode(client, task)`` is an asyncio agent: it gets an ``openai.AsyncOpenAI`` client,
+  and all episodes run as tasks on one event-loop thread instead of a thread each; a hung one is
+  cancelled rather than abandoned.
 - An episode whose agent edited its history has several segments (``recorder.py``); a trajectory is
   one context, so the episode trains on its last segment (the one that led to the reward) and the
   earlier ones are counted in ``harness/dropped_segments``, never merged into wrong contexts.
@@ -30,6 +37,8 @@ engine decodes greedily; its episodes are never trained on.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import importlib
 import importlib.util
@@ -125,6 +134,9 @@ class HarnessEngine:
         self.episode_s = 0.0  # wall seconds of the agents' episodes, summed
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self.is_async = inspect.iscoroutinefunction(run_episode)
+        self._loop: asyncio.AbstractEventLoop | None = None  # async agents: one event loop thread runs them all
+        self._async_clients: dict[bool, Any] = {}
 
     # ---- the RolloutEngine protocol: weights go to the engine behind the server -----------------
     @property
@@ -154,6 +166,12 @@ class HarnessEngine:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        if self._loop is not None:
+            for client in self._async_clients.values():
+                asyncio.run_coroutine_threadsafe(client.close(), self._loop).result(timeout=10)
+            self._async_clients.clear()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -172,7 +190,23 @@ class HarnessEngine:
             # (``with_options`` shares the pool: ~50 us, against ~20 ms for a new client).
             self._clients[greedy] = openai.OpenAI(base_url=server.base_url("_"), api_key=server.api_key or "none",
                                                   max_retries=0, timeout=self.cfg.episode_timeout_s)
+            if self.is_async:
+                self._async_clients[greedy] = self._on_loop(self._async_client(server)).result()
         return self._servers[greedy]
+
+    async def _async_client(self, server: HarnessServer):
+        """An ``openai.AsyncOpenAI`` client made on the agents' loop, which its connection pool belongs to."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=server.base_url("_"), api_key=server.api_key or "none",
+                                  max_retries=0, timeout=self.cfg.episode_timeout_s)
+
+    def _on_loop(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the agents' event loop (started on first use, one daemon thread)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="tidal-agents", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     # ---- episodes -----------------------------------------------------------------------------
     def stream(self, source: Callable[[int, bool], list[GenRequest] | None],
@@ -180,9 +214,10 @@ class HarnessEngine:
         """Run one agent episode per request ``source`` gives (at most ``max_concurrent_episodes`` at
         once); each finished (or failed) episode goes to ``on_done`` as one Trajectory, on this thread."""
         server = self.server(greedy)
-        client = self._clients[greedy]
+        client = (self._async_clients if self.is_async else self._clients)[greedy]
         finished: queue.Queue = queue.Queue()  # (episode id, reward or None, error or None, seconds)
         live: dict[str, tuple[GenRequest, float]] = {}  # episode id -> (request, start time)
+        tasks: dict[str, concurrent.futures.Future] = {}  # async agents' episodes, cancelled when hung
         exhausted = False
         timeout = self.cfg.episode_timeout_s
         while True:
@@ -193,7 +228,7 @@ class HarnessEngine:
                     exhausted = True
                 else:
                     for request in got:
-                        episode_id = self._start(server, client, request, finished)
+                        episode_id = self._start(server, client, request, finished, tasks)
                         live[episode_id] = (request, time.monotonic())
             if exhausted and not live:
                 return
@@ -208,6 +243,7 @@ class HarnessEngine:
                 episode_id, reward, error, seconds = item
                 if episode_id in live:  # else: already reported as hung; its late result is ignored
                     request, _ = live.pop(episode_id)
+                    tasks.pop(episode_id, None)
                     on_done(request, self._collect(server, request, episode_id, reward, error, seconds))
                 try:
                     item = finished.get_nowait()
@@ -216,12 +252,16 @@ class HarnessEngine:
             now = time.monotonic()
             for episode_id in [e for e, (_, start) in live.items() if now - start > timeout]:
                 request, _ = live.pop(episode_id)
+                task = tasks.pop(episode_id, None)
+                if task is not None:  # an async agent is cancelled, not abandoned
+                    task.cancel()
                 server.drop(episode_id, "hung")
                 self._count("hung", f"episode {episode_id}: the agent did not return within "
                                     f"harness.episode_timeout_s={timeout}")
                 on_done(request, self._failed(request, episode_id, "hung"))
 
-    def _start(self, server: HarnessServer, client, request: GenRequest, finished: queue.Queue) -> str:
+    def _start(self, server: HarnessServer, client, request: GenRequest, finished: queue.Queue,
+               tasks: dict[str, concurrent.futures.Future]) -> str:
         """Open the episode on the server and start its agent thread; the episode id."""
         episode_id = f"{request.prompt.uid}.{request.sample_index}"
         if server.recorder.known(episode_id):  # the same task again (held-out evaluations): a fresh id
@@ -230,15 +270,37 @@ class HarnessEngine:
         episode_client = client.with_options(base_url=server.base_url(episode_id))
         self.counts["started"] += 1
 
+        def report(returned: Any, error: str | None, start: float) -> None:
+            reward = None
+            if error is None:
+                try:
+                    reward = 0.0 if self.cfg.reward == "task" else as_reward(returned)
+                except TypeError as e:
+                    error = f"TypeError: {e}"
+            finished.put((episode_id, reward, error, time.perf_counter() - start))
+
         def run() -> None:
             start = time.perf_counter()
             try:
-                reward, error = as_reward(self.run_episode(episode_client, request.prompt)), None
+                returned, error = self.run_episode(episode_client, request.prompt), None
             except BaseException as e:  # noqa: BLE001  (the agent's failure: reported, never kills the run)
-                reward, error = None, f"{type(e).__name__}: {e}"
-            finished.put((episode_id, reward, error, time.perf_counter() - start))
+                returned, error = None, f"{type(e).__name__}: {e}"
+            report(returned, error, start)
 
-        threading.Thread(target=run, name=f"tidal-agent-{episode_id}", daemon=True).start()
+        async def run_async() -> None:
+            start = time.perf_counter()
+            try:
+                returned, error = await self.run_episode(episode_client, request.prompt), None
+            except asyncio.CancelledError:  # hung: stream() already reported it
+                return
+            except Exception as e:  # noqa: BLE001
+                returned, error = None, f"{type(e).__name__}: {e}"
+            report(returned, error, start)
+
+        if self.is_async:
+            tasks[episode_id] = self._on_loop(run_async())
+        else:
+            threading.Thread(target=run, name=f"tidal-agent-{episode_id}", daemon=True).start()
         return episode_id
 
     def _collect(self, server: HarnessServer, request: GenRequest, episode_id: str, reward: float | None,
@@ -263,6 +325,8 @@ class HarnessEngine:
         info = traj.episode
         info.update(tool_errors=0, tool_timeouts=0, malformed=info["malformed_tool_calls"],
                     tool_latency_s=0.0, episode_s=seconds, episode_id=episode_id)
+        if self.cfg.reward == "task":  # the controller's reward pool scores it (Trajectory.score_text)
+            info["final_answer"] = info["last_answer"]
         return dataclasses.replace(traj, prompt_uid=request.prompt.uid, sample_index=request.sample_index)
 
     def _count(self, key: str, line: str) -> None:

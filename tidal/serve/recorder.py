@@ -70,6 +70,7 @@ class Segment:
     text: str = ""  # completion: the exact prompt text covered
     last_turn_text: str = ""
     last_turn_ids: list[int] = field(default_factory=list)
+    last_answer: str = ""  # the last turn's answer as the client got it: message content, or completion text
     turns: int = 0
 
 
@@ -288,6 +289,7 @@ class EpisodeRecorder:
         seg.sampled_end = len(seg.context)
         seg.last_turn_ids, seg.last_turn_text = list(traj.token_ids), traj.text
         seg.turns += 1
+        seg.last_answer = (returned.get("content") or "") if returned is not None else completion_text
         if plan.render is not None:
             seg.render = plan.render
             seg.seen = [*plan.seen, normalize_message(returned or {"role": "assistant", "content": traj.text})]
@@ -302,7 +304,8 @@ class EpisodeRecorder:
         n = seg.sampled_end - seg.num_prompt
         ids = seg.context[seg.num_prompt : seg.sampled_end]
         info = {"turns": seg.turns, "segment": seg.index, "num_segments": len(ep.segments), **ep.counts,
-                "infra_failure": None, "num_versions": len({v for v in seg.versions[:n] if v >= 0})}
+                "infra_failure": None, "num_versions": len({v for v in seg.versions[:n] if v >= 0}),
+                "last_answer": seg.last_answer}
         return Trajectory(
             prompt_uid=ep.prompt.uid, sample_index=seg.index, prompt_ids=seg.context[: seg.num_prompt],
             token_ids=ids, logprobs=seg.logprobs[:n], versions=seg.versions[:n], finish_reason="stop",

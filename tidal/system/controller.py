@@ -191,12 +191,13 @@ class Controller:
         return got.groups, got.metrics
 
     def _score(self, prompts: list[Prompt], trajs: list[Trajectory]) -> list[Group]:
-        """Reward each sample with the reward pool, except agent episodes, which their environment
-        rewarded; an episode whose environment failed is left out of its group (and so of its
+        """Reward each sample with the reward pool, except agent episodes, which their environment or
+        agent rewarded (a harness run with ``harness.reward=task`` has its final answers scored here too:
+        ``Trajectory.score_text``); an episode whose environment failed is left out of its group (and so of its
         baseline: scoring it 0 would bias the healthy episodes' advantages) and counted."""
         n = self.cfg.rollout.group_size
-        single = [(i, t) for i, t in enumerate(trajs) if t.episode is None]
-        scores = self.reward_pool.score([(t.text, _with_length(prompts[i // n], t)) for i, t in single])
+        single = [(i, t) for i, t in enumerate(trajs) if t.score_text is not None]
+        scores = self.reward_pool.score([(t.score_text, _with_length(prompts[i // n], t)) for i, t in single])
         for (_, t), (reward, details) in zip(single, scores):
             t.reward, t.reward_details = reward, details
         if self.teacher is not None:  # on the scorer thread in async mode: off the trainer's path

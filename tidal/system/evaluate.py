@@ -13,14 +13,15 @@ from tidal.types import Prompt, Trajectory
 def greedy_samples(engine: RolloutEngine, tokenizer, prompts: list[Prompt], reward_pool: RewardPool,
                    thinking: tuple[int, tuple[int, ...]] | None = None) -> list[Trajectory]:
     """Each eval prompt's greedy response, scored (``reward`` and ``reward_details`` set). Agent episodes
-    (``EpisodeEngine``) were rewarded by their environment: their reward is kept. ``thinking``:
+    (``EpisodeEngine``) were rewarded by their environment and harness episodes by their agent: their
+    reward is kept, unless ``Trajectory.score_text`` says the final answer is scored here. ``thinking``:
     ``(budget, close ids)`` gives every request that thinking budget (``rollout/thinking.py``)."""
     requests = group_requests(tokenizer, prompts, 1)
     if thinking is not None:
         requests = with_budgets(requests, lambda p: thinking[0], thinking[1])
     trajs = engine.generate(requests, greedy=True)
-    single = [(t, p) for t, p in zip(trajs, prompts) if t.episode is None]
-    for (t, _), (reward, details) in zip(single, reward_pool.score([(t.text, p) for t, p in single])):
+    single = [(t, p) for t, p in zip(trajs, prompts) if t.score_text is not None]
+    for (t, _), (reward, details) in zip(single, reward_pool.score([(t.score_text, p) for t, p in single])):
         t.reward, t.reward_details = reward, details
     return trajs
 

@@ -274,6 +274,9 @@ def validate_run_config(cfg: RunConfig) -> None:
 def _check_harness(cfg: RunConfig) -> None:
     """``harness.*`` against the keys it must agree with (docs/harness.md)."""
     h = cfg.harness
+    if h.reward not in ("agent", "task"):
+        raise ConfigError(f"harness.reward={h.reward!r}: use 'agent' (run_episode returns the reward) or 'task' "
+                          f"(the task's reward scores the final answer)")
     if h.function is None:
         return
     if not isinstance(h.function, str) or ":" not in h.function:

@@ -239,7 +239,8 @@ def _train(model, tokenizer, task: Task, cfg: SFTConfig, evaluate: Evaluate | No
         if acc > band[1]:
             if check_every == 1:
                 bar.close()
-                prev = history[-2][1] if len(history) > 1 else float("nan")
+                # the step before this one (a replay's first step follows the check it rewound to)
+                prev = next((a for s, a in reversed(history[:-1]) if s < step), float("nan"))
                 raise WarmStartError(
                     f"warm start: held-out accuracy jumped over sft.accuracy_band={band} in one step "
                     f"(from {prev:.3f} to {acc:.3f} at step {step}); widen the band or lower sft.lr")
