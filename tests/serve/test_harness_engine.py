@@ -14,7 +14,6 @@ import dataclasses
 import threading
 
 import openai
-
 import pytest
 import torch
 

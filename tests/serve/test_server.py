@@ -113,6 +113,59 @@ def test_tool_call_round_trip(tool_model, chat_tok):
     check_logprobs(tool_model, traj)
 
 
+def assemble(stream) -> tuple[dict, str, dict, list]:
+    """An assistant message from a chat stream, as a streaming agent builds it: (message, finish
+    reason, the last chunk's ``tidal`` extra, the usage chunks)."""
+    content, calls, finish, extra, usage = "", {}, None, None, []
+    for chunk in stream:
+        if chunk.usage is not None and not chunk.choices:
+            usage.append(chunk.usage)
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls[call.index] = {"id": call.id, "type": "function",
+                                 "function": {"name": call.function.name, "arguments": call.function.arguments}}
+        finish = chunk.choices[0].finish_reason or finish
+        extra = (chunk.model_extra or {}).get("tidal", extra)
+    message = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message, finish, extra, usage
+
+
+def test_streamed_tool_call_round_trip_is_the_same_episode(tool_model, chat_tok):
+    """``stream=true``: server-sent chunks that assemble into the same messages, and the same recorded
+    episode, as the non-streaming round trip (the turn is streamed once complete)."""
+    server = serve(tool_model, chat_tok, max_new_tokens=96)
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    try:
+        c = client(server, "calc-stream")
+        messages = [{"role": "user", "content": QUESTION}]
+        message, finish, extra, usage = assemble(c.chat.completions.create(
+            model="any", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True}))
+        assert finish == "tool_calls" and message["content"] is None and len(usage) == 1
+        [call] = message["tool_calls"]
+        assert json.loads(call["function"]["arguments"])["expression"] == "2+3"
+        assert usage[0].completion_tokens == len(extra["token_ids"])
+        messages += [message, {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+        message, finish, extra, usage = assemble(c.chat.completions.create(model="any", messages=messages,
+                                                                            tools=tools, stream=True))
+        assert (message["content"], finish, usage) == ("5", "stop", []) and not extra["new_segment"]
+        [traj] = server.finish("calc-stream", reward=1.0)
+        streamed = list(client(server, "text-stream").completions.create(model="any", prompt="1+1=", max_tokens=3,
+                                                                          stream=True))
+    finally:
+        server.stop()
+    assert traj.episode["tool_calls"] == 1 and traj.episode["turns"] == 2
+    text = chat_tok.decode(traj.token_ids)
+    assert text == f"{TOOL_CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
+    check_logprobs(tool_model, traj)
+    ids = streamed[-1].model_extra["tidal"]["token_ids"]
+    assert "".join(ch.choices[0].text for ch in streamed) == chat_tok.decode(ids, skip_special_tokens=True)
+    assert [ch.choices[0].finish_reason for ch in streamed] == [None, "length" if len(ids) == 3 else "stop"]
+
+
 def test_edited_history_starts_a_counted_segment(random_model, chat_tok):
     server = serve(random_model, chat_tok)
     try:

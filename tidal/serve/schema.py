@@ -3,8 +3,10 @@
 Requests are validated with pydantic; anything that would make the recorded behaviour log-probs
 wrong is refused with a 400 naming the parameter rather than silently ignored: the sampling
 temperature and top-p are the engine's (the trainer scores tokens at the same temperature), ``n``
-is 1 (one sample per turn; a group is several episodes), and ``stop`` / streaming are not served
-yet. Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+is 1 (one sample per turn; a group is several episodes), and ``stop`` is not served yet. Unknown
+fields are ignored, as OpenAI-compatible servers commonly do. ``stream=true`` is answered with
+server-sent events (``stream_chunks``) once the turn is complete: the engine's continuous batch
+returns whole turns, so a streaming client works unchanged but gets no earlier first token.
 
 Tool calls follow the hermes format of Qwen2.5/Hermes templates (``tidal/envs/tool_calls.py``):
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the model's text become the
@@ -52,6 +54,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = 1
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     logprobs: bool | int | None = None
 
@@ -86,8 +89,6 @@ def check_sampling(req: _Sampling, temperature: float, top_p: float) -> None:
     """Refuse parameters that would make the recorded log-probs differ from what was asked for."""
     if req.n != 1:
         raise APIError(400, "n must be 1: each turn is one sample (run several episodes for a group)", param="n")
-    if req.stream:
-        raise APIError(400, "streaming is not supported by tidal's server yet", param="stream")
     if req.stop:
         raise APIError(400, "per-request stop strings are not supported: set rollout.stop on the engine",
                        param="stop")
@@ -143,3 +144,31 @@ def response(kind: str, rid: str, model: str, choice: dict, num_prompt: int, num
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
                       "total_tokens": num_prompt + num_completion}, "tidal": extra}
+
+
+def stream_chunks(full: dict, include_usage: bool = False) -> list[dict]:
+    """A finished ``chat.completion`` / ``text_completion`` object as the chunks OpenAI streams: for chat,
+    a delta with the role and content, one delta per tool call (with its ``index``), then an empty delta
+    with the finish reason; for completions, the text then the finish reason. The last chunk carries
+    ``tidal`` (token ids, versions); with ``stream_options.include_usage`` a final chunk has the usage and
+    no choices, as OpenAI sends it."""
+    chat = full["object"] == "chat.completion"
+    head = {"id": full["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": full["created"], "model": full["model"]}
+    choice = full["choices"][0]
+    chunks = []
+    if chat:
+        message = choice["message"]
+        chunks.append({"index": 0, "delta": {"role": "assistant", "content": message.get("content") or ""},
+                       "finish_reason": None})
+        for i, call in enumerate(message.get("tool_calls") or []):
+            chunks.append({"index": 0, "delta": {"tool_calls": [{"index": i, **call}]}, "finish_reason": None})
+        chunks.append({"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]})
+    else:
+        chunks.append({"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None})
+        chunks.append({"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None})
+    out = [{**head, "choices": [c]} for c in chunks]
+    out[-1]["tidal"] = full["tidal"]
+    if include_usage:
+        out.append({**head, "choices": [], "usage": full["usage"]})
+    return out

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import secrets
 import threading
 import time
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.api import RolloutEngine
@@ -46,6 +47,7 @@ from tidal.serve.schema import (
     finish_reason,
     parse_request,
     response,
+    stream_chunks,
 )
 from tidal.types import Trajectory
 
@@ -177,8 +179,8 @@ class HarnessServer:
                 ep.counts["malformed_tool_calls"] += malformed
             choice = {"index": 0, "message": message, "finish_reason": finish_reason(traj.finish_reason, message),
                       "logprobs": self._logprobs(traj) if req.logprobs else None}
-            return JSONResponse(response("chat.completion", f"chatcmpl-{episode_id}-{ep.turns}", req.model,
-                                         choice, len(plan.context), len(traj.token_ids), self._extra(plan, traj)))
+            return self._answer(req, response("chat.completion", f"chatcmpl-{episode_id}-{ep.turns}", req.model,
+                                              choice, len(plan.context), len(traj.token_ids), self._extra(plan, traj)))
 
         @app.post("/episodes/{episode_id}/v1/completions")
         async def completions(episode_id: str, request: Request) -> JSONResponse:
@@ -192,10 +194,19 @@ class HarnessServer:
                 self._commit(plan, traj, completion_text=text)
             choice = {"index": 0, "text": text, "finish_reason": finish_reason(traj.finish_reason),
                       "logprobs": None}
-            return JSONResponse(response("text_completion", f"cmpl-{episode_id}-{ep.turns}", req.model, choice,
-                                         len(plan.context), len(traj.token_ids), self._extra(plan, traj)))
+            return self._answer(req, response("text_completion", f"cmpl-{episode_id}-{ep.turns}", req.model,
+                                              choice, len(plan.context), len(traj.token_ids), self._extra(plan, traj)))
 
         return app
+
+    @staticmethod
+    def _answer(req, full: dict):
+        """The response object, or for ``stream=true`` the same as server-sent events (``stream_chunks``)."""
+        if not req.stream:
+            return JSONResponse(full)
+        usage = bool((req.stream_options or {}).get("include_usage"))
+        events = [f"data: {json.dumps(c)}\n\n" for c in stream_chunks(full, usage)] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than the server's limit of {self.cfg.max_request_bytes} "
