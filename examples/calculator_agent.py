@@ -6,6 +6,10 @@ messages, and stops at the first reply without tool calls, which is the answer. 
 OpenAI-compatible endpoint; tidal trains it (``tidal train harness_quickstart``) by calling
 ``run_episode`` with a client pointed at its own endpoint, once per episode, and using the returned
 number as the episode's reward. ``task`` is any object with ``text`` (the question) and ``answer``.
+
+Run as a program (``harness.command="python examples/calculator_agent.py"``), it is one episode: the
+client comes from the standard ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` variables, the task from
+``TIDAL_TASK`` (JSON), and the reward is printed as the last line.
 """
 
 from __future__ import annotations
@@ -76,3 +80,11 @@ def run_episode(client: openai.OpenAI, task) -> float:
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
     return 0.0
+
+
+if __name__ == "__main__":
+    import os
+    import types
+
+    task = types.SimpleNamespace(**json.loads(os.environ["TIDAL_TASK"]))
+    print(run_episode(openai.OpenAI(max_retries=0), task))

@@ -77,10 +77,17 @@ def test_harness_quickstart_runs_end_to_end_with_the_example_agent(tmp_path):
     ("harness.serve.max_episodes=4", "harness.serve.max_episodes=4 must be >="),
     ("harness.episode_timeout_s=0", "harness.episode_timeout_s must be > 0 seconds"),
     ("harness.reward=judge", "harness.reward='judge': use 'agent'"),
+    ("harness.command=python agent.py", "harness.function and harness.command are both set"),
 ])
 def test_bad_harness_config_is_one_clear_error(tmp_path, override, match):
     with pytest.raises(ConfigError, match=match):
         prepare(cfg_for(tmp_path, override), tmp_path / "bad")
+
+
+def test_a_missing_agent_program_fails_before_the_warm_start(tmp_path):
+    with pytest.raises(ConfigError, match="no program 'no-such-agent-program'"):
+        prepare(cfg_for(tmp_path, "harness.function=null", "harness.command=no-such-agent-program --x"), tmp_path / "b")
+    assert not (tmp_path / "cache").exists(), "nothing was trained"
 
 
 @pytest.mark.slow

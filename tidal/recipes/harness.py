@@ -46,8 +46,8 @@ def harness_quickstart() -> RunConfig:
     """
     cfg = RunConfig()
     cfg.max_steps = 200
-    cfg.max_time_s = 480.0
-    cfg.target_accuracy = 0.9
+    cfg.max_time_s = 540.0
+    cfg.target_accuracy = 0.8
     cfg.eval_every = 10
     cfg.checkpoint_every = 50
     cfg.num_eval = 200
@@ -58,9 +58,9 @@ def harness_quickstart() -> RunConfig:
     cfg.model.max_position_embeddings = 192
     cfg.sft.accuracy_band = [0.3, 0.5]
     cfg.harness.function = "examples/calculator_agent.py:run_episode"
-    cfg.rollout.max_new_tokens = 64  # per turn: the call is 59 tokens with its end-of-turn marker
+    cfg.rollout.max_new_tokens = 32  # per turn: the call is 18 tokens with its end-of-turn marker
     cfg.rollout.group_size = 8
-    cfg.rollout.prompts_per_step = 32
+    cfg.rollout.prompts_per_step = 64  # 32 moved 0.50 -> 0.565 in 10 steps, 64 -> 0.64 (seed 0)
     cfg.rollout.max_staleness = 1
     cfg.optim.lr = 2e-4
     cfg.system.mode = "async"

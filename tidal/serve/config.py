@@ -42,7 +42,13 @@ class HarnessConfig:
     """The agent: ``path/to/file.py:run_episode`` (a relative path is looked up from the working
     directory, then from tidal's source checkout) or ``package.module:run_episode``. It gets a real
     ``openai.OpenAI`` client whose base URL carries the episode id, and the task (``tidal.types.Prompt``:
-    ``text``, ``answer``, ``meta``); it returns the episode's reward (a number). null: no harness."""
+    ``text``, ``answer``, ``meta``); it returns the episode's reward (a number). ``async def`` agents get an
+    ``openai.AsyncOpenAI`` client. null (and no ``command``): no harness."""
+    command: str | None = None
+    """The agent as a separate program, run once per episode (``serve/process.py``): e.g.
+    ``python my_agent.py``; it gets ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` for its episode and the task
+    in ``TIDAL_TASK`` (JSON), and prints its reward as its last stdout line (or nothing, with
+    ``harness.reward=task``). Exclusive with ``function``."""
     reward: str = "agent"
     """Who rewards an episode: ``agent`` (the number ``run_episode`` returns) or ``task`` (the run's task
     reward, ``reward.*``, scored on the episode's final answer: the content of the last reply the agent
@@ -57,3 +63,8 @@ class HarnessConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     """The endpoint the agents talk to (loopback, no key by default). Its ``max_tokens`` (a turn's
     length when the agent sets none) is replaced by ``rollout.max_new_tokens``."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run's episodes come from an agent (a function or a command)."""
+        return self.function is not None or self.command is not None

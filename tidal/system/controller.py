@@ -251,7 +251,7 @@ class Controller:
                 t.episode is None and t.loss_mask is not None for t in trajs) / len(trajs)
         if self.teacher is not None:
             metrics.update(distill_metrics(trajs, self.teacher))
-        if self.cfg.env.name is not None or self.cfg.harness.function is not None:
+        if self.cfg.env.name is not None or self.cfg.harness.enabled:
             metrics["agent/infra_failures"] = float(self._infra_failed)
         batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
         metrics.update(algo_metrics)

@@ -101,8 +101,9 @@ def sampling_for(cfg: RunConfig, make_env) -> RolloutConfig:
 
 def with_episodes(engine, cfg: RunConfig, tokenizer, make_env):
     """``engine`` itself for single-turn runs; for agent runs, an EpisodeEngine around it; for a
-    harness run (``harness.function``), a HarnessEngine: the user's agent behind the OpenAI endpoint."""
-    if cfg.harness.function is not None:
+    harness run (``harness.function`` or ``harness.command``), a HarnessEngine: the user's agent behind
+    the OpenAI endpoint."""
+    if cfg.harness.enabled:
         from tidal.serve.engine import HarnessEngine  # the harness extra (fastapi, uvicorn, openai)
 
         return HarnessEngine(engine, tokenizer, harness_function(cfg), cfg.harness, model_context(cfg) or 1 << 30,
@@ -117,7 +118,12 @@ _HARNESS_FUNCTIONS: dict[str, object] = {}
 
 
 def harness_function(cfg: RunConfig):
-    """The agent ``harness.function`` names, imported once per process (a file is executed once)."""
+    """The agent ``harness.function`` names, imported once per process (a file is executed once), or the
+    one that runs ``harness.command`` per episode."""
+    if cfg.harness.command is not None:
+        from tidal.serve.process import process_agent
+
+        return process_agent(cfg.harness.command, cfg.harness.episode_timeout_s)
     spec = cfg.harness.function
     if spec not in _HARNESS_FUNCTIONS:
         try:
@@ -147,7 +153,7 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
         try:
             return greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]
         finally:
-            if cfg.harness.function is not None:
+            if cfg.harness.enabled:
                 engine.close()  # its HTTP servers (the model stays: the warm start goes on training it)
 
     try:
@@ -192,8 +198,8 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     seed_everything(cfg.seed)
     task = build_task(cfg)
     check_task_fits(cfg, task)
-    if cfg.harness.function is not None:
-        harness_function(cfg)  # a bad harness.function fails here, before the warm start
+    if cfg.harness.enabled:
+        harness_function(cfg)  # a bad harness.function or command fails here, before the warm start
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base

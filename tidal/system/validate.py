@@ -277,13 +277,18 @@ def _check_harness(cfg: RunConfig) -> None:
     if h.reward not in ("agent", "task"):
         raise ConfigError(f"harness.reward={h.reward!r}: use 'agent' (run_episode returns the reward) or 'task' "
                           f"(the task's reward scores the final answer)")
-    if h.function is None:
+    if not h.enabled:
         return
-    if not isinstance(h.function, str) or ":" not in h.function:
+    if h.function is not None and h.command is not None:
+        raise ConfigError("harness.function and harness.command are both set: the agent is one or the other")
+    if h.command is not None and (not isinstance(h.command, str) or not h.command.strip()):
+        raise ConfigError(f"harness.command must be a command line such as 'python my_agent.py', got {h.command!r}")
+    if h.function is not None and (not isinstance(h.function, str) or ":" not in h.function):
         raise ConfigError(f"harness.function must be 'path/to/file.py:function' or 'package.module:function', "
                           f"got {h.function!r}")
     if cfg.env.name is not None:
-        raise ConfigError(f"harness.function and env.name={cfg.env.name!r} are both set: the agent is the episode's "
+        raise ConfigError(f"harness.{'function' if h.function is not None else 'command'} and env.name="
+                          f"{cfg.env.name!r} are both set: the agent is the episode's "
                           "environment; set env.name=null")
     if h.max_concurrent_episodes < cfg.rollout.group_size:
         raise ConfigError(f"harness.max_concurrent_episodes={h.max_concurrent_episodes} must be >= "
