@@ -171,3 +171,22 @@ def test_agent_episodes_on_ray_workers(ray_cluster, tmp_path):
     _every_group_once(controller, trained)
     rows = [r for r in result.history if "agent/turns_mean" in r]
     assert len(rows) == 3 and all(r["agent/turns_mean"] == 3.0 for r in rows)
+
+
+def test_a_harness_behind_the_endpoint_on_ray_workers(ray_cluster, tmp_path):
+    """The OpenAI endpoint in front of the Ray engine: the agents' turns are decoded on the rollout
+    workers, every episode is recorded and trained, and the staleness bound holds."""
+    pytest.importorskip("fastapi", reason="the harness extra")
+    from tests.serve.test_harness_run import cfg_for
+
+    trained: list = []
+    cfg = cfg_for(tmp_path, "harness.function=tests.serve.test_harness_engine:two_turn_agent", *RAY,
+                  "rollout.max_staleness=1", "max_steps=3")
+    controller = prepare(cfg, tmp_path / "run")
+    assert type(controller.engine).__name__ == "HarnessEngine"
+    assert type(controller.engine.engine).__name__ == "RayEngine"
+    result = _run(controller, trained)
+    _every_group_once(controller, trained)
+    rows = result.history[1:]
+    assert len(rows) == 3 and all(r["agent/turns_mean"] == 2.0 and r["agent/infra_failures"] == 0 for r in rows)
+    assert all(r["harness/finished"] >= 12 * r["step"] for r in rows)
