@@ -138,6 +138,8 @@ def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task)
     model = dataclasses.asdict(model_cfg)
     if model.get("tokenizer") == "char":  # the default: bases cached before the field existed keep their key
         del model["tokenizer"]
+    else:  # a vocabulary changed in code (e.g. new chat tokens) must not reuse a base trained on the old one
+        model["tokenizer_vocab"] = stable_hash(*sorted(tiny.tokenizer_for(model_cfg).get_vocab().items()))
     key = json.dumps([model, dataclasses.asdict(task_cfg),
                       {k: v for k, v in dataclasses.asdict(sft_cfg).items() if k != "cache_dir"},
                       data_fingerprint(task)], sort_keys=True)
