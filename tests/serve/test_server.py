@@ -335,3 +335,23 @@ def test_run_episodes_groups_healthy_episodes_and_counts_crashed_and_hung(random
         assert server.stats()["harness/dropped"] == 6 and not server.recorder.episodes
     finally:
         server.stop()
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(random_model, chat_tok):
+    """An agent's pooled connection idle for 6 s (a step's wait) is still open: the server keeps idle
+    connections longer than the client's pool does (httpx drops them after 5 s), so a request never goes
+    out on a connection the server is closing at the same moment (uvicorn's default is also 5 s: that
+    race showed as ``APIConnectionError`` crashes in harness_quickstart runs)."""
+    import http.client
+
+    server = serve(random_model, chat_tok)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            conn.request("GET", "/v1/models")
+            resp = conn.getresponse()
+            assert resp.status == 200 and json.loads(resp.read())["data"]
+        conn.close()
+    finally:
+        server.stop()

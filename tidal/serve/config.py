@@ -23,6 +23,11 @@ class ServeConfig:
     """Episodes open at once (429 beyond it); bounds the recorder's memory."""
     episode_timeout_s: float | None = 600.0
     """An episode idle this long (its agent crashed or hung) is dropped and counted."""
+    keep_alive_s: float = 75.0
+    """Seconds an idle client connection stays open. Longer than the clients' own pool expiry (httpx,
+    under the ``openai`` SDK: 5 s), so the client always closes first: at uvicorn's default of 5 s, a
+    request reusing a connection just as the server closed it failed as ``APIConnectionError`` (6 of
+    15,872 episodes in one harness_quickstart run, whose agents idle while a step trains)."""
     max_tokens: int = 256
     """Completion length when a request sets no ``max_tokens``."""
     max_closed_ids: int = 65536

@@ -88,7 +88,7 @@ class HarnessServer:
     def start(self, timeout_s: float = 30.0) -> HarnessServer:
         self.bridge = EngineBridge(self.engine, greedy=self.greedy)
         config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning",
-                                lifespan="off", access_log=False)
+                                lifespan="off", access_log=False, timeout_keep_alive=self.cfg.keep_alive_s)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="tidal-serve-http", daemon=True)
         self._thread.start()

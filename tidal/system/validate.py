@@ -151,6 +151,7 @@ RULES: list[Rule] = [
     ("harness.serve.max_episodes", _optional(COUNT), "an integer >= 1 (or null)"),
     ("harness.serve.episode_timeout_s", _optional(_positive), "> 0 seconds (or null)"),
     ("harness.serve.max_closed_ids", NONNEG, "an integer >= 0"),
+    ("harness.serve.keep_alive_s", _positive, "> 0 seconds"),
 ]
 CRITIC_RULES: list[Rule] = [  # the critic's optimizer (algo.advantage=gae): the policy optimizer's rules
     (f"critic.{key}", ok, requirement) for key, ok, requirement in RULES if key.startswith("optim.")
