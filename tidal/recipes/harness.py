@@ -12,37 +12,32 @@ def harness_quickstart() -> RunConfig:
 
     An episode (``examples/calculator_agent.py``, written only against the ``openai`` client): the agent
     sends ``37*54=`` with one tool in the OpenAI ``tools`` schema; the model's first turn is a hermes call
-    ``<tool_call>{"name":"calculator","arguments":{"expression":"37*54"}}</tool_call>`` (59 sampled
-    tokens with its end-of-turn marker), which the server returns as ``tool_calls``; the agent runs the
-    tool and sends the result back as a ``tool`` message; the model answers ``1998``; the agent returns
-    1.0 if that is the product. The tiny model uses the chat tokenizer (``model.tokenizer=chat``) and is
-    warm-started on synthetic conversations of that agent (``task.params.demos=chat_tool``) until its
-    held-out success is in [0.3, 0.5].
+    ``<tool_call>{"name":"calculator","arguments":{"expression":"37*54"}}</tool_call>`` (18 sampled
+    tokens with its end-of-turn marker: the chat tokenizer has the role names, JSON keys and punctuation
+    runs as tokens, as a BPE vocabulary does), which the server returns as ``tool_calls``; the agent runs
+    the tool and sends the result back as a ``tool`` message; the model answers ``1998``; the agent
+    returns 1.0 if that is the product. The tiny model uses the chat tokenizer (``model.tokenizer=chat``)
+    and is warm-started on synthetic conversations of that agent (``task.params.demos=chat_tool``) until
+    its held-out success is in [0.3, 0.5]; then async GRPO, 64 tasks x 8 episodes per step, to 0.8.
 
-    Measured (operands 0-99 then, 10-99 since the task took ``task.params.digits``; seed 0, 2 CPU
-    cores shared with other jobs at a load average of 7-10; wall-clock numbers
-    are contention-bound): the warm start stopped at 0.40 held-out success after 280 steps (success
-    0.0-0.02 up to step 240, then 0.065 / 0.09 / 0.2 / 0.4 at steps 250-280: the usual steep jump).
-    RL through the endpoint, async, 32 tasks x 8 episodes per step:
+    Measured (2 CPU cores shared with three other jobs, load average 8-10, so seconds are
+    contention-bound; seeds set with ``--set seed=S --set model.init_seed=S --set sft.seed=S``):
 
-    ===================  ===============  ===============  ===============  ====================
-    run                  held-out step 0  step 10          step 20          s per step (load)
-    ===================  ===============  ===============  ===============  ====================
-    seed 0, first run    0.40             0.505            (stopped)        10-21 (~7)
-    seed 0, second run   0.40             0.555 (273 s)    0.56 (437 s)     7-45 (~10)
-    ===================  ===============  ===============  ===============  ====================
+    =====  ====  ===============================  ============  ========================
+    seed   base  held-out at RL step 10 / 20 / 30  0.8 after     whole command (loaded)
+    =====  ====  ===============================  ============  ========================
+    0      0.50  0.64 / 0.76 / 0.835              30 steps      9.6 min (with 64 tokens per turn)
+    1      0.425 0.82                             10 steps      7.2 min
+    2      0.36  0.60 / 0.77 / 0.85               30 steps      11.8 min
+    =====  ====  ===============================  ============  ========================
 
-    Two runs of one seed differ because async batches depend on timing. Sampled (temperature 1)
-    success is far below greedy: 0.03-0.12 per step against 0.40-0.55 held out, since any of the call's
-    59 sampled tokens can break it; most groups are all-fail and give no gradient. What the held-out
-    failures get wrong is a copied digit (``74*92=`` -> ``"75*92"``, or the tool's ``1984`` answered
-    as ``1964``). **Not yet measured**: the 0.8 target within 10 minutes (the runs above were stopped
-    after 12 and 22 steps for lack of CPU; at this rate 0.8 is not
-    within reach in 10 minutes: the recipe needs tuning, e.g. a higher base or a lower temperature),
-    a second seed, and the model's success without the tool
-    (``task.params.demos=answer``, ``harness.function=null``, ``model.tokenizer=char``). A warm-start
-    band of [0.55, 0.7] (sharper turns, higher sampled success) was tried and not finished: after a
-    replay the warm start checks every step, and each check is 200 agent episodes through HTTP.
+    Sampled (temperature 1) success starts far below greedy: 0.02-0.08 per step against 0.36-0.50 held
+    out, so most early groups are all-fail. What held-out failures get wrong is a copied digit (an
+    operand copied into the call, or the tool's result into the answer), as in ``agentic_quickstart``.
+    History: with one token per character the call was 59 sampled tokens, and at 32 tasks per step seed
+    0 went 0.40 -> 0.56 in 22 steps; with the 18-token call, 32 tasks per step went 0.50 -> 0.565 in 10
+    steps and 64 tasks went 0.50 -> 0.64, hence 64. A warm-start band of [0.6, 0.75] is jumped over
+    (seed 0: below 0.6 at step 140, 0.845 at step 141, 0.95 at step 150).
     """
     cfg = RunConfig()
     cfg.max_steps = 200
