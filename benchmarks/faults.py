@@ -60,7 +60,7 @@ class Settings:
     model_sets: list[str] = field(default_factory=lambda: [
         "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
         "model.intermediate_size=128", "sft.steps=60", "sft.accuracy_band=null", "sft.batch_size=64",
-        "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=16", "rollout.max_new_tokens=4",
+        "reward.name=digit_match", "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=16", "rollout.max_new_tokens=4",
         "system.mode=sync", "system.num_threads=1", "num_eval=64", "optim.lr=1e-3", "max_time_s=null",
         "target_accuracy=null", "log.progress=false", "log.tensorboard=false", "log.report=false"])
     checkpoint_every: int = 3
@@ -100,7 +100,16 @@ def _params(cfg, out: Path) -> dict[str, torch.Tensor]:
         controller.tracker.close()
 
 
+def _rates(rows: list[dict]) -> dict:
+    detected = [p for p in rows if p["detected"]]
+    return {"injected": len(rows), "detected": len(detected), "localized": sum(p["localized"] for p in detected),
+            "detection_rate": len(detected) / len(rows) if rows else None,
+            "localization_rate": sum(p["localized"] for p in detected) / len(detected) if detected else None}
+
+
 def flip_runs(s: Settings, root: Path) -> tuple[list[dict], dict]:
+    """One faulted run per policy; a flip is *result-changing* when the full-replay run's replay of its step
+    (against the fault-free recomputation of the same step) left a different state (``result_changed``)."""
     base = _cfg(s, root)
     clean_out = root / "clean"
     train(base, clean_out)
@@ -108,7 +117,7 @@ def flip_runs(s: Settings, root: Path) -> tuple[list[dict], dict]:
     controller = prepare(base, root / "probe")
     model = controller.trainer.model
     controller.tracker.close()
-    rows, faults_by_policy = [], {}
+    rows, faults_by_policy, changes = [], {}, {}
     for policy in s.policies:
         cfg = _cfg(s, root, f"sdc.{policy}", f"sdc.max_rollbacks={s.num_faults + 1}")
         faults = _faults(s, model, s.seed)
@@ -118,25 +127,32 @@ def flip_runs(s: Settings, root: Path) -> tuple[list[dict], dict]:
             if (out / "sdc" / "incidents.jsonl").exists() else []
         got = _params(cfg, out)
         per_fault = []
-        for f in faults:
-            hit = next((i for i in incidents if i["step"] == f.step), None)
+        for i, f in enumerate(faults):
+            hit = next((x for x in incidents if x["step"] == f.fired_step), None) if f.fired else None
+            if hit is not None and i not in changes:  # classified by the first policy that replayed it
+                changes[i] = hit.get("result_changed", True)
             per_fault.append({
-                "policy": policy, "kind": f.kind, "step": f.step, "target": f.target, "bit": f.bit,
-                "fired": f.fired, "detected": hit is not None,
+                "policy": policy, "kind": f.kind, "planned_step": f.step, "step": f.fired_step, "target": f.target,
+                "bit": f.bit, "before": f.before, "after": f.after, "fired": f.fired, "detected": hit is not None,
                 "localized": hit is not None and (hit["phase"], hit["layer"]) == (f.expected_phase, f.expected_layer),
-                "latency_steps": hit["detected_at_step"] - f.step if hit else None,
-                "found": f"{hit['phase']} {hit['layer']}" if hit else None})
+                "latency_steps": hit["detected_at_step"] - f.fired_step if hit else None,
+                "found": f"{hit['phase']} {hit['layer']}" if hit else None, "_i": i})
         faults_by_policy[policy] = per_fault
         fired = [p for p in per_fault if p["fired"]]
         detected = [p for p in fired if p["detected"]]
         rows.append({
-            "arm": f"flips, sdc.{policy}", "injected": len(fired), "detected": len(detected),
-            "localized": sum(p["localized"] for p in detected),
-            "detection_rate": len(detected) / max(len(fired), 1),
-            "localization_rate": sum(p["localized"] for p in detected) / max(len(detected), 1),
+            "arm": f"flips, sdc.{policy}", **_rates(fired), "planned": len(faults),
             "latency_steps_mean": statistics.mean(p["latency_steps"] for p in detected) if detected else None,
             "final_weights_equal_clean": all(torch.equal(got[k], clean[k]) for k in got),
             "false_alarms": len(incidents) - len(detected)})
+    for policy, row in zip(s.policies, rows):
+        for p in faults_by_policy[policy]:
+            p["result_changed"] = changes.get(p.pop("_i"))
+        fired = [p for p in faults_by_policy[policy] if p["fired"]]
+        row["result_changing"] = _rates([p for p in fired if p["result_changed"]])
+        row["benign"] = _rates([p for p in fired if p["result_changed"] is False])
+        row["unclassified"] = sum(p["result_changed"] is None for p in fired)
+        row["by_kind"] = {k: _rates([p for p in fired if p["kind"] == k]) for k in KINDS}
     return rows, faults_by_policy
 
 
@@ -230,8 +246,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         over = overhead(s)
         elastic = [_elastic(s, root, kill=False), _elastic(s, root, kill=True)] if s.elastic_steps else []
     full = flip_rows[0]
-    result = {
-        "detection_rate": full["detection_rate"], "localization_rate": full["localization_rate"],
+    result = {  # the issue's goal is over the flips that change the result; every fired flip is in the table
+        "detection_rate": full["result_changing"]["detection_rate"],
+        "localization_rate": full["result_changing"]["localization_rate"],
         "overhead_frac": over["overhead_frac"],
         "detection_latency_steps": full["latency_steps_mean"],
         "policy": s.policies[0],

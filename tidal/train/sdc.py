@@ -227,6 +227,10 @@ class Mismatch:
     segment: int  # minibatch index (0 for weights)
     original: Checksum | None
     replayed: Checksum | None
+    result_changed: bool = True
+    """Whether the state the step left (its last ``optimizer`` entry) differs too. False: the corruption
+    was absorbed within the step (e.g. a flipped activation of a padded position, or a low gradient bit
+    the update rounds away), so the run's weights are what they would have been without it."""
 
     @property
     def layer_name(self) -> str:
@@ -280,6 +284,7 @@ def first_mismatch(original: dict[str, Any], replayed: dict[str, Any], order: li
     key = compare_entries(original["weights"], replayed["weights"], order, rtol)
     if key is not None:
         return Mismatch(step, rank, "weights", key, 0, original["weights"].get(key), replayed["weights"].get(key))
+    changed = compare_entries(last_state(original), last_state(replayed), order, rtol) is not None
     empty = {"forward": {}, "backward": {}, "optimizer": {}}
     segs_a, segs_b = original["segments"], replayed["segments"]
     for i in range(max(len(segs_a), len(segs_b))):
@@ -288,5 +293,5 @@ def first_mismatch(original: dict[str, Any], replayed: dict[str, Any], order: li
         for phase in ("forward", "backward", "optimizer"):
             key = compare_entries(sa[phase], sb[phase], order, rtol, reverse=phase == "backward")
             if key is not None:
-                return Mismatch(step, rank, phase, key, i, sa[phase].get(key), sb[phase].get(key))
+                return Mismatch(step, rank, phase, key, i, sa[phase].get(key), sb[phase].get(key), changed)
     return None
