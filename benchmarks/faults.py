@@ -14,11 +14,12 @@ Three parts (docs/faults.md):
    recorder, alternated ``overhead_reps`` times (median): recording cost as a fraction of step time.
    A replay costs one more step per ``sdc.replay_every`` steps on top (1/N).
 3. *Elastic.* Two torchft replicas (``train/elastic.py``) train ``elastic_steps`` steps; then again, with
-   replica 1 killed (SIGKILL) a third of the way in and restarted after ``restart_after_s``. Reported:
+   replica 1 killed (SIGKILL) a quarter of the way in and restarted after ``restart_after_s``; it heals
+   from replica 0 and rejoins (``rejoined_at_step``). Reported:
    throughput kept (committed steps per second, faulted / fault-free: wall-clock, on a shared machine)
    and final greedy accuracy of both.
 
-    tidal bench faults [--set num_faults=8 --set steps=12 --set elastic_steps=150]
+    tidal bench faults [--set num_faults=32 --set steps=40 --set elastic_steps=1500]
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ DESCRIPTION = ("SDC detection (injected bit flips: detection, localisation, late
 
 @dataclass
 class Settings:
-    steps: int = 12
+    steps: int = 40
     """RL steps of each flip run."""
-    num_faults: int = 8
-    """Flips per policy run, at distinct random steps (kinds round-robin)."""
+    num_faults: int = 32
+    """Flips per policy run, at distinct random steps (kinds round-robin: 8 of each kind by default)."""
     seed: int = 0
     policies: list[str] = field(default_factory=lambda: ["replay_every=1", "replay_every=0"])
     """``sdc.*`` setting of each flip run."""
@@ -63,13 +64,19 @@ class Settings:
         "reward.name=digit_match", "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=16", "rollout.max_new_tokens=4",
         "system.mode=sync", "system.num_threads=1", "num_eval=64", "optim.lr=1e-3", "max_time_s=null",
         "target_accuracy=null", "log.progress=false", "log.tensorboard=false", "log.report=false"])
-    checkpoint_every: int = 3
-    overhead_reps: int = 7
+    checkpoint_every: int = 2
+    overhead_reps: int = 11
+    """Alternated plain / recorded steps; ``overhead_frac`` is the median of the 11 paired ratios (each pair
+    ran back to back, so load from other jobs drifts less between them), ``overhead_frac_in_step`` the
+    recorder's own timed share (``StepRecorder.seconds``)."""
     overhead_prompts: int = 64
     """Prompts (x 8 samples) in the overhead batch, on the quickstart model (1M parameters)."""
-    elastic_steps: int = 150
-    restart_after_s: float = 10.0
-    """Seconds between killing replica 1 and starting it again."""
+    elastic_steps: int = 1500
+    """Committed steps of each elastic run (at 600 the tiny model sits on its learning jump: 0.34-0.69 between runs; 1500 is past it)."""
+    restart_after_s: float = 2.0
+    """Seconds between killing replica 1 and starting it again (its start-up, ~5 s here, comes on top)."""
+    kill_at_frac: float = 0.25
+    """Replica 1 is killed when replica 0 has committed this fraction of ``elastic_steps``."""
 
 
 def _cfg(s: Settings, out: Path, *extra: str):
@@ -188,10 +195,15 @@ def overhead(s: Settings) -> dict:
                 recorder.end_step()
             if k:  # the first round warms up
                 times[name].append(time.perf_counter() - t0)
+            else:
+                recorder.seconds = 0.0
     plain_s, rec_s = statistics.median(times["plain"]), statistics.median(times["recorded"])
+    paired = statistics.median(r / p for p, r in zip(times["plain"], times["recorded"])) - 1.0
     return {"arm": "recording overhead", "step_s_plain": plain_s, "step_s_recorded": rec_s,
-            "overhead_frac": rec_s / plain_s - 1.0, "sequences": b,
-            "params": sum(x.numel() for x in model.parameters())}
+            "overhead_frac": paired, "overhead_frac_medians": rec_s / plain_s - 1.0,
+            "recorder_s_per_step": recorder.seconds / s.overhead_reps,
+            "overhead_frac_in_step": recorder.seconds / s.overhead_reps / plain_s,
+            "sequences": b, "params": sum(x.numel() for x in model.parameters())}
 
 
 def _elastic(s: Settings, root: Path, kill: bool) -> dict:
@@ -200,11 +212,12 @@ def _elastic(s: Settings, root: Path, kill: bool) -> dict:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse.address()}
     outs = [root / f"{'kill' if kill else 'clean'}_{r}.json" for r in (0, 1)]
+    logs = [o.with_suffix(".log") for o in outs]
 
     def start(r: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "tidal.train.elastic", "--set", f"steps={s.elastic_steps}",
                                  "--set", f"out={outs[r]}"], env={**env, "REPLICA": str(r)},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=logs[r].open("a"))  # a pipe fills up and blocks it
 
     def committed(r: int) -> int:
         path = Path(str(outs[r]) + ".progress")
@@ -212,29 +225,35 @@ def _elastic(s: Settings, root: Path, kill: bool) -> dict:
 
     try:
         procs = [start(0), start(1)]
-        killed_at = restarted_at = None
+        killed_at = restarted_at = rejoined_at = None
+        lines_before_restart = 0
         if kill:
-            while committed(0) < s.elastic_steps // 3:
-                time.sleep(0.2)
+            while committed(0) < s.elastic_steps * s.kill_at_frac:
+                time.sleep(0.05)
             procs[1].send_signal(signal.SIGKILL)
             procs[1].wait()
             killed_at = committed(0)
             time.sleep(s.restart_after_s)
-            restarted_at = committed(0)
+            restarted_at, lines_before_restart = committed(0), committed(1)
             procs[1] = start(1)
         for r, p in enumerate(procs):
-            _, err = p.communicate(timeout=1800)
-            assert p.returncode == 0, f"elastic replica {r} failed: {err[-2000:]}"
+            p.wait(timeout=1800)
+            assert p.returncode == 0, f"elastic replica {r} failed: {logs[r].read_text()[-2000:]}"
         results = [json.loads(o.read_text()) for o in outs]
     finally:
         lighthouse.shutdown()
     progress = [json.loads(x) for x in Path(str(outs[0]) + ".progress").read_text().splitlines()]
+    after = [json.loads(x) for x in Path(str(outs[1]) + ".progress").read_text().splitlines()][lines_before_restart:]
+    if kill:
+        rejoined_at = after[0]["step"] if after else None  # replica 1's first committed step after its restart
     return {"arm": f"elastic, {'replica 1 killed' if kill else 'fault-free'}", "steps": s.elastic_steps,
             "seconds": progress[-1]["t"], "steps_per_s": len(progress) / progress[-1]["t"],
             "accuracy": results[0]["accuracy"], "accuracy_replica1": results[1]["accuracy"],
             "replicas_identical": results[0]["param_bits"] == results[1]["param_bits"],
             "failed_attempts": results[0]["failed_attempts"], "min_participants": results[0]["min_participants"],
-            "killed_at_step": killed_at, "restarted_at_step": restarted_at}
+            "killed_at_step": killed_at, "restarted_at_step": restarted_at, "rejoined_at_step": rejoined_at,
+            "steps_after_rejoin": len(after) if kill else None,
+            "steps_alone": sum(p["participants"] == 1 for p in progress)}
 
 
 def run(overrides: list[str], out_dir: Path) -> dict:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,8 @@ class StepRecorder:
         self.hooks_after_optimizer: list = []
         self._handles = [m.register_forward_hook(self._forward_hook(n)) for n, m in tracked_modules(trainer.model)]
         self.forward_taps: dict[str, list] = {}  # layer -> callables(output) run before it is recorded
+        self.seconds = 0.0
+        """Time spent fingerprinting (all steps): the recording overhead, measured where it is spent."""
         trainer.observers.append(self)
 
     # segments: one per minibatch, each {"forward": {}, "backward": {}, "optimizer": {}}
@@ -169,14 +172,18 @@ class StepRecorder:
             out = output[0] if isinstance(output, tuple) else output
             for tap in self.forward_taps.get(name, ()):
                 tap(out)
+            t0 = time.perf_counter()
             fwd = self._seg()["forward"]
             fwd[name] = combine(fwd.get(name), checksum(out))
+            self.seconds += time.perf_counter() - t0
             return None
         return hook
 
     def begin_step(self, step: int) -> dict[str, Checksum]:
         """Start recording step ``step``; returns (and records) the state-at-rest fingerprint."""
+        t0 = time.perf_counter()
         weights = state_checksums(self.trainer.model, self.trainer.optimizer)
+        self.seconds += time.perf_counter() - t0
         self._record = {"step": step, "rank": self.rank, "weights": weights, "segments": []}
         self._thread = threading.get_ident()
         self._segment = 0
@@ -187,14 +194,18 @@ class StepRecorder:
             return
         for hook in self.hooks_after_backward:
             hook(self.trainer)
+        t0 = time.perf_counter()
         self._seg()["backward"] = param_checksums(self.trainer.model, grads=True)
+        self.seconds += time.perf_counter() - t0
 
     def after_optimizer(self) -> None:
         if self._record is None:
             return
         for hook in self.hooks_after_optimizer:
             hook(self.trainer)
+        t0 = time.perf_counter()
         self._seg()["optimizer"] = state_checksums(self.trainer.model, self.trainer.optimizer)
+        self.seconds += time.perf_counter() - t0
         self._segment += 1
 
     def end_step(self) -> dict[str, Any] | None:
