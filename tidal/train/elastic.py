@@ -29,8 +29,9 @@ answer-only loss on a task; accuracy = every answer token the argmax, which is g
     TORCHFT_LIGHTHOUSE=http://localhost:29510 REPLICA=0 python -m tidal.train.elastic --set steps=200 &
     TORCHFT_LIGHTHOUSE=http://localhost:29510 REPLICA=1 python -m tidal.train.elastic --set steps=200 &
 
-The RL controller's trainer ranks are not elastic yet: a torchrun FSDP job stops when a rank dies
-(docs/faults.md says what is missing).
+The RL ``Trainer`` itself runs the same scheme in ``train/elastic_dp.py`` (every algorithm's loss, the
+trainer's global denominators); what is not elastic yet is the torchrun launch of the RL controller's
+ranks: a torchrun FSDP job stops when a rank dies (docs/faults.md says what is missing).
 """
 
 from __future__ import annotations

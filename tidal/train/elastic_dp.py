@@ -34,8 +34,10 @@ docs/faults.md.
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 import socket
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,7 +45,10 @@ from datetime import timedelta
 import torch
 
 from tidal.train.distributed import split_groups
+from tidal.train.sdc import MASK64, state_checksums
 from tidal.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 class ElasticDP:
@@ -159,15 +164,74 @@ def replica_manager(trainer, lighthouse_addr: str, replica_id: str, timeout_s: f
         manager.shutdown(wait=False)
 
 
-class ElasticTrainer:
-    """One replica of an elastic data-parallel ``Trainer`` (built with ``dp=ElasticDP(manager)``)."""
+def disagreeing_ranks(bits_rk: torch.Tensor, keys: list[str]) -> list[dict]:
+    """``bits_rk[r, k]``: replica r's fingerprint of entry k; replicas must agree bit for bit. For each entry
+    where they do not: the ranks that do not hold the most common value, or every rank (``ambiguous``) when
+    no value is held by more ranks than any other (e.g. two replicas that differ)."""
+    out = []
+    for k, key in enumerate(keys):
+        col = bits_rk[:, k].tolist()
+        if len(set(col)) == 1:
+            continue
+        (top, n), *rest = Counter(col).most_common()
+        ambiguous = bool(rest) and rest[0][1] == n
+        out.append({"entry": key, "ambiguous": ambiguous,
+                    "ranks": list(range(len(col))) if ambiguous else [r for r, v in enumerate(col) if v != top]})
+    return out
 
-    def __init__(self, trainer, manager, max_attempts: int = 10):
+
+def _signed(bits: int) -> int:
+    """A fingerprint (mod 2^64) as an int64 (two's complement), to travel in a long tensor."""
+    bits &= MASK64
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+class ElasticTrainer:
+    """One replica of an elastic data-parallel ``Trainer`` (built with ``dp=ElasticDP(manager)``).
+
+    ``check_replicas`` (the multi-process half of SDC recording, ``train/sdc.py``): replicas apply the same
+    summed gradient with the same kernels, so after every step their weights and optimizer state must be
+    bit-identical. Each step compares (1) this replica's start state with the state its previous step left
+    (at rest: a flip in its memory names its own rank) and (2) every replica's per-layer fingerprint of the
+    updated state, gathered over the quorum (one all-reduce of a few numbers per layer): a replica whose
+    state differs from the others' is named. Found incidents go to ``incidents`` and a warning; counted in
+    ``elastic/replica_mismatches``. Not found this way: a corrupted activation or gradient, which the sum
+    spreads to every replica alike (that needs a replay of the rank's rows)."""
+
+    def __init__(self, trainer, manager, max_attempts: int = 10, check_replicas: bool = True):
         assert isinstance(trainer.dp, ElasticDP), "build the Trainer with dp=ElasticDP(manager)"
         self.trainer = trainer
         self.manager = manager
         self.max_attempts = max_attempts
         self.failed_attempts = 0
+        self.check_replicas = check_replicas
+        self.incidents: list[dict] = []
+        self._left: tuple[int, dict] | None = None  # (step, fingerprints) this replica's last step left
+
+    def _check_at_rest(self, step: int) -> None:
+        if self._left is None or self._left[0] != step - 1:
+            return  # first step, or healed from a peer: a new state, legitimately
+        now = state_checksums(self.trainer.model, self.trainer.optimizer)
+        for key in sorted(now):
+            if now[key][0] != self._left[1].get(key, [None])[0]:
+                self._report({"step": step, "phase": "weights", "entry": key, "ranks": [self.trainer.dp.rank],
+                              "ambiguous": False, "how": "at-rest check of this replica"})
+                return
+
+    def _compare_replicas(self, step: int) -> dict:
+        left = state_checksums(self.trainer.model, self.trainer.optimizer)
+        keys = sorted(left)
+        bits = self.trainer.dp._gather(torch.tensor([_signed(left[k][0]) for k in keys], dtype=torch.long))
+        if self.manager.errored() is None:
+            for found in disagreeing_ranks(bits, keys):
+                self._report({"step": step, "phase": "optimizer", **found, "how": "replicas compared"})
+        return left
+
+    def _report(self, incident: dict) -> None:
+        self.incidents.append(incident)
+        log.warning("silent data corruption on a data-parallel replica (%s): step %d, %s of %s differs on "
+                    "rank(s) %s%s", incident["how"], incident["step"], incident["phase"], incident["entry"],
+                    incident["ranks"], " (two-way tie: either side)" if incident["ambiguous"] else "")
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """``Trainer.step`` on ``batch`` over the live replicas (every replica passes the same batch)."""
@@ -184,12 +248,18 @@ class ElasticTrainer:
                     "version": snap["version"]}
             step = self.manager.current_step()
             participants = self.manager.num_participants()
+            if self.check_replicas:
+                self._check_at_rest(step)
             metrics = self.trainer.step(batch_of(step))
+            left = self._compare_replicas(step) if self.check_replicas else None
             if self.manager.should_commit():
+                self._left = (step, left) if left is not None else None
+                metrics["elastic/replica_mismatches"] = float(len(self.incidents))
                 metrics["elastic/participants"] = float(participants)
                 metrics["elastic/failed_attempts"] = float(self.failed_attempts)
                 metrics["elastic/step"] = float(step)
                 return metrics
             self.failed_attempts += 1
             load_trainer_state(self.trainer, snap)  # a peer died mid-step: the same batch again, fewer replicas
+            self.incidents = [i for i in self.incidents if i["step"] != step]  # found in a discarded attempt
         raise RuntimeError(f"elastic step failed {self.max_attempts} times in a row (no quorum that lasts a step)")
