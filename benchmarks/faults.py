@@ -244,8 +244,8 @@ def _elastic(s: Settings, root: Path, kill: bool) -> dict:
         lighthouse.shutdown()
     progress = [json.loads(x) for x in Path(str(outs[0]) + ".progress").read_text().splitlines()]
     after = [json.loads(x) for x in Path(str(outs[1]) + ".progress").read_text().splitlines()][lines_before_restart:]
-    if kill:
-        rejoined_at = after[0]["step"] if after else None  # replica 1's first committed step after its restart
+    if kill:  # replica 1's first step with a peer after its restart (None: it came back after replica 0 finished)
+        rejoined_at = next((a["step"] for a in after if a["participants"] >= 2), None)
     return {"arm": f"elastic, {'replica 1 killed' if kill else 'fault-free'}", "steps": s.elastic_steps,
             "seconds": progress[-1]["t"], "steps_per_s": len(progress) / progress[-1]["t"],
             "accuracy": results[0]["accuracy"], "accuracy_replica1": results[1]["accuracy"],
