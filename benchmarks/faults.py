@@ -7,17 +7,22 @@ Three parts (docs/faults.md):
    optimizer state; random layer, element and bit 0-31; ``train/faults.py``), once per detection
    policy: ``replay_every=1`` (every step replayed: full verification) and the default-like cheap
    policy (``replay_every=0``: the at-rest check plus replay from the last checkpoint on an anomaly).
+   The ``digit_match`` reward (partial credit) gives every step a learning signal, and a flip planned
+   for a step that trains nothing fires at the next one that does, so every planned flip fires.
    Each detection rolls the run back to its last verified checkpoint and the run goes on. Reported:
    detection rate, localisation rate (right step, phase and layer, over detected flips), detection
-   latency in steps, and whether the run ended with the fault-free run's exact weights.
+   latency in steps, and whether the run ended with the fault-free run's exact weights; overall, per
+   kind, and separately for result-changing and benign flips (whether the full-replay run's replay of
+   the step found the state the step left changed: ``Mismatch.result_changed``).
 2. *Overhead.* ``Trainer.step`` on one fixed batch of the quickstart model, with and without the
-   recorder, alternated ``overhead_reps`` times (median): recording cost as a fraction of step time.
-   A replay costs one more step per ``sdc.replay_every`` steps on top (1/N).
+   recorder, alternated ``overhead_reps`` times: the median of the paired ratios, and the recorder's own
+   timed work (``StepRecorder.seconds``) as a fraction of the plain step. A replay costs one more step
+   per ``sdc.replay_every`` steps on top (1/N).
 3. *Elastic.* Two torchft replicas (``train/elastic.py``) train ``elastic_steps`` steps; then again, with
    replica 1 killed (SIGKILL) a quarter of the way in and restarted after ``restart_after_s``; it heals
-   from replica 0 and rejoins (``rejoined_at_step``). Reported:
-   throughput kept (committed steps per second, faulted / fault-free: wall-clock, on a shared machine)
-   and final greedy accuracy of both.
+   from replica 0 and rejoins (``rejoined_at_step``: its first step with a peer). ``elastic_pairs`` such
+   pairs. Reported: throughput kept (committed steps per second, faulted / fault-free: wall-clock, on a
+   shared machine) and final greedy accuracy of both.
 
     tidal bench faults [--set num_faults=32 --set steps=40 --set elastic_steps=1500]
 """
@@ -75,6 +80,9 @@ class Settings:
     """Committed steps of each elastic run (at 600 the tiny model sits on its learning jump: 0.34-0.69 between runs; 1500 is past it)."""
     restart_after_s: float = 2.0
     """Seconds between killing replica 1 and starting it again (its start-up, ~5 s here, comes on top)."""
+    elastic_pairs: int = 2
+    """Fault-free / killed pairs run one after the other (accuracy differs run to run by float summation
+    order alone: one pair does not show the noise)."""
     kill_at_frac: float = 0.25
     """Replica 1 is killed when replica 0 has committed this fraction of ``elastic_steps``."""
 
@@ -263,7 +271,10 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         root = Path(tmp)
         flip_rows, per_fault = flip_runs(s, root)
         over = overhead(s)
-        elastic = [_elastic(s, root, kill=False), _elastic(s, root, kill=True)] if s.elastic_steps else []
+        elastic = []  # fault-free, killed, fault-free, killed, ...
+        for i in range(s.elastic_pairs if s.elastic_steps else 0):
+            (root / f"pair{i}").mkdir()
+            elastic += [_elastic(s, root / f"pair{i}", kill=False), _elastic(s, root / f"pair{i}", kill=True)]
     full = flip_rows[0]
     result = {  # the issue's goal is over the flips that change the result; every fired flip is in the table
         "detection_rate": full["result_changing"]["detection_rate"],
@@ -274,6 +285,12 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         "table": [*flip_rows, over, *elastic], "faults": per_fault, "settings": s.__dict__,
     }
     if elastic:
-        result["elastic"] = {"throughput_kept": elastic[1]["steps_per_s"] / elastic[0]["steps_per_s"],
-                             "accuracy_fault_free": elastic[0]["accuracy"], "accuracy_killed": elastic[1]["accuracy"]}
+        free, killed = elastic[0::2], elastic[1::2]
+        kept = [k["steps_per_s"] / f["steps_per_s"] for f, k in zip(free, killed)]
+        result["elastic"] = {"throughput_kept": statistics.median(kept), "throughput_kept_pairs": kept,
+                             "accuracy_fault_free": statistics.mean(f["accuracy"] for f in free),
+                             "accuracy_killed": statistics.mean(k["accuracy"] for k in killed),
+                             "accuracy_fault_free_pairs": [f["accuracy"] for f in free],
+                             "accuracy_killed_pairs": [k["accuracy"] for k in killed],
+                             "rejoined_at_step_pairs": [k["rejoined_at_step"] for k in killed]}
     return result
