@@ -139,3 +139,15 @@ def test_bad_sdc_settings_name_the_key(tmp_path, setting, match):
 
     with pytest.raises(ConfigError, match=match):
         validate_run_config(tiny_cfg(tmp_path, setting))
+
+
+def test_a_flip_before_the_first_step_is_found_at_rest(clean, tmp_path):
+    """No step has run yet: the reference is the state as loaded (the base model)."""
+    tmp, _, clean_params = clean
+    cfg = tiny_cfg(tmp, *SETTINGS, "sdc.replay_every=1")
+    fault = Fault("weight", step=1, target="model.layers.0.mlp.gate_proj.weight", index=9, bit=25)
+    got = _final_params(cfg, tmp_path / "faulty", faults=[fault])
+    [incident] = _incidents(tmp_path / "faulty")
+    assert (incident["step"], incident["phase"], incident["layer"]) == (fault.fired_step, "weights", "model.layers.0")
+    assert "at-rest" in incident["how"]
+    assert all(torch.equal(got[k], clean_params[k]) for k in got)

@@ -140,3 +140,37 @@ def test_tolerance_mode_ignores_low_bits_but_not_large_changes():
     assert first_mismatch(a, b, ["l"], rtol=1e-6) is None
     c = {"step": 1, "weights": {"l": [2, float("nan"), 1.0]}, "segments": []}
     assert first_mismatch(a, c, ["l"], rtol=1e-6) is not None
+
+
+def test_a_fault_planned_for_a_step_that_trained_nothing_fires_at_the_next_step_that_trains(setup):
+    model, batch = setup
+    trainer = _trainer(model)
+    recorder = StepRecorder(trainer)
+    fault = Fault("gradient", step=2, target="model.layers.0.mlp.up_proj.weight", index=3, bit=30)
+    injector = FaultInjector([fault])
+    injector.attach(recorder)
+    for step in (1, 4):  # steps 2 and 3 had no batch: the controller calls nothing for them
+        injector.before_step(step, trainer)
+        recorder.begin_step(step)
+        trainer.step(batch)
+        recorder.end_step()
+        assert fault.fired == (step == 4)
+    assert fault.fired_step == 4 and fault.step == 2
+
+
+def test_result_changed_says_whether_the_step_left_a_different_state():
+    seg = {"forward": {"l": [1, 1.0, 1.0]}, "backward": {"l": [5, 0.1, 0.01]}, "optimizer": {"l": [9, 2.0, 4.0]}}
+    a = {"step": 3, "weights": {"l": [7, 2.0, 4.0]}, "segments": [seg]}
+    absorbed = {**a, "segments": [{**seg, "forward": {"l": [2, 1.0, 1.0]}}]}  # a different activation, same update
+    found = first_mismatch(a, absorbed, ["l"])
+    assert (found.phase, found.result_changed) == ("forward", False)
+    spread = {**a, "segments": [{**seg, "forward": {"l": [2, 1.0, 1.0]}, "optimizer": {"l": [8, 2.0, 4.0]}}]}
+    found = first_mismatch(a, spread, ["l"])
+    assert (found.phase, found.result_changed) == ("forward", True)
+
+
+def test_an_exponent_flip_in_a_gradient_changes_the_result(setup):
+    model, batch = setup
+    found = _inject_and_find(model, batch, Fault("gradient", step=1, target="model.layers.0.mlp.up_proj.weight",
+                                                 index=7, bit=30))
+    assert found.phase == "backward" and found.result_changed

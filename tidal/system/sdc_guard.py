@@ -9,7 +9,8 @@ deterministic replay of sampled or suspicious steps, and a rollback to the last 
    ``RUN_DIR/sdc.jsonl``; each step's TrainBatch is kept in ``RUN_DIR/sdc/batches/`` back to the oldest
    kept checkpoint (the "journaled batch" a replay needs).
 2. *At rest*: a step's start state must equal what the previous step left (its last ``optimizer``
-   entry); checked at no extra cost, it finds memory corruption between steps at once.
+   entry; for the run's first step, the state as loaded when the guard was built); checked at no extra
+   cost, it finds memory corruption between steps at once.
 3. *Replay*: every ``sdc.replay_every`` steps the step is replayed on a shadow trainer from an in-memory
    snapshot taken as it started; on an *anomaly* (a non-finite loss or gradient norm, or one more than
    ``sdc.spike_factor`` x its recent median) the steps since the newest kept checkpoint are replayed
@@ -154,6 +155,8 @@ class SDCGuard:
             self.injector = FaultInjector(faults)
             self.injector.attach(self.recorder)
         self._truncate(start_step)
+        if self._last_state is None:  # no record of the step we start from: the state as loaded is the reference,
+            self._last_state = state_checksums(trainer.model, trainer.optimizer)  # so step 1 is checked at rest too
         self.order = layer_order(trainer.model)
 
     def _truncate(self, start_step: int) -> None:

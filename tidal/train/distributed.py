@@ -70,6 +70,13 @@ class DataParallel:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    shards_model = True
+    """FSDP: the trainer shards its model over the ranks and gradients are reduced inside backward.
+    (``train/elastic_dp.py``'s replicas say False: full replicas, gradients summed by ``reduce_gradients``.)"""
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Nothing to do: FSDP's reduce-scatter summed the gradients during backward."""
+
     def part(self, group_index_b: Sequence[int], lengths_b: Sequence[int]) -> list[int]:
         """Positions of this rank's rows: whole groups, balanced by tokens (``split_groups``)."""
         if not self.enabled:

@@ -29,8 +29,9 @@ answer-only loss on a task; accuracy = every answer token the argmax, which is g
     TORCHFT_LIGHTHOUSE=http://localhost:29510 REPLICA=0 python -m tidal.train.elastic --set steps=200 &
     TORCHFT_LIGHTHOUSE=http://localhost:29510 REPLICA=1 python -m tidal.train.elastic --set steps=200 &
 
-The RL controller's trainer ranks are not elastic yet: a torchrun FSDP job stops when a rank dies
-(docs/faults.md says what is missing).
+The RL ``Trainer`` itself runs the same scheme in ``train/elastic_dp.py`` (every algorithm's loss, the
+trainer's global denominators); what is not elastic yet is the torchrun launch of the RL controller's
+ranks: a torchrun FSDP job stops when a rank dies (docs/faults.md says what is missing).
 """
 
 from __future__ import annotations
@@ -146,12 +147,16 @@ def elastic_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cf
         manager.shutdown(wait=False)
 
 
-def elastic_step(manager, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
+def elastic_step(manager, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_of,
                  grad_clip: float) -> dict[str, float]:
-    """One attempt at the quorum's current step; ``committed`` 0 means it must be run again."""
+    """One attempt at the quorum's current step; ``committed`` 0 means it must be run again.
+    ``batch_of(step)`` is the whole batch of a step: it is asked for *after* the quorum, because a replica
+    that has just healed from a peer jumps to the quorum's step there and must train that step's rows."""
     from torch.distributed import ReduceOp
 
     manager.start_quorum()
+    step = manager.current_step()
+    batch = batch_of(step)
     n, rank = manager.num_participants(), manager.participating_rank()
     optimizer.zero_grad(set_to_none=False)
     rows = my_rows(batch[2], n, rank) if rank is not None else []
@@ -170,7 +175,7 @@ def elastic_step(manager, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             offset += p.numel()
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
-    return {"committed": float(committed), "participants": float(n), "loss": float(loss_t)}
+    return {"committed": float(committed), "participants": float(n), "loss": float(loss_t), "step": float(step)}
 
 
 def train(cfg: ElasticConfig, replica: int, lighthouse_addr: str) -> dict:
@@ -185,8 +190,8 @@ def train(cfg: ElasticConfig, replica: int, lighthouse_addr: str) -> dict:
     progress = open(cfg.out + ".progress", "a") if cfg.out else None
     with elastic_manager(model, optimizer, cfg, lighthouse_addr, f"replica{replica}") as manager:
         while manager.current_step() < cfg.steps:
-            step = manager.current_step()
-            info = elastic_step(manager, model, optimizer, step_batch(cfg, task, tokenizer, step), cfg.grad_clip)
+            info = elastic_step(manager, model, optimizer, lambda k: step_batch(cfg, task, tokenizer, k), cfg.grad_clip)
+            step = int(info["step"])
             attempts += 1
             failed += info["committed"] == 0.0
             participants.append(int(info["participants"]))

@@ -15,6 +15,9 @@ core under load is) and models one place a real fault corrupts:
   the optimizer step writes it. Expected: phase ``optimizer``, ``<layer>#state``.
 
 Steps are numbered as the controller numbers them: step k trains policy version k-1 into version k.
+A fault planned for a step that trains nothing (every group filtered out: no batch, no computation to
+corrupt) fires at the next step that trains; ``fired_step`` says where it landed, and that is the step a
+correct detection names.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class Fault:
     bit: int = 30  # float32 exponent's top bit: x becomes huge (or tiny): always changes the result
     state_key: str = "exp_avg_sq"
     fired: bool = False
+    fired_step: int | None = None
+    """The step it actually fired in (>= ``step``: the first step from ``step`` on that trained)."""
     before: float | None = None
     after: float | None = None
 
@@ -77,7 +82,9 @@ class Fault:
 
 class FaultInjector:
     """Arms a list of faults on a trainer with an attached ``StepRecorder``; call ``before_step(step)``
-    before the recorder's ``begin_step`` so a ``weight`` fault is in memory when the state is checked."""
+    before the recorder's ``begin_step`` so a ``weight`` fault is in memory when the state is checked.
+    ``before_step`` is called only for steps that train, so a fault whose step trained nothing is still
+    pending at the next one and fires there."""
 
     def __init__(self, faults: list[Fault]):
         self.faults = faults
@@ -94,13 +101,13 @@ class FaultInjector:
                 recorder.forward_taps.setdefault(f.target, []).append(self._activation_tap(f))
 
     def _pending(self, kind: str) -> list[Fault]:
-        return [f for f in self.faults if f.kind == kind and f.step == self._step and not f.fired]
+        return [f for f in self.faults if f.kind == kind and f.step <= self._step and not f.fired]
 
     def before_step(self, step: int, trainer) -> None:
         self._step = step
         for f in self._pending("weight"):
             f.before, f.after = flip_bit(_param(trainer.model, f.target), f.index, f.bit)
-            f.fired = True
+            f.fired, f.fired_step = True, step
 
     def _fire(self, kind: str, trainer) -> None:
         for f in self._pending(kind):
@@ -112,13 +119,13 @@ class FaultInjector:
                 state = trainer.optimizer.state.get(p, {})
                 assert f.state_key in state, f"fault {f}: no optimizer state {f.state_key!r} for {f.target}"
                 f.before, f.after = flip_bit(state[f.state_key], f.index, f.bit)
-            f.fired = True
+            f.fired, f.fired_step = True, self._step
 
     def _activation_tap(self, fault: Fault):
         def tap(output: torch.Tensor) -> None:
-            if fault.step == self._step and not fault.fired:
+            if fault.step <= self._step and not fault.fired:
                 fault.before, fault.after = flip_bit(output.detach(), fault.index, fault.bit)
-                fault.fired = True
+                fault.fired, fault.fired_step = True, self._step
         return tap
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,8 @@ class StepRecorder:
         self.hooks_after_optimizer: list = []
         self._handles = [m.register_forward_hook(self._forward_hook(n)) for n, m in tracked_modules(trainer.model)]
         self.forward_taps: dict[str, list] = {}  # layer -> callables(output) run before it is recorded
+        self.seconds = 0.0
+        """Time spent fingerprinting (all steps): the recording overhead, measured where it is spent."""
         trainer.observers.append(self)
 
     # segments: one per minibatch, each {"forward": {}, "backward": {}, "optimizer": {}}
@@ -169,14 +172,18 @@ class StepRecorder:
             out = output[0] if isinstance(output, tuple) else output
             for tap in self.forward_taps.get(name, ()):
                 tap(out)
+            t0 = time.perf_counter()
             fwd = self._seg()["forward"]
             fwd[name] = combine(fwd.get(name), checksum(out))
+            self.seconds += time.perf_counter() - t0
             return None
         return hook
 
     def begin_step(self, step: int) -> dict[str, Checksum]:
         """Start recording step ``step``; returns (and records) the state-at-rest fingerprint."""
+        t0 = time.perf_counter()
         weights = state_checksums(self.trainer.model, self.trainer.optimizer)
+        self.seconds += time.perf_counter() - t0
         self._record = {"step": step, "rank": self.rank, "weights": weights, "segments": []}
         self._thread = threading.get_ident()
         self._segment = 0
@@ -187,14 +194,18 @@ class StepRecorder:
             return
         for hook in self.hooks_after_backward:
             hook(self.trainer)
+        t0 = time.perf_counter()
         self._seg()["backward"] = param_checksums(self.trainer.model, grads=True)
+        self.seconds += time.perf_counter() - t0
 
     def after_optimizer(self) -> None:
         if self._record is None:
             return
         for hook in self.hooks_after_optimizer:
             hook(self.trainer)
+        t0 = time.perf_counter()
         self._seg()["optimizer"] = state_checksums(self.trainer.model, self.trainer.optimizer)
+        self.seconds += time.perf_counter() - t0
         self._segment += 1
 
     def end_step(self) -> dict[str, Any] | None:
@@ -227,6 +238,10 @@ class Mismatch:
     segment: int  # minibatch index (0 for weights)
     original: Checksum | None
     replayed: Checksum | None
+    result_changed: bool = True
+    """Whether the state the step left (its last ``optimizer`` entry) differs too. False: the corruption
+    was absorbed within the step (e.g. a flipped activation of a padded position, or a low gradient bit
+    the update rounds away), so the run's weights are what they would have been without it."""
 
     @property
     def layer_name(self) -> str:
@@ -280,6 +295,7 @@ def first_mismatch(original: dict[str, Any], replayed: dict[str, Any], order: li
     key = compare_entries(original["weights"], replayed["weights"], order, rtol)
     if key is not None:
         return Mismatch(step, rank, "weights", key, 0, original["weights"].get(key), replayed["weights"].get(key))
+    changed = compare_entries(last_state(original), last_state(replayed), order, rtol) is not None
     empty = {"forward": {}, "backward": {}, "optimizer": {}}
     segs_a, segs_b = original["segments"], replayed["segments"]
     for i in range(max(len(segs_a), len(segs_b))):
@@ -288,5 +304,5 @@ def first_mismatch(original: dict[str, Any], replayed: dict[str, Any], order: li
         for phase in ("forward", "backward", "optimizer"):
             key = compare_entries(sa[phase], sb[phase], order, rtol, reverse=phase == "backward")
             if key is not None:
-                return Mismatch(step, rank, phase, key, i, sa[phase].get(key), sb[phase].get(key))
+                return Mismatch(step, rank, phase, key, i, sa[phase].get(key), sb[phase].get(key), changed)
     return None

@@ -165,7 +165,7 @@ class Trainer:
             raise ConfigError("trainer.share_prefixes needs an explicit attention mask (a prefix trie is not a varlen "
                               "flash-attention segment): load the model with attn_implementation='sdpa' or 'eager', "
                               "or use trainer.packing")
-        if dp.enabled:
+        if dp.enabled and dp.shards_model:
             assert cfg.data_parallel == "fsdp", "a DiLoCo rank's Trainer has no data parallel (DiLoCoTrainer)"
             if optim.name == "muon":
                 raise ValueError("optim.name=muon is not supported with data parallel FSDP: Newton-Schulz needs each "
@@ -403,6 +403,7 @@ class Trainer:
             self.dp.sum_(entropy_mb)
             totals = self.dp.sum_floats({**totals, "train/loss": loss_total})
             loss_total = totals.pop("train/loss")
+            self.dp.reduce_gradients(self.model)  # replicas sum theirs here; FSDP's reduce-scatter already did
         self.last_logp_bt[idx] = logp_mb
         for observer in self.observers:
             observer.after_backward()
@@ -455,7 +456,7 @@ class Trainer:
         ``fp8_block``: linear weights as e4m3 plus a ``weight_scale`` per 128 x 128 tile
         (``models/quant.py``); the engine dequantizes them."""
         start = time.perf_counter()
-        if self.dp.enabled:
+        if self.dp.enabled and self.dp.shards_model:
             sd = distributed.full_state_dict(distributed.root_of(self.model))
         else:
             sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
