@@ -66,7 +66,8 @@ class Settings:
     model_sets: list[str] = field(default_factory=lambda: [
         "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
         "model.intermediate_size=128", "sft.steps=60", "sft.accuracy_band=null", "sft.batch_size=64",
-        "reward.name=digit_match", "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=16", "rollout.max_new_tokens=4",
+        "reward.name=digit_match", "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=16",
+        "rollout.max_new_tokens=4",
         "system.mode=sync", "system.num_threads=1", "num_eval=64", "optim.lr=1e-3", "max_time_s=null",
         "target_accuracy=null", "log.progress=false", "log.tensorboard=false", "log.report=false"])
     checkpoint_every: int = 2
@@ -77,7 +78,8 @@ class Settings:
     overhead_prompts: int = 64
     """Prompts (x 8 samples) in the overhead batch, on the quickstart model (1M parameters)."""
     elastic_steps: int = 1500
-    """Committed steps of each elastic run (at 600 the tiny model sits on its learning jump: 0.34-0.69 between runs; 1500 is past it)."""
+    """Committed steps of each elastic run (at 600 the tiny model sits on its learning jump: 0.34-0.69
+    between runs; 1500 is past it)."""
     restart_after_s: float = 2.0
     """Seconds between killing replica 1 and starting it again (its start-up, ~5 s here, comes on top)."""
     elastic_pairs: int = 2
