@@ -10,6 +10,7 @@ from tidal.distill.student import (
     response_logprobs,
     sft_loss,
     sparse_kl_loss,
+    student_lr,
     train_student,
 )
 from tidal.models import tiny
@@ -125,3 +126,16 @@ def test_a_whole_vocabulary_store_reproduces_full_kl_through_the_shards(tmp_path
                                                       progress=False).curve])
     assert curves[0][-1] < 0.5 * curves[0][0]
     assert all(abs(a / b - 1) < 1e-4 for a, b in zip(*curves)), curves
+
+
+def test_student_lr_schedule_hand_computed():
+    import pytest
+
+    from tidal.config import ConfigError
+
+    cos = StudentConfig(steps=4, lr=1e-3, schedule="cosine")
+    assert [student_lr(t, cos) for t in range(5)] == pytest.approx([1e-3, 0.853553e-3, 0.5e-3, 0.146447e-3, 0.0], rel=1e-5)
+    assert student_lr(3, StudentConfig(steps=4, lr=1e-3)) == 1e-3  # constant
+    assert student_lr(4, StudentConfig(steps=4, lr=1e-3, schedule="cosine", min_lr_ratio=0.1)) == pytest.approx(1e-4)
+    with pytest.raises(ConfigError, match="student.schedule"):
+        StudentConfig(schedule="linear")

@@ -156,6 +156,12 @@ def full_kl_loss_with(teacher) -> Callable:
     return full_kl_loss
 
 
+def student_lr(step: int, cfg: StudentConfig) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): ``cfg.lr``, or its cosine decay over ``cfg.steps``."""
+    sched = OptimConfig(lr=cfg.lr, schedule=cfg.schedule, decay_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+    return cfg.lr * lr_factor(step, sched)
+
+
 Evaluate = Callable[[torch.nn.Module], "float | dict[str, float]"]
 """Held-out greedy accuracy of a model, or a dict with ``accuracy`` and other measures (kept in the curve)."""
 
@@ -174,7 +180,6 @@ def train_student(model, data: list, loss_fn: Callable, cfg: StudentConfig, pad_
     if not data:
         raise ConfigError("no training sequences: the teacher data is empty (did the verifier reject every trace?)")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    sched = OptimConfig(lr=cfg.lr, schedule=cfg.schedule, decay_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
     rng = random.Random(cfg.seed)
     order: list[int] = []
     curve: list[dict] = []
@@ -203,7 +208,7 @@ def train_student(model, data: list, loss_fn: Callable, cfg: StudentConfig, pad_
         batch, order = [data[i] for i in order[: cfg.batch_size]], order[cfg.batch_size :]
         opt.zero_grad(set_to_none=True)
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_factor(step, sched)
+            group["lr"] = student_lr(step, cfg)
         loss, _ = loss_fn(model, batch, pad_id, cfg)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
