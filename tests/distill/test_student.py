@@ -134,7 +134,8 @@ def test_student_lr_schedule_hand_computed():
     from tidal.config import ConfigError
 
     cos = StudentConfig(steps=4, lr=1e-3, schedule="cosine")
-    assert [student_lr(t, cos) for t in range(5)] == pytest.approx([1e-3, 0.853553e-3, 0.5e-3, 0.146447e-3, 0.0], rel=1e-5)
+    expect = [1e-3, 0.853553e-3, 0.5e-3, 0.146447e-3, 0.0]  # lr (1 + cos(pi t / 4)) / 2
+    assert [student_lr(t, cos) for t in range(5)] == pytest.approx(expect, rel=1e-5)
     assert student_lr(3, StudentConfig(steps=4, lr=1e-3)) == 1e-3  # constant
     assert student_lr(4, StudentConfig(steps=4, lr=1e-3, schedule="cosine", min_lr_ratio=0.1)) == pytest.approx(1e-4)
     with pytest.raises(ConfigError, match="student.schedule"):
