@@ -55,6 +55,7 @@ class Settings:
     """This benchmark's knobs (``--set KEY=VALUE``)."""
 
     seed: int = 0
+    """Initialisation and the order of training windows."""
     vocab_size: int = 8192
     """BPE vocabulary of the locally built teacher (Qwen2's is 151,936; the tiny models' 54)."""
     corpus_files: int = 168
@@ -62,17 +63,24 @@ class Settings:
     heldout_files: int = 16
     """Of those, the last ones: held out for the measurements."""
     hidden_size: int = 128
+    """The teacher's width (4 heads, MLP 4x, tied embeddings: at 8,192 tokens the embedding is 1M of ~1.4M
+    parameters)."""
     num_layers: int = 2
+    """The teacher's depth."""
     seq_len: int = 128
+    """Tokens per training and held-out window."""
     batch_size: int = 16
+    """Windows per training step (drawn at random from the training windows)."""
     steps: int = 300
     """Teacher training steps (AdamW, cosine decay)."""
     student_step: int = 60
     """The student is the same model saved after this many steps."""
     lr: float = 3e-3
+    """Peak AdamW learning rate (betas 0.9 / 0.95), decayed along a half cosine to 0 over ``steps``."""
     eval_windows: int = 64
     """Held-out windows of ``seq_len`` tokens measured (positions = windows x seq_len)."""
     ks: list[int] = field(default_factory=lambda: [1, 8, 32, 256])
+    """Top-k sizes measured (those above the vocabulary are skipped)."""
 
 
 def corpus(s: Settings) -> tuple[list[str], list[str]]:
