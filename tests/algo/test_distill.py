@@ -16,6 +16,7 @@ from tidal.algo.distill import (
     reverse_kl_per_token,
     sparse_forward_kl,
     sparse_information_loss,
+    student_tail_logmass,
     topk_sparsify,
 )
 
@@ -121,3 +122,22 @@ def test_bytes_per_position():
     assert bytes_per_position(32, 51) == 32 * 4 + 4  # uint16 ids + fp16 log-probs + fp32 residual
     assert bytes_per_position(32, 151_936) == 32 * 6 + 4  # ids no longer fit uint16
     assert full_bytes_per_position(51) == 204
+
+
+def test_residual_is_the_tail_sum_even_when_tiny():
+    # tail of 3 tokens at 1e-9 each: 1 - (top-k sum) in float32 cancels to rounding error, the direct sum does not
+    logp = torch.log(torch.tensor([[0.6, 0.4 - 3e-9, 1e-9, 1e-9, 1e-9]], dtype=torch.float64)).float()
+    _, _, residual = topk_sparsify(logp, 2)
+    assert residual.item() == pytest.approx(3e-9, rel=1e-5)
+    assert topk_sparsify(logp, 5)[2].item() == 0.0  # k = V: nothing left over, exactly
+
+
+def test_student_tail_mass_is_exact_where_one_minus_the_sum_cancels():
+    probs = torch.tensor([[0.5, 0.5 - 2e-8, 1e-8, 1e-8]], dtype=torch.float64)
+    logq = probs.log().float()
+    ids = torch.tensor([[0, 1]])
+    got = student_tail_logmass(logq, ids)
+    assert got.item() == pytest.approx(math.log(2e-8), abs=1e-5)
+    cancelled = 1.0 - logq.gather(-1, ids).exp().sum(-1)  # float32: 0 or a multiple of 6e-8, not 2e-8
+    assert abs(cancelled.item() - 2e-8) > 1e-8
+    assert student_tail_logmass(logq, torch.tensor([[0, 1, 2, 3]])).item() < -1e29  # nothing outside

@@ -18,12 +18,15 @@ def test_gap_closed_and_accuracy_within_the_budget():
     assert bd.within(curve, 10.0) == 0.6 and bd.within(curve, 12.0) == 0.8 and bd.within(curve, 1.0) == 0.3
 
 
-def test_k32_gap_is_read_at_matched_steps():
-    sparse = [{"step": s, "eval_kl": v} for s, v in [(0, 9.0), (10, 2.0), (20, 1.1), (30, 1.0), (40, 0.5)]]
-    full = [{"step": s, "eval_kl": v} for s, v in [(0, 9.0), (10, 2.0), (20, 1.0), (30, 1.0)]]
-    gap, at = bd.matched_rel_gap(sparse, full, last=2)  # steps 20 and 30: (1.1 + 1.0) / (1.0 + 1.0) - 1
-    assert at == 30 and gap == pytest.approx(0.05)
-    assert bd.matched_rel_gap(sparse[:1], full) is None  # step 0 alone is no comparison
+def test_k32_gap_is_the_median_over_seeds_with_the_noise_floor():
+    per_seed = [{"k32_eval_kl": 1.1, "full_eval_kl": 1.0, "objective_gap": 1e-5},
+                {"k32_eval_kl": 0.9, "full_eval_kl": 1.2, "objective_gap": 3e-5},
+                {"k32_eval_kl": 1.0, "full_eval_kl": 0.8, "objective_gap": 2e-5}]
+    got = bd.k32_summary(per_seed)
+    assert got["gaps"] == pytest.approx([0.1, -0.25, 0.25])
+    assert got["median_gap"] == pytest.approx(0.1) and got["min_gap"] == pytest.approx(-0.25)
+    assert got["full_seed_spread"] == pytest.approx(1.2 / 0.8 - 1) and got["median_objective_gap"] == 2e-5
+    assert bd.median([3.0, 1.0, 2.0, 10.0]) == 2.5
 
 
 def test_unknown_method_is_named():
@@ -38,12 +41,16 @@ def test_every_method_on_a_toy_size(tmp_path, teacher_dir, monkeypatch):
     toy = [o for o in TINY_OVERRIDES(tmp_path) if not o.startswith(("max_steps", "max_time_s", "eval_every"))]
     result = bd.run([*toy, f"teacher={teacher_dir}", "budget_s=30", "rl_steps=2", "student_steps=2",
                      "eval_every_rl=1", "eval_every_student=1", "num_prompts=8", "samples_per_prompt=2", "min_reward=0",
-                     "traces_rl_sft_steps=1", "ks=[1,32]"], tmp_path / "out")
+                     "traces_rl_sft_steps=1", "ks=[1,32]", "kl_seeds=[0,1]", "kl_steps=2"], tmp_path / "out")
     methods = [row["method"] for row in result["table"]]
     assert methods == ["rl", "traces", "traces_rl", "logits_k1", "logits_k32", "logits_full", "on_policy"]
-    kl = {m: [c["eval_kl"] for c in result["curves"][m] if c["step"] in (1, 2)] for m in ("logits_k32", "logits_full")}
-    assert result["k32_rel_loss_gap"] == pytest.approx(sum(kl["logits_k32"]) / sum(kl["logits_full"]) - 1)
-    assert result["k32_rel_loss_gap_at_step"] == 2
+    seeds = result["k32_vs_full"]["per_seed"]
+    assert [r["seed"] for r in seeds] == [0, 1]
+    gaps = [r["k32_eval_kl"] / r["full_eval_kl"] - 1 for r in seeds]
+    assert result["k32_rel_loss_gap"] == pytest.approx(sum(gaps) / 2)  # the median of two
+    # the tail bucket never exceeds the full KL (up to fp16 rounding); this random teacher leaves ~30% of its
+    # mass outside its top 32, so the sparse loss is well below it
+    assert -1 < result["k32_rel_objective_gap"] < 1e-3
     assert "gap_closed" in result and result["best_distilled"] in methods
     by = {row["method"]: row for row in result["table"]}
     assert by["logits_k1"]["bytes_per_pos"] == 8 and by["logits_k32"]["bytes_per_pos"] == 132

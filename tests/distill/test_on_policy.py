@@ -102,3 +102,20 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, cfg_for):
                                                 intermediate_size=64), other), other, path)
     with pytest.raises(ConfigError, match="vocabulary differs"):
         TeacherScorer(path, tok)
+
+
+def test_the_teacher_scores_each_distinct_sample_once(teacher_dir):
+    from tidal.distill.teacher import TeacherScorer
+
+    tok = tiny.build_tokenizer()
+    scorer = TeacherScorer(teacher_dir, tok, micro_batch=2)
+    prompts = [[1, 13, 14], [1, 13, 14], [1, 20], [1, 13, 14], [1, 20]]
+    responses = [[16, 2], [16, 2], [21, 22, 2], [17, 2], [21, 22, 2]]  # 3 distinct pairs among 5 samples
+    got = scorer.logprobs(prompts, responses)
+    assert (scorer.rows, scorer.unique_rows) == (5, 3)
+    teacher, _ = tiny.load(teacher_dir)
+    for p, r, lp in zip(prompts, responses, got, strict=True):
+        ids = torch.tensor([p + r])
+        ref, _ = token_logprobs(teacher.eval(), ids, torch.ones_like(ids))
+        assert lp == pytest.approx(ref[0, len(p):].tolist(), abs=1e-5)
+    assert got[0] == got[1] and got[0] is not got[1]  # copies: a caller may edit one trajectory's list

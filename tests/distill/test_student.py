@@ -2,7 +2,7 @@
 
 import torch
 
-from tidal.algo.distill import topk_sparsify
+from tidal.algo.distill import full_forward_kl, topk_sparsify
 from tidal.distill.shards import SparseSequence
 from tidal.distill.student import (
     StudentConfig,
@@ -10,6 +10,7 @@ from tidal.distill.student import (
     response_logprobs,
     sft_loss,
     sparse_kl_loss,
+    student_lr,
     train_student,
 )
 from tidal.models import tiny
@@ -79,3 +80,63 @@ def test_training_on_the_teacher_distribution_lowers_the_kl():
     after = loss_fn(student, SEQS, tok.pad_token_id, StudentConfig())[0]
     assert after < 0.5 * before, (before, after)
     assert [c["step"] for c in result.curve] == [0, 25, 30]
+
+
+def test_a_whole_vocabulary_store_reproduces_full_kl_through_the_shards(tmp_path):
+    """k = V written to disk and read back: the loss and ten training steps in the same order equal the full
+    KL to the fp16-rounded teacher computed on the fly (the store's only change: ids, order and positions
+    are exact), and match the unrounded full KL to the rounding. This random teacher is nearly uniform,
+    log-probs near -4, so fp16 moves each by ~2e-3 and the loss by ~3e-3; the trained quickstart teacher's
+    peaked distribution moved it by ~1e-6."""
+    from tidal.distill.logits import LogitsConfig, write_store
+    from tidal.distill.shards import LogitShards
+
+    teacher, tok = small(1)
+    write_store(teacher, tok, SEQS * 4, LogitsConfig(top_k=len(tok), report_k=[1], batch_size=5), tmp_path / "s",
+                progress=False)
+    data = list(LogitShards(tmp_path / "s"))
+    assert [(d.prompt_ids, d.response_ids) for d in data] == SEQS * 4
+    assert all(float(d.residual.abs().max()) == 0.0 for d in data)  # nothing outside the whole vocabulary
+    cfg = StudentConfig(steps=10, batch_size=4, lr=1e-2, eval_every=5)
+    student, _ = small(2)
+    sparse, _ = sparse_kl_loss(student, data[:3], tok.pad_token_id, cfg)
+    g_sparse = grads(student)
+    student.zero_grad()
+    full, _ = full_kl_loss_with(teacher)(student, SEQS, tok.pad_token_id, cfg)
+    g_full = grads(student)
+    with torch.no_grad():
+        logq = response_logprobs(student, SEQS, tok.pad_token_id)
+        rounded = full_forward_kl(logq, response_logprobs(teacher, SEQS, tok.pad_token_id).half().float()).mean()
+    assert abs(sparse - rounded.item()) < 1e-6
+    assert abs(sparse / full - 1) < 5e-3, (sparse, full)
+    assert float(torch.cat([(a - b).flatten() for a, b in zip(g_sparse, g_full)]).norm()
+                 / torch.cat([b.flatten() for b in g_full]).norm()) < 1e-2
+    def rounded_full_kl(model, seqs, pad_id, cfg):
+        with torch.no_grad():
+            target = response_logprobs(teacher, seqs, pad_id).half().float()
+        loss = full_forward_kl(response_logprobs(model, seqs, pad_id), target).mean()
+        loss.backward()
+        return loss.item(), len(target)
+
+    curves = []
+    for loss_fn, d in [(sparse_kl_loss, data), (rounded_full_kl, SEQS * 4)]:
+        model, _ = small(2)
+        measure = lambda m: {"accuracy": 0.0, "kl": full_kl_loss_with(teacher)(m, SEQS, tok.pad_token_id, cfg)[0]}  # noqa: E731
+        curves.append([c["kl"] for c in train_student(model, d, loss_fn, cfg, tok.pad_token_id, measure,
+                                                      progress=False).curve])
+    assert curves[0][-1] < 0.5 * curves[0][0]
+    assert all(abs(a / b - 1) < 1e-4 for a, b in zip(*curves)), curves
+
+
+def test_student_lr_schedule_hand_computed():
+    import pytest
+
+    from tidal.config import ConfigError
+
+    cos = StudentConfig(steps=4, lr=1e-3, schedule="cosine")
+    expect = [1e-3, 0.853553e-3, 0.5e-3, 0.146447e-3, 0.0]  # lr (1 + cos(pi t / 4)) / 2
+    assert [student_lr(t, cos) for t in range(5)] == pytest.approx(expect, rel=1e-5)
+    assert student_lr(3, StudentConfig(steps=4, lr=1e-3)) == 1e-3  # constant
+    assert student_lr(4, StudentConfig(steps=4, lr=1e-3, schedule="cosine", min_lr_ratio=0.1)) == pytest.approx(1e-4)
+    with pytest.raises(ConfigError, match="student.schedule"):
+        StudentConfig(schedule="linear")

@@ -10,11 +10,12 @@ positions over a V-token vocabulary; ``_n`` one value per position):
 - **k-sparse forward KL** (Gemini 2.5 report, arXiv 2507.06261: smaller models learn the
   teacher's next-token distribution "approximated using a k-sparse distribution over the vocabulary",
   which cuts storage and compute). Only the teacher's top-k token ids and log-probs are kept, plus the
-  *residual mass* r = 1 - sum_{i <= k} p_i. How the residual is used is the choice that matters:
+  *residual mass* r = sum of the other V - k probabilities (= 1 - sum_{i <= k} p_i). How the residual
+  is used is the choice that matters:
 
   * ``tail_bucket`` (default): the residual is one extra outcome, "some other token". Teacher and
-    student are both coarse-grained to k + 1 outcomes (the student's tail is 1 - sum of its
-    probabilities on the teacher's top-k ids) and the loss is the exact KL between those two
+    student are both coarse-grained to k + 1 outcomes (the student's tail is its mass outside
+    the teacher's top-k ids) and the loss is the exact KL between those two
     distributions. By the data-processing inequality this is <= the full KL and equals it when the
     teacher puts no mass outside the top-k; the student is never pushed to put zero mass on the tail
     (the bias of truncating a distribution that Anshumann et al., "Sparse Logit Sampling", arXiv
@@ -35,6 +36,8 @@ positions over a V-token vocabulary; ``_n`` one value per position):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 RESIDUAL_MODES = ("tail_bucket", "renormalize")
@@ -42,12 +45,13 @@ RESIDUAL_MODES = ("tail_bucket", "renormalize")
 
 def topk_sparsify(teacher_logp_nv: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The teacher's k-sparse distribution at each position: ``(ids_nk, logp_nk, residual_n)``, the top-k
-    token ids and log-probs in descending order and the residual mass 1 - sum(exp(logp_nk)) (clamped
-    at 0: rounding can make the sum exceed 1 by an ulp)."""
+    token ids and log-probs in descending order and the residual mass: the summed probability of the
+    other V - k tokens (summed directly in float64, not as 1 - the top-k sum: that difference cancels to
+    rounding error when the residual is small, ~1e-6 at k = 32 here, and is 0 exactly at k = V)."""
     assert 1 <= k <= teacher_logp_nv.shape[-1], f"top-k needs 1 <= k <= vocab ({teacher_logp_nv.shape[-1]}), got {k}"
-    logp_nk, ids_nk = teacher_logp_nv.topk(k, dim=-1)
-    residual_n = (1.0 - logp_nk.double().exp().sum(-1)).clamp(min=0.0).to(teacher_logp_nv.dtype)
-    return ids_nk, logp_nk, residual_n
+    sorted_nv, order_nv = teacher_logp_nv.sort(dim=-1, descending=True)
+    residual_n = sorted_nv[..., k:].double().exp().sum(-1).to(teacher_logp_nv.dtype)
+    return order_nv[..., :k], sorted_nv[..., :k], residual_n
 
 
 def full_forward_kl(student_logp_nv: torch.Tensor, teacher_logp_nv: torch.Tensor) -> torch.Tensor:
@@ -64,11 +68,12 @@ def sparse_forward_kl(student_logp_nv: torch.Tensor, ids_nk: torch.Tensor, teach
     """Forward KL from a k-sparse teacher (Gemini 2.5, arXiv 2507.06261) to the student, per position ``[N]``.
 
     ``tail_bucket``: KL over k + 1 outcomes (the k ids, then "any other token"):
-        sum_i p_i (log p_i - log q_i) + r (log r - log q_tail),   q_tail = 1 - sum_i q_i;
+        sum_i p_i (log p_i - log q_i) + r (log r - log q_tail),   q_tail = sum_{v not in top-k} q_v;
     a term with p_i = 0 (or r = 0) is 0. ``renormalize``: p'_i = p_i / (1 - r),
         sum_i p'_i (log p'_i - log q_i),
-    with q_i the student's full-softmax probabilities (the residual is dropped). ``eps`` floors the
-    student's tail mass inside the log (it is 1 - sum q_i, which can round to 0)."""
+    with q_i the student's full-softmax probabilities (the residual is dropped). q_tail is the student's
+    mass outside the k ids, summed directly (``student_tail_logmass``); ``eps`` floors it and r inside
+    the logs."""
     if residual not in RESIDUAL_MODES:
         raise ValueError(f"residual={residual!r}: use one of {RESIDUAL_MODES}")
     q_logp_nk = student_logp_nv.gather(-1, ids_nk.long())
@@ -78,9 +83,19 @@ def sparse_forward_kl(student_logp_nv: torch.Tensor, ids_nk: torch.Tensor, teach
         p_logp_nk = p_logp_nk - torch.log1p(-r_n.clamp(max=1.0 - eps)).unsqueeze(-1)
         return (p_logp_nk.exp() * (p_logp_nk - q_logp_nk)).sum(-1)
     top_n = (p_logp_nk.exp() * (p_logp_nk - q_logp_nk)).sum(-1)
-    q_tail_n = (1.0 - q_logp_nk.exp().sum(-1)).clamp(min=eps)
-    tail_n = torch.where(r_n > 0, r_n * (r_n.clamp(min=eps).log() - q_tail_n.log()), torch.zeros_like(r_n))
+    log_q_tail_n = student_tail_logmass(student_logp_nv, ids_nk).clamp(min=math.log(eps))
+    tail_n = torch.where(r_n > 0, r_n * (r_n.clamp(min=eps).log() - log_q_tail_n), torch.zeros_like(r_n))
     return top_n + tail_n
+
+
+def student_tail_logmass(student_logp_nv: torch.Tensor, ids_nk: torch.Tensor) -> torch.Tensor:
+    """log of the student's probability on the tokens outside ``ids_nk``, per position ``[N]``: a logsumexp
+    over those tokens' log-probs. Computed this way rather than as log(1 - sum of the top-k probabilities),
+    which cancels when the tail is small (a student close to a teacher with a ~1e-5 tail loses most of
+    the tail's digits in float32). With no token outside (k = V) it is about -1e30 instead of -inf, so
+    its gradient stays finite where the caller masks the term out."""
+    outside_nv = student_logp_nv.scatter(-1, ids_nk.long(), -1e30)
+    return outside_nv.logsumexp(-1)
 
 
 def sparse_information_loss(teacher_logp_nv: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,6 +162,7 @@ __all__ = [
     "topk_sparsify",
     "full_forward_kl",
     "sparse_forward_kl",
+    "student_tail_logmass",
     "sparse_information_loss",
     "reverse_kl_per_token",
     "distill_advantage",

@@ -63,24 +63,33 @@ class TeacherScorer:
         self.temperature = temperature
         self.seconds = 0.0
         self.num_tokens = 0
+        self.rows = 0
+        self.unique_rows = 0
         self._lock = threading.Lock()  # sync mode and the scorer thread never overlap, but be explicit
 
     @torch.no_grad()
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
         """The teacher's log-prob of every response token (at ``temperature``, the sampler's: the student's
-        behaviour log-probs are taken at it too)."""
-        out: list[list[float]] = []
-        for start in range(0, len(prompts), self.micro_batch):
-            ps, rs = prompts[start : start + self.micro_batch], responses[start : start + self.micro_batch]
-            width = max(len(p) + len(r) for p, r in zip(ps, rs))
-            ids = torch.full((len(ps), width), self.pad_id, dtype=torch.long)
+        behaviour log-probs are taken at it too). Identical (prompt, response) pairs are scored once: a
+        group samples one prompt ``group_size`` times and a student that is often right writes the same
+        answer again and again (``unique_rows`` / ``rows`` count how much this saves)."""
+        keys = [(tuple(p), tuple(r)) for p, r in zip(prompts, responses)]
+        unique = list(dict.fromkeys(keys))
+        self.rows += len(keys)
+        self.unique_rows += len(unique)
+        scored: dict = {}
+        for start in range(0, len(unique), self.micro_batch):
+            chunk = unique[start : start + self.micro_batch]
+            width = max(len(p) + len(r) for p, r in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             attn = torch.zeros_like(ids)
-            for i, (p, r) in enumerate(zip(ps, rs)):
+            for i, (p, r) in enumerate(chunk):
                 ids[i, : len(p) + len(r)] = torch.tensor([*p, *r])
                 attn[i, : len(p) + len(r)] = 1
             logp_bt, _ = token_logprobs(self.model, ids, attn, self.temperature)
-            out += [logp_bt[i, len(p) : len(p) + len(r)].tolist() for i, (p, r) in enumerate(zip(ps, rs))]
-        return out
+            scored.update({key: logp_bt[i, len(key[0]) : len(key[0]) + len(key[1])].tolist()
+                           for i, key in enumerate(chunk)})
+        return [list(scored[key]) for key in keys]
 
     def score(self, trajs: list[Trajectory]) -> None:
         """Set ``teacher_logprobs`` on each trajectory (agent episodes: observation tokens get 0.0; they are
@@ -134,4 +143,5 @@ def distill_metrics(trajs: list[Trajectory], scorer: TeacherScorer) -> dict[str,
             if m:
                 total, count = total + (lp - tp), count + 1
     return {"distill/reverse_kl": total / max(count, 1), "distill/teacher_s": scorer.seconds,
-            "distill/teacher_tokens": float(scorer.num_tokens)}
+            "distill/teacher_tokens": float(scorer.num_tokens),
+            "distill/teacher_unique_frac": scorer.unique_rows / max(scorer.rows, 1)}
