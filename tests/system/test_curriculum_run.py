@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 import torch
 
 from tidal.system.run import prepare
