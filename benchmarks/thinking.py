@@ -48,7 +48,8 @@ class Settings:
     """Warm-start steps (batch 64, lr 1e-3), a fixed number: no accuracy band, the base is what it is."""
     rl_steps: int = 30
     eval_every: int = 10
-    prompts_per_step: int = 32
+    prompts_per_step: int = 128
+    """The quickstart's batch (more samples per step made its RL smoother, ``recipes/quickstart.py``)."""
     group_size: int = 8
     lr: float = 2e-4
     max_new_tokens: int = 48
@@ -138,8 +139,9 @@ def _plot(median: dict, num_seeds: int, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     keys = list(median["base"])
-    for part, label in (("base", "warm start"), ("after_rl", "after RL with sampled budgets")):
-        ax.plot(range(len(keys)), [median[part][k] for k in keys], marker="o", label=f"{label} (median of {num_seeds})")
+    for part, label in (("base", "warm start (one base)"),
+                        ("after_rl", f"after RL with sampled budgets (median of {num_seeds} seeds)")):
+        ax.plot(range(len(keys)), [median[part][k] for k in keys], marker="o", label=label)
     ax.set_xticks(range(len(keys)), keys)
     ax.set(xlabel="thinking budget (tokens; budget forcing)", ylabel="held-out greedy accuracy", ylim=(0, 1),
            title="sum_think: sums of 2-6 one-digit numbers, 1M model")

@@ -98,3 +98,20 @@ def test_accuracy_by_budget_applies_each_budget(small_model, tokenizer):
     at0 = greedy_samples(engine, tokenizer, keyed, pool, (0, close))
     assert curve["0"] == sum(t.reward >= 1.0 for t in at0) / 4
     assert all(t.text.startswith("</think>") for t in at0)
+
+
+def test_a_close_begun_at_the_budget_is_completed_not_restarted(tokenizer):
+    """The model wrote "</" when its budget of 4 ran out: forcing adds "think>", not "</think>"."""
+    from tidal.rollout.thinking import open_close_prefix
+
+    close = close_ids(tokenizer, ThinkingConfig())
+    assert open_close_prefix(list(close[:2]), close) == 2 and open_close_prefix([5, 6], close) == 0
+    assert open_close_prefix(list(close[:1]) + list(close[:3]), close) == 3
+    req = GenRequest(Prompt("u", "1+1=", "2"), (1, 5), 0, thinking_budget=4, thinking_close=close)
+    row = _Row(req, key=0, tokens=[7, 8, *close[:2]])
+    for _ in range(len(close) - 2):
+        tokens, logps = torch.tensor([9]), torch.tensor([-1.5])
+        LocalEngine._force_think_close([row], tokens, logps)
+        row.tokens.append(int(tokens[0]))
+    assert tuple(row.tokens) == (7, 8, *close) and row.think_closed
+    assert row.forced_at == list(range(4, 4 + len(close) - 2))
