@@ -196,7 +196,7 @@ def cmd_eval(args) -> int:
     from tidal.rollout import ENGINES
     from tidal.rollout.thinking import close_ids
     from tidal.system.curriculum import build_task, run_reward
-    from tidal.system.evaluate import greedy_accuracy
+    from tidal.system.evaluate import accuracy_by_budget, greedy_accuracy
     from tidal.system.validate import validate_run_config
     from tidal.train.checkpoint import latest_checkpoint
     from tidal.utils.yaml_file import read_yaml
@@ -227,9 +227,8 @@ def cmd_eval(args) -> int:
         budget = thinking.eval_budget
         result = greedy_accuracy(engine, tokenizer, prompts, pool, None if budget is None else (budget, close))
         if thinking.eval_budgets:  # the accuracy-vs-thinking-budget curve (budget forcing, rollout/thinking.py)
-            result["accuracy_by_thinking_budget"] = {
-                str(b): greedy_accuracy(engine, tokenizer, prompts, pool, (b, close))["eval/accuracy"]
-                for b in thinking.eval_budgets}
+            result["accuracy_by_thinking_budget"] = accuracy_by_budget(engine, tokenizer, prompts, pool,
+                                                                       thinking.eval_budgets, close)
     finally:
         pool.close()
     print(json.dumps({"model": str(model_dir), "task": task.name if cfg.curriculum.mixture else cfg.task.name,

@@ -77,3 +77,41 @@ def test_training_budget_is_per_prompt_and_seeded():
     budgets = [train_budget(cfg, 0, f"train-{i}") for i in range(400)]
     assert set(budgets) == {0, 8, 16, 32} and budgets == [train_budget(cfg, 0, f"train-{i}") for i in range(400)]
     assert train_budget(ThinkingConfig(), 0, "train-0") is None
+
+
+def test_accuracy_by_budget_applies_each_budget(small_model, tokenizer):
+    """Answers set to what the model says after the close forced at budget 2: accuracy 1 there, and the
+    curve keys each budget (None as "unlimited") by the budget the engine really enforced."""
+    from tidal.rewards import build_reward
+    from tidal.rewards.pool import RewardConfig, RewardPool
+    from tidal.system.evaluate import accuracy_by_budget, greedy_samples
+
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=14))
+    pool = RewardPool(build_reward("answer_match"), RewardConfig(name="answer_match", num_workers=0))
+    close = close_ids(tokenizer, ThinkingConfig())
+    prompts = [Prompt(f"p{i}", f"{i}+{i}=<think>", "?") for i in range(4)]
+    at2 = greedy_samples(engine, tokenizer, prompts, pool, (2, close))
+    answers = [t.text.rsplit("</think>", 1)[1].strip() for t in at2]
+    keyed = [dataclasses.replace(p, answer=a) for p, a in zip(prompts, answers)]
+    curve = accuracy_by_budget(engine, tokenizer, keyed, pool, [2, 0, None], close)
+    assert list(curve) == ["2", "0", "unlimited"] and curve["2"] == 1.0
+    at0 = greedy_samples(engine, tokenizer, keyed, pool, (0, close))
+    assert curve["0"] == sum(t.reward >= 1.0 for t in at0) / 4
+    assert all(t.text.startswith("</think>") for t in at0)
+
+
+def test_a_close_begun_at_the_budget_is_completed_not_restarted(tokenizer):
+    """The model wrote "</" when its budget of 4 ran out: forcing adds "think>", not "</think>"."""
+    from tidal.rollout.thinking import open_close_prefix
+
+    close = close_ids(tokenizer, ThinkingConfig())
+    assert open_close_prefix(list(close[:2]), close) == 2 and open_close_prefix([5, 6], close) == 0
+    assert open_close_prefix(list(close[:1]) + list(close[:3]), close) == 3
+    req = GenRequest(Prompt("u", "1+1=", "2"), (1, 5), 0, thinking_budget=4, thinking_close=close)
+    row = _Row(req, key=0, tokens=[7, 8, *close[:2]])
+    for _ in range(len(close) - 2):
+        tokens, logps = torch.tensor([9]), torch.tensor([-1.5])
+        LocalEngine._force_think_close([row], tokens, logps)
+        row.tokens.append(int(tokens[0]))
+    assert tuple(row.tokens) == (7, 8, *close) and row.think_closed
+    assert row.forced_at == list(range(4, 4 + len(close) - 2))

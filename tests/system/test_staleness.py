@@ -59,6 +59,24 @@ def test_admit_blocks_until_a_new_version():
     assert got == [2]
 
 
+def test_ceiling_caps_indices_even_when_releases_give_slots_back():
+    """Step 0 (2 groups, draw limit 4) drops three groups: the third release must not start group 4,
+    which belongs to step 1 (sync draws it after step 0's update)."""
+    mgr = StalenessManager(groups_per_step=2, max_staleness=0, next_index=0)
+    mgr.set_ceiling(4)
+    assert mgr.admit(5) == 2  # groups 0, 1
+    mgr.release()
+    mgr.release()
+    assert mgr.admit(5) == 2 and mgr.next_index == 4  # replacements 2, 3: the draw limit
+    mgr.release()  # group 2 dropped too: its slot is free, but index 4 is past the ceiling
+    assert mgr.admit(5, timeout=0) == 0
+    mgr.charge(1)  # the step trained 1 group, short by 1
+    mgr.set_ceiling(4 + 4)
+    assert mgr.admit(5, timeout=0) == 0  # still version 0: nothing for step 1 yet
+    mgr.set_version(1)
+    assert mgr.admit(5, timeout=0) == 2 and mgr.next_index == 6  # step 1's two groups, 4 and 5
+
+
 def test_close_releases_waiters():
     mgr = StalenessManager(groups_per_step=1, max_staleness=0)
     mgr.admit(1)

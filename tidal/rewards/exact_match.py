@@ -24,3 +24,13 @@ def digit_match(response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
         return float(not got), {"correct": not got}
     hits = sum(a == b for a, b in zip(got, want))
     return hits / max(len(got), len(want)), {"correct": got == want}
+
+
+@register_fn("answer_match")
+def answer_match(response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
+    """Exact match of the answer section: the text after the last ``</think>``, stripped. A response
+    that never closes its thinking has no answer (reward 0), as in ``math``'s ``after_think``."""
+    if "</think>" not in response:
+        return 0.0, {"correct": False, "reason": "unfinished thinking: no </think>, so no answer"}
+    correct = response.rsplit("</think>", 1)[1].strip() == prompt.answer.strip()
+    return float(correct), {"correct": correct}

@@ -34,6 +34,7 @@ from tidal.models.quant import dequantize_state_dict
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache, cache_kwargs
+from tidal.rollout.thinking import open_close_prefix
 from tidal.types import Trajectory
 
 
@@ -84,6 +85,7 @@ class _Row:
     node: int = -1  # rows with the same node hold the same context (prompt + tokens fed), the same keys and values
     forced_at: list[int] = field(default_factory=list)  # positions of tokens the engine forced (thinking.py)
     think_closed: bool = False
+    close_from: int = 0  # close tokens the model had already written when forcing began (thinking.py)
 
 
 @dataclass
@@ -310,7 +312,9 @@ class LocalEngine:
     def _force_think_close(rows: list[_Row], tokens: torch.Tensor, logps: torch.Tensor) -> None:
         """Budget forcing (``thinking.py``, s1 arXiv 2501.19393): a row that has spent its thinking budget
         without closing the section gets the close tokens, one per step, in place of its samples (in
-        ``tokens``, log-prob 0 in ``logps``; ``_to_trajectory`` masks them out of the loss)."""
+        ``tokens``, log-prob 0 in ``logps``; ``_to_trajectory`` masks them out of the loss). A close the
+        model had begun when the budget ran out (its last tokens a prefix of the close) is completed,
+        not written again after the prefix."""
         for slot, row in enumerate(rows):
             close, budget = row.request.thinking_close, row.request.thinking_budget
             if budget is None or row.think_closed:
@@ -319,9 +323,12 @@ class LocalEngine:
                 row.think_closed = True  # the model closed it within budget
                 continue
             if row.forced_at or len(row.tokens) >= budget:
-                tokens[slot], logps[slot] = close[len(row.forced_at)], 0.0
+                if not row.forced_at:
+                    row.close_from = open_close_prefix(row.tokens, close)
+                k = row.close_from + len(row.forced_at)
+                tokens[slot], logps[slot] = close[k], 0.0
                 row.forced_at.append(len(row.tokens))
-                row.think_closed = len(row.forced_at) == len(close)
+                row.think_closed = k + 1 == len(close)
 
     def _prefill(self, slots: SlotCache, rows: list[_Row]) -> None:
         """Forward prompts (+ tokens so far) of ``rows`` (left-padded, on a fresh DynamicCache) and

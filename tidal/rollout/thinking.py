@@ -7,7 +7,8 @@ controllable budget. Here a request carries ``thinking_budget`` (tokens of think
 from the first response token: the thinking section is assumed open from the start, because the
 prompt or the model's first tokens open it) and ``thinking_close`` (the token ids of ``</think>``).
 The local engine (``local.py``, ``LocalEngine._force_think_close``) then substitutes the close
-tokens for its samples once the budget is spent, unless the model closed the section itself.
+tokens for its samples once the budget is spent, unless the model closed the section itself; a close
+the model had begun (``</`` of ``</think>``) is completed (``open_close_prefix``).
 
 The forced tokens are not the policy's: they carry log-prob 0 and loss mask 0, so no behaviour
 log-prob is trained on and the loss ignores them (as it ignores an agent's observation tokens); they
@@ -48,6 +49,16 @@ class ThinkingConfig:
     curve)."""
     close: str = "</think>"
     """The text that closes the thinking section; its tokens are what the engine forces."""
+
+
+def open_close_prefix(tokens: Sequence[int], close: tuple[int, ...]) -> int:
+    """How many tokens of ``close`` the response ends with, short of all of them: the close the model
+    had begun when its budget ran out, which forcing completes rather than writes again (a close of
+    several tokens, such as ``</think>`` in a character vocabulary, is otherwise cut into ``</</think>``)."""
+    for m in range(min(len(close) - 1, len(tokens)), 0, -1):
+        if tuple(tokens[len(tokens) - m:]) == close[:m]:
+            return m
+    return 0
 
 
 def close_ids(tokenizer, cfg: ThinkingConfig) -> tuple[int, ...]:

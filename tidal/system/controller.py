@@ -425,7 +425,13 @@ class Controller:
         p = cfg.rollout.prompts_per_step
         torch.set_num_threads(cfg.system.async_threads)  # process-wide: shared by both threads
         # Everything before the cursor was trained or charged: version * P admitted groups exactly.
-        staleness = StalenessManager(p, cfg.rollout.max_staleness, version=self.trainer.version)
+        staleness = StalenessManager(p, cfg.rollout.max_staleness, version=self.trainer.version,
+                                     next_index=self.state.next_group)
+        # eta = 0: no group starts beyond the current step's draw limit (the step sync would draw it in)
+        draw_limit = p * (cfg.rollout.max_draws_per_step if cfg.rollout.dynamic_sampling else 1)
+        exact = cfg.rollout.max_staleness == 0
+        if exact:
+            staleness.set_ceiling(self.state.next_group + draw_limit)
         buffer = RolloutBuffer()
         to_score: queue.Queue = queue.Queue()  # bounded in effect: admission caps groups in flight
         group_size = cfg.rollout.group_size
@@ -521,6 +527,8 @@ class Controller:
                 groups, metrics = self._collect(lambda i, _: _take(buffer, i), step, cfg.rollout.max_staleness,
                                                 on_stale=lambda g: staleness.release())
                 staleness.charge(int(metrics["algo/shortfall_groups"]))
+                if exact:  # after the charge: no room opens at this version for the next step's groups
+                    staleness.set_ceiling(self._cursor + draw_limit)
                 metrics.update(self._train_step(step, groups))
                 staleness.set_version(self.trainer.version)
                 metrics["async/buffered_groups"] = float(len(buffer))

@@ -9,7 +9,8 @@ prompts are scored by their own component's reward (``run_reward`` routes them w
 sampler per task, or per mixture component, whose pool is that task's epoch-0 order) and learns from
 every group drawn for a step, informative or dropped by dynamic sampling, when the step ends
 (``observe``), before the next version is published: so in sync mode, and async with eta = 0, the
-prompts drawn for step k+1 see exactly steps 0..k, and a resumed run (its counts restored by
+prompts drawn for step k+1 see exactly steps 0..k (with dynamic sampling too: at eta = 0 no group starts
+past the step's draw limit, ``staleness.py``), and a resumed run (its counts restored by
 ``load_state_dict``) draws what the uninterrupted one drew. In async mode with eta > 0 a group may
 be drawn before the previous step's counts arrive (as its length budget may be): the bound still
 holds, only which counts it saw depends on timing.

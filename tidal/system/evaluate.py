@@ -56,3 +56,12 @@ def greedy_accuracy(
     """``accuracy_metrics`` (and ``per_task_accuracy``) of ``greedy_samples``."""
     trajs = greedy_samples(engine, tokenizer, prompts, reward_pool, thinking)
     return {**accuracy_metrics(trajs, len(prompts)), **per_task_accuracy(trajs, prompts)}
+
+
+def accuracy_by_budget(engine: RolloutEngine, tokenizer, prompts: list[Prompt], reward_pool: RewardPool,
+                       budgets: list[int | None], close: tuple[int, ...]) -> dict[str, float]:
+    """Greedy held-out accuracy at each thinking budget (budget forcing, ``rollout/thinking.py``): the
+    accuracy-vs-budget curve, keyed by the budget as text (``"unlimited"`` for None, JSON-ready)."""
+    return {("unlimited" if b is None else str(b)):
+            greedy_accuracy(engine, tokenizer, prompts, reward_pool, None if b is None else (b, close))["eval/accuracy"]
+            for b in budgets}
