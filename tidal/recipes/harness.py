@@ -20,16 +20,17 @@ def harness_quickstart() -> RunConfig:
     and is warm-started on synthetic conversations of that agent (``task.params.demos=chat_tool``) until
     its held-out success is in [0.3, 0.5]; then async GRPO, 64 tasks x 8 episodes per step, to 0.8.
 
-    Measured (2 CPU cores shared with three other jobs, load average 8-10, so seconds are
-    contention-bound; seeds set with ``--set seed=S --set model.init_seed=S --set sft.seed=S``):
+    Measured on 2 CPU cores (seeds set with ``--set seed=S --set model.init_seed=S --set sft.seed=S``).
+    Seed 0 ran alone on the machine; seeds 1 and 2 beside three other jobs (load average 8-10), so
+    their seconds are contention-bound:
 
-    =====  ====  ===============================  ============  ========================
-    seed   base  held-out at RL step 10 / 20 / 30  0.8 after     whole command (loaded)
-    =====  ====  ===============================  ============  ========================
-    0      0.50  0.64 / 0.76 / 0.835              30 steps      9.6 min (with 64 tokens per turn)
-    1      0.425 0.82                             10 steps      7.2 min
-    2      0.36  0.60 / 0.77 / 0.85               30 steps      11.8 min
-    =====  ====  ===============================  ============  ========================
+    =====  =====  ===============================  ==========  ==============================
+    seed   base   held-out at RL step 10 / 20 / 30  0.8 after   whole command
+    =====  =====  ===============================  ==========  ==============================
+    0      0.50   0.625 / 0.77 / 0.855             30 steps    5.9 min alone (RL ~8 s per step)
+    1      0.425  0.82                             10 steps    7.2 min loaded
+    2      0.36   0.60 / 0.77 / 0.85               30 steps    11.8 min loaded
+    =====  =====  ===============================  ==========  ==============================
 
     Sampled (temperature 1) success starts far below greedy: 0.02-0.08 per step against 0.36-0.50 held
     out, so most early groups are all-fail. What held-out failures get wrong is a copied digit (an
