@@ -84,6 +84,14 @@ def test_multi_turn_episode_is_token_exact_and_trainer_logprobs_match(random_mod
     check_logprobs(random_model, traj)
 
 
+def check_calculator_episode(tool_model, chat_tok, traj):
+    """The recorded ``2+3`` episode: the call, the tool's ``5`` as observation tokens, the answer ``5``."""
+    assert traj.episode["tool_calls"] == 1 and traj.episode["turns"] == 2
+    text = chat_tok.decode(traj.token_ids)
+    assert text == f"{TOOL_CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
+    check_logprobs(tool_model, traj)
+
+
 def test_tool_call_round_trip(tool_model, chat_tok):
     server = serve(tool_model, chat_tok, max_new_tokens=96)
     tools = [{"type": "function", "function": {"name": "calculator", "description": "evaluates arithmetic",
@@ -107,10 +115,7 @@ def test_tool_call_round_trip(tool_model, chat_tok):
         [traj] = server.finish("calc-1", reward=1.0)
     finally:
         server.stop()
-    assert traj.episode["tool_calls"] == 1 and traj.episode["turns"] == 2
-    text = chat_tok.decode(traj.token_ids)
-    assert text == f"{TOOL_CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
-    check_logprobs(tool_model, traj)
+    check_calculator_episode(tool_model, chat_tok, traj)
 
 
 def assemble(stream) -> tuple[dict, str, dict, list]:
@@ -157,10 +162,7 @@ def test_streamed_tool_call_round_trip_is_the_same_episode(tool_model, chat_tok)
                                                                           stream=True))
     finally:
         server.stop()
-    assert traj.episode["tool_calls"] == 1 and traj.episode["turns"] == 2
-    text = chat_tok.decode(traj.token_ids)
-    assert text == f"{TOOL_CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
-    check_logprobs(tool_model, traj)
+    check_calculator_episode(tool_model, chat_tok, traj)
     ids = streamed[-1].model_extra["tidal"]["token_ids"]
     assert "".join(ch.choices[0].text for ch in streamed) == chat_tok.decode(ids, skip_special_tokens=True)
     assert [ch.choices[0].finish_reason for ch in streamed] == [None, "length" if len(ids) == 3 else "stop"]
