@@ -62,7 +62,9 @@ class Settings:
     """Flips per policy run, at distinct random steps (kinds round-robin: 8 of each kind by default)."""
     seed: int = 0
     policies: list[str] = field(default_factory=lambda: ["replay_every=1", "replay_every=0"])
-    """``sdc.*`` setting of each flip run."""
+    """``sdc.*`` setting of each flip run; ``[]`` skips the flip runs (with ``overhead_reps=0``: the elastic
+    pairs only, e.g. ``tidal bench faults --set policies=[] --set overhead_reps=0 --set elastic_pairs=4
+    --out benchmarks/results/faults_elastic``, kept as ``benchmarks/results/faults_elastic.json``)."""
     model_sets: list[str] = field(default_factory=lambda: [
         "model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
         "model.intermediate_size=128", "sft.steps=60", "sft.accuracy_band=null", "sft.batch_size=64",
@@ -74,7 +76,7 @@ class Settings:
     overhead_reps: int = 11
     """Alternated plain / recorded steps; ``overhead_frac`` is the median of the 11 paired ratios (each pair
     ran back to back, so load from other jobs drifts less between them), ``overhead_frac_in_step`` the
-    recorder's own timed share (``StepRecorder.seconds``)."""
+    recorder's own timed share (``StepRecorder.seconds``); 0 skips the overhead arm."""
     overhead_prompts: int = 64
     """Prompts (x 8 samples) in the overhead batch, on the quickstart model (1M parameters)."""
     elastic_steps: int = 1500
@@ -271,20 +273,20 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     torch.manual_seed(s.seed)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        flip_rows, per_fault = flip_runs(s, root)
-        over = overhead(s)
+        flip_rows, per_fault = flip_runs(s, root) if s.policies else ([], {})  # policies=[]: elastic only
+        over = overhead(s) if s.overhead_reps else None
         elastic = []  # fault-free, killed, fault-free, killed, ...
         for i in range(s.elastic_pairs if s.elastic_steps else 0):
             (root / f"pair{i}").mkdir()
             elastic += [_elastic(s, root / f"pair{i}", kill=False), _elastic(s, root / f"pair{i}", kill=True)]
-    full = flip_rows[0]
+    full = flip_rows[0] if flip_rows else None
     result = {  # the issue's goal is over the flips that change the result; every fired flip is in the table
-        "detection_rate": full["result_changing"]["detection_rate"],
-        "localization_rate": full["result_changing"]["localization_rate"],
-        "overhead_frac": over["overhead_frac"],
-        "detection_latency_steps": full["latency_steps_mean"],
-        "policy": s.policies[0],
-        "table": [*flip_rows, over, *elastic], "faults": per_fault, "settings": s.__dict__,
+        "detection_rate": full["result_changing"]["detection_rate"] if full else None,
+        "localization_rate": full["result_changing"]["localization_rate"] if full else None,
+        "overhead_frac": over["overhead_frac"] if over else None,
+        "detection_latency_steps": full["latency_steps_mean"] if full else None,
+        "policy": s.policies[0] if s.policies else None,
+        "table": [*flip_rows, *([over] if over else []), *elastic], "faults": per_fault, "settings": s.__dict__,
     }
     if elastic:
         free, killed = elastic[0::2], elastic[1::2]

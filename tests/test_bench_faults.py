@@ -34,3 +34,11 @@ def test_bench_faults_as_documented(tmp_path):
     if killed["rejoined_at_step"] is not None:  # it came back while replica 0 was still training
         assert killed["replicas_identical"] and killed["rejoined_at_step"] > killed["killed_at_step"]
     assert result["elastic"]["throughput_kept"] > 0
+
+
+def test_arms_can_be_skipped(tmp_path):
+    """``policies=[]`` and ``overhead_reps=0`` skip the flip runs and the overhead arm (the elastic pairs
+    alone are then a separate results file); the issue's keys are then None, not made up."""
+    result = bench.load("faults").run(["policies=[]", "overhead_reps=0", "elastic_pairs=0"], tmp_path)
+    assert result["table"] == [] and result["faults"] == {}
+    assert result["detection_rate"] is None and result["overhead_frac"] is None and "elastic" not in result
