@@ -48,9 +48,11 @@ from tidal.types import TrainBatch
 
 
 def rows_of(batch: TrainBatch, rows: list[int]) -> TrainBatch:
-    """The TrainBatch made of ``rows`` (positions, in order) of ``batch``."""
+    """The TrainBatch made of ``rows`` (positions, in order) of ``batch``; optional fields that are None
+    (``teacher_logp_bt`` outside distillation) stay None."""
     index = torch.tensor(rows, dtype=torch.long)
-    return TrainBatch(**{f.name: getattr(batch, f.name)[index] for f in dataclasses.fields(batch)})
+    return TrainBatch(**{f.name: None if (v := getattr(batch, f.name)) is None else v[index]
+                         for f in dataclasses.fields(batch)})
 
 
 def broadcast_weights(model: torch.nn.Module) -> None:
