@@ -38,13 +38,13 @@ sigma^2 = sum_j s_j ||g_j - g||^2 / (m - 1), an unbiased estimate for equal s_j.
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
+
+from tidal.train.replica_group import replica_group
 
 
 @dataclass
@@ -222,35 +222,25 @@ def diloco_worker(model: torch.nn.Module, inner_opt: torch.optim.Optimizer, cfg:
     group of one process). Every ``sync_every`` steps the optimizer's post-step hook syncs (one fragment
     every H/F steps with Streaming DiLoCo). Yields (torchft Manager, SyncStats)."""
     from torchft.local_sgd import DiLoCo
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
-    timeout = timedelta(seconds=cfg.timeout_s)
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     parts = fragments(model, cfg.num_fragments)
     # momentum 0 is plain SGD (outer_lr 1: model averaging); torch refuses nesterov=True without momentum
     outer = [torch.optim.SGD(p.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                              nesterov=cfg.outer_momentum > 0) for p in parts]
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.min_replicas, use_async_quorum=False,
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner_opt.load_state_dict(sd["opt"])),
-        state_dict=lambda: {"model": model.state_dict(), "opt": inner_opt.state_dict()},
-        replica_id=replica_id, store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=lighthouse_addr, hostname=socket.gethostname(), timeout=timeout,
-        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout, init_sync=False)
-    stats = SyncStats()
-    allreduce = manager.allreduce
+    with replica_group(lambda: {"model": model.state_dict(), "opt": inner_opt.state_dict()},
+                       lambda sd: (model.load_state_dict(sd["model"]), inner_opt.load_state_dict(sd["opt"])),
+                       lighthouse_addr, replica_id, cfg.timeout_s, cfg.quorum_timeout_s, cfg.min_replicas,
+                       init_sync=False) as manager:
+        stats = SyncStats()
+        allreduce = manager.allreduce
 
-    def counted(tensor, *args, **kwargs):
-        stats.bytes_sent += tensor.numel() * tensor.element_size()
-        stats.num_allreduce += 1
-        return allreduce(tensor, *args, **kwargs)
+        def counted(tensor, *args, **kwargs):
+            stats.bytes_sent += tensor.numel() * tensor.element_size()
+            stats.num_allreduce += 1
+            return allreduce(tensor, *args, **kwargs)
 
-    manager.allreduce = counted
-    try:
+        manager.allreduce = counted
         with DiLoCo(manager, parts, inner_opt, outer, sync_every=cfg.sync_every,
                     fragment_sync_delay=cfg.fragment_sync_delay, fragment_update_alpha=cfg.fragment_update_alpha,
                     use_bucketization=True):
             yield manager, stats
-    finally:
-        manager.shutdown(wait=False)

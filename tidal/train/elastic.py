@@ -38,13 +38,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +52,7 @@ from tidal.models import tiny
 from tidal.tasks import TASKS
 from tidal.tasks.config import TaskConfig
 from tidal.train.distributed import split_groups
+from tidal.train.replica_group import replica_group
 from tidal.train.sft import sft_batch
 
 
@@ -129,22 +128,10 @@ def greedy_accuracy(model: torch.nn.Module, batch: tuple) -> float:
 def elastic_manager(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: ElasticConfig,
                     lighthouse_addr: str, replica_id: str) -> Iterator[object]:
     """A torchft Manager for one replica (its own replica group of one process), healing from a peer."""
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    timeout = timedelta(seconds=cfg.timeout_s)
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=cfg.min_replicas, use_async_quorum=False,
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), optimizer.load_state_dict(sd["opt"])),
-        state_dict=lambda: {"model": model.state_dict(), "opt": optimizer.state_dict()},
-        replica_id=replica_id, store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=lighthouse_addr, hostname=socket.gethostname(), timeout=timeout,
-        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout, init_sync=True)
-    try:
+    with replica_group(lambda: {"model": model.state_dict(), "opt": optimizer.state_dict()},
+                       lambda sd: (model.load_state_dict(sd["model"]), optimizer.load_state_dict(sd["opt"])),
+                       lighthouse_addr, replica_id, cfg.timeout_s, cfg.quorum_timeout_s, cfg.min_replicas) as manager:
         yield manager
-    finally:
-        manager.shutdown(wait=False)
 
 
 def elastic_step(manager, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_of,

@@ -36,15 +36,14 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
-import socket
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
 
 from tidal.train.distributed import split_groups
+from tidal.train.replica_group import replica_group
 from tidal.train.sdc import MASK64, state_checksums
 from tidal.types import TrainBatch
 
@@ -147,21 +146,9 @@ def replica_manager(trainer, lighthouse_addr: str, replica_id: str, timeout_s: f
                     min_replicas: int = 1, quorum_timeout_s: float = 60.0) -> Iterator[object]:
     """A torchft Manager for one trainer replica (a replica group of one process) that heals from a peer.
     ``timeout_s``: a dead peer's all-reduce fails after at most this."""
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    timeout = timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=min_replicas, use_async_quorum=False,
-        load_state_dict=lambda sd: load_trainer_state(trainer, sd), state_dict=lambda: trainer_state(trainer),
-        replica_id=replica_id, store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=lighthouse_addr, hostname=socket.gethostname(), timeout=timeout,
-        quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timeout, init_sync=True)
-    try:
+    with replica_group(lambda: trainer_state(trainer), lambda sd: load_trainer_state(trainer, sd), lighthouse_addr,
+                       replica_id, timeout_s, quorum_timeout_s, min_replicas) as manager:
         yield manager
-    finally:
-        manager.shutdown(wait=False)
 
 
 def disagreeing_ranks(bits_rk: torch.Tensor, keys: list[str]) -> list[dict]:
