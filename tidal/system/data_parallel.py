@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.system import run as run_lib
 from tidal.system.config import RunConfig
@@ -42,6 +43,9 @@ from tidal.utils.seeding import seed_everything
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult | None:
     """``run.train`` on every rank of a torchrun launch. Rank 0 returns the run's result, the others None."""
+    if cfg.trainer.data_parallel == "elastic":  # before the process group: every rank says it, none waits
+        raise ConfigError("trainer.data_parallel=elastic starts and restarts its own replica processes: run "
+                          "`tidal train` without torchrun (trainer.elastic.replicas sets how many)")
     dp = distributed.init_distributed()
     try:
         cfg = dp.broadcast(cfg)  # one config for every rank: rank 0's
