@@ -105,6 +105,22 @@ def test_a_killed_replica_is_restarted_heals_and_the_run_matches_one_process(tmp
     moved = max(float((a[k] - base[k]).abs().max()) for k in a)
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert moved > 1e-3 and diff < 1e-3 * moved, f"elastic run off the 1-process run by {diff} (moved {moved})"
+    from tests.test_metrics_doc import documented
+
+    patterns = documented()
+    assert not [k for r in rows for k in r if k != "step" and not any(p.match(k) for p in patterns)], \
+        "every metric the elastic run logs is in docs/metrics.md"
     one_rows = {r["step"]: r for r in (json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines())}
     assert [r["reward/mean"] for r in rows if "reward/mean" in r] == \
         [one_rows[r["step"]]["reward/mean"] for r in rows if "reward/mean" in r], "same samples, step by step"
+
+    # the leader is the single point of failure; --resume continues from its 1-process checkpoint, the
+    # replicas starting from the same checkpoint (no start-up copy: they must agree bit for bit)
+    again = [*cmd, "--resume", "--set", f"max_steps={steps + 2}", "--set", "trainer.elastic.fault_step=null"]
+    done = subprocess.run(again, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed = [json.loads(x) for x in (el / "metrics.jsonl").read_text().splitlines()]
+    assert resumed[-1]["step"] == steps + 2
+    resumed = [r for r in resumed if r["step"] > steps and "elastic/step" in r]
+    assert resumed and all(r["elastic/participants"] == 2 and r["elastic/failed_attempts"] == 0
+                           and r["elastic/restarts"] == 0 and r["elastic/replica_mismatches"] == 0 for r in resumed)

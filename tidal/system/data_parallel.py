@@ -19,6 +19,11 @@ no sharding, each rank trains a full replica on its own groups and the replicas 
 
     torchrun --nproc_per_node 2 -m tidal.cli train quickstart --set trainer.data_parallel=diloco \
         --set trainer.diloco.sync_every=10 --set system.num_threads=1 --out runs/dp-diloco
+
+Both modes are all or nothing: rank 0 hands each TrainBatch to the others with a broadcast on the default
+process group, which a dead rank breaks, and torchrun restarts the whole job. ``trainer.data_parallel=elastic``
+is the mode that survives a dead rank; it is launched without torchrun (refused here) and lives in
+``system/elastic_run.py``: the run's process starts, feeds and restarts its replica processes itself.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ from tidal.train.elastic_dp import ElasticDP, ElasticTrainer, leader_present, lo
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.utils.seeding import seed_everything
 
+HEARTBEAT_INTERVAL_S = 0.1
+"""torchft's default: a Manager heartbeats to the lighthouse this often."""
 FAULT_EXIT_CODE = 17
 """Exit status of a replica killed by ``trainer.elastic.fault_step`` (fault injection)."""
 
@@ -107,6 +110,7 @@ def replica_main(conn, spec: ReplicaSpec, index: int, generation: int, fault_ste
                          init_sync=False, load_state=heal) as manager:
         dp.manager = manager
         elastic = ElasticTrainer(trainer, manager, check_replicas=cfg.check_replicas)
+        time.sleep(5 * HEARTBEAT_INTERVAL_S)  # a quorum waits only for replicas the lighthouse has heard from
         conn.send(("ready", index, generation))
         command = [inbox.get()]
         used = [-1]  # the quorum step of the last command this replica trained on
