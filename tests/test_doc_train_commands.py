@@ -1,7 +1,7 @@
-"""docs/agentic.md and docs/harness.md: every `tidal train` command in them names a recipe and only
+"""docs/agentic.md, docs/harness.md and docs/faults.md: every `tidal train` command in them names a recipe and only
 config keys that exist, with values of the right type and a config that validates (the recipes
 themselves run in tests/system/test_agentic_run.py and tests/serve/test_harness_run.py and, to their
-targets, in the slow tests)."""
+targets, in the slow tests; the elastic command of faults.md in tests/system/test_elastic_run.py)."""
 
 import re
 import shlex
@@ -17,7 +17,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 @pytest.mark.parametrize("page, default_recipe, at_least", [("agentic.md", "agentic_quickstart", 3),
-                                                            ("harness.md", "harness_quickstart", 3)])
+                                                            ("harness.md", "harness_quickstart", 3),
+                                                            ("faults.md", "quickstart", 2)])
 def test_every_train_command_parses(page, default_recipe, at_least):
     blocks = re.findall(r"```[a-z]*\n(.*?)```", (DOCS / page).read_text(), flags=re.S)
     commands = []

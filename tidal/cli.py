@@ -121,7 +121,7 @@ def cmd_train(args) -> int:
     from tidal.system.run_dir import interrupted_message, prepare_out_dir
     from tidal.system.validate import validate_run_config
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP or DiLoCo data-parallel trainer
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP or DiLoCo (elastic is refused there)
         from tidal.system.data_parallel import train
 
     out = Path(args.out or _default_out(args.recipe))
@@ -132,6 +132,8 @@ def cmd_train(args) -> int:
         saved = out / "config.yaml" if args.resume and (out / "config.yaml").is_file() else None
         cfg = _train_config(args.recipe, args.set, saved)
         validate_run_config(cfg)  # before --overwrite deletes anything
+        if cfg.trainer.data_parallel == "elastic" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            from tidal.system.elastic_run import train  # this process leads replica processes it starts
         if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 owns the directory
             note = prepare_out_dir(out, args.resume, args.overwrite)
             if note:

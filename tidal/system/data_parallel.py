@@ -19,6 +19,11 @@ no sharding, each rank trains a full replica on its own groups and the replicas 
 
     torchrun --nproc_per_node 2 -m tidal.cli train quickstart --set trainer.data_parallel=diloco \
         --set trainer.diloco.sync_every=10 --set system.num_threads=1 --out runs/dp-diloco
+
+Both modes are all or nothing: rank 0 hands each TrainBatch to the others with a broadcast on the default
+process group, which a dead rank breaks, and torchrun restarts the whole job. ``trainer.data_parallel=elastic``
+is the mode that survives a dead rank; it is launched without torchrun (refused here) and lives in
+``system/elastic_run.py``: the run's process starts, feeds and restarts its replica processes itself.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.system import run as run_lib
 from tidal.system.config import RunConfig
@@ -42,6 +48,9 @@ from tidal.utils.seeding import seed_everything
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult | None:
     """``run.train`` on every rank of a torchrun launch. Rank 0 returns the run's result, the others None."""
+    if cfg.trainer.data_parallel == "elastic":  # before the process group: every rank says it, none waits
+        raise ConfigError("trainer.data_parallel=elastic starts and restarts its own replica processes: run "
+                          "`tidal train` without torchrun (trainer.elastic.replicas sets how many)")
     dp = distributed.init_distributed()
     try:
         cfg = dp.broadcast(cfg)  # one config for every rank: rank 0's

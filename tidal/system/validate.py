@@ -10,6 +10,7 @@ against the model's context, characters outside the vocabulary) run in ``run.che
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from tidal.algo import VALUE_ADVANTAGES
 from tidal.config import ConfigError
 from tidal.system.config import RunConfig
+from tidal.system.sdc_guard import SDCConfig
 from tidal.train.trainer import validate as validate_trainer
 
 Rule = tuple[str, Callable[[Any], bool], str]
@@ -265,11 +267,27 @@ def validate_run_config(cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_distill(cfg)
+    _check_elastic(cfg)
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         betas = cfg.critic.optim.betas
         if len(betas) != 2 or not all(_fraction(b) for b in betas):
             raise ConfigError(f"critic.optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+
+
+def _check_elastic(cfg: RunConfig) -> None:
+    """``trainer.data_parallel=elastic`` against what only one process can do (docs/faults.md)."""
+    if cfg.trainer.data_parallel != "elastic":
+        return
+    if cfg.algo.advantage in VALUE_ADVANTAGES:
+        raise ConfigError(f"algo.advantage={cfg.algo.advantage} does not support trainer.data_parallel=elastic yet: "
+                          "the critic is not synced across replicas; run it in one process")
+    changed = [f"sdc.{f.name}={getattr(cfg.sdc, f.name)!r}" for f in dataclasses.fields(SDCConfig)
+               if getattr(cfg.sdc, f.name) != getattr(SDCConfig(), f.name)]
+    if changed:
+        raise ConfigError(f"{', '.join(changed)}: SDC recording and replay run a 1-process trainer, not "
+                          "trainer.data_parallel=elastic, whose replicas compare their states every step instead "
+                          "(trainer.elastic.check_replicas); leave sdc.* at its defaults")
 
 
 def _check_harness(cfg: RunConfig) -> None:

@@ -20,15 +20,13 @@ state (weights, optimizer, scheduler, version), run ``Trainer.step``, then ``sho
 during the step its all-reduce failed, every survivor gets False, restores the snapshot and runs the same
 batch again on the next, smaller quorum. Cost: one in-memory copy of the trainer state per step.
 
-What is here and what is not. The replica side is complete and tested with real torchft processes
-(kill one mid-run, it comes back, heals, and the replicas end bit-identical and equal to a 1-process
-run): the same mechanism as ``train/elastic.py``, but on ``Trainer.step`` with every algorithm's loss.
-Not wired yet: ``system/data_parallel.py``'s torchrun launch (``trainer.data_parallel=elastic``). There,
-rank 0 runs the controller and hands each TrainBatch to the other ranks with a torch.distributed
-broadcast on the default process group, which a dead rank breaks, and torchrun restarts the whole job,
-not one rank. Elastic RL ranks need that hand-off to go through a channel that survives a dead peer
-(e.g. the batch all-reduced from the quorum's rank 0 through this manager) and a per-rank restart; see
-docs/faults.md.
+How a user runs it: ``tidal train RECIPE --set trainer.data_parallel=elastic`` (``ElasticConfig`` below).
+The run's process (the leader, ``train/elastic_leader.py``) is replica 0: controller, generation, rewards,
+eval and checkpoints, plus its own ``ElasticTrainer``; it spawns the other replicas
+(``train/elastic_replica.py``), hands each batch down a pipe per replica (a dead replica breaks only its own
+pipe) and restarts a replica whose process ended; the new process heals from a live peer here and rejoins.
+Tested with real processes both here (``tests/train/test_elastic_dp.py``: exact update, heal, SDC check) and
+through the command (``tests/system/test_elastic_run.py``); see docs/faults.md.
 """
 
 from __future__ import annotations
@@ -39,15 +37,67 @@ import pickle
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
+from tidal.config import ConfigError
 from tidal.train.distributed import split_groups
 from tidal.train.replica_group import replica_group
 from tidal.train.sdc import MASK64, state_checksums
 from tidal.types import TrainBatch
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_MS = 2000
+"""A replica that has not heartbeaten (every 100 ms, from a torchft thread) for this long is dead to the
+lighthouse: the next quorum forms without it."""
+
+
+@dataclass
+class ElasticConfig:
+    """``trainer.data_parallel=elastic``: the run's process leads ``replicas - 1`` replica processes it
+    starts and restarts itself (``train/elastic_leader.py``, docs/faults.md)."""
+
+    replicas: int = 2
+    """Trainer replicas, the leader included (each a full copy of the policy and its optimizer; the
+    batch's groups are split over the live ones and their gradients summed, so the update does not
+    depend on how many are alive)."""
+    timeout_s: float = 10.0
+    """A collective with a dead peer fails after at most this many seconds (gloo usually sees the closed
+    socket at once); also the limit on a heal's state transfer."""
+    join_timeout_s: float = 60.0
+    """How long a quorum waits for a replica of the previous quorum that still heartbeats but has not
+    asked to join (a dead one stops heartbeating and is dropped after ``HEARTBEAT_TIMEOUT_MS``)."""
+    wait_ready_s: float = 120.0
+    """Before each step the leader waits up to this long for replica processes that are starting (at
+    launch, or restarted after a crash) to be ready, so they join this step rather than a later one.
+    0: never wait; training goes on with the live replicas and a new one joins whenever it is ready."""
+    max_restarts: int = 10
+    """Replica processes the leader restarts over the launch; past this a replica that dies stays dead
+    and the run goes on with the others."""
+    check_replicas: bool = True
+    """Compare the replicas' weights and optimizer state after every step (``ElasticTrainer``; the
+    elastic run's SDC check in place of ``sdc.*``, whose replay needs one process)."""
+    fault_step: int | None = None
+    """Fault injection (tests, measurements): replica 1's first process exits (``os._exit``) inside the
+    forward of this training step (numbered as in metrics.jsonl; if that step trains nothing, of the next one that
+    does); its restarted process does not."""
+
+
+def validate_elastic(cfg: ElasticConfig) -> None:
+    """A ConfigError naming the ``trainer.elastic`` key that cannot run (overrides bypass ``__init__``)."""
+    rules = [("replicas", lambda v: isinstance(v, int) and v >= 2, "an integer >= 2 (the leader and at least one "
+              "replica; one replica is a 1-process run: leave trainer.data_parallel unset)"),
+             ("timeout_s", lambda v: isinstance(v, (int, float)) and v > 0, "> 0 seconds"),
+             ("join_timeout_s", lambda v: isinstance(v, (int, float)) and v > 0, "> 0 seconds"),
+             ("wait_ready_s", lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0 seconds"),
+             ("max_restarts", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+             ("fault_step", lambda v: v is None or (isinstance(v, int) and v >= 1), "an integer >= 1 (or null)")]
+    for key, ok, requirement in rules:
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not ok(value):
+            raise ConfigError(f"trainer.elastic.{key} must be {requirement}, got {value!r}")
 
 
 class ElasticDP:
@@ -128,6 +178,15 @@ class ElasticDP:
             offset += p.numel()
 
 
+def leader_present(dp: ElasticDP, is_leader: bool) -> bool:
+    """Whether the leader (replica 0) is in this quorum: one all-reduce of a flag only the leader sets, made
+    by every participant at the same point of each step. A replica whose request waited out the lighthouse's
+    join timeout while the leader was generating can land in a quorum without it, and must not train there
+    (it has no batch for that quorum's step). True after a failed collective (the attempt is discarded)."""
+    flag = dp._sum(torch.tensor([1.0 if is_leader else 0.0]))
+    return dp.manager.errored() is not None or float(flag[0]) > 0
+
+
 def trainer_state(trainer) -> dict:
     """What a healing replica copies from a peer: weights, optimizer, scheduler and policy version."""
     return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
@@ -143,11 +202,15 @@ def load_trainer_state(trainer, state: dict) -> None:
 
 @contextmanager
 def replica_manager(trainer, lighthouse_addr: str, replica_id: str, timeout_s: float = 10.0,
-                    min_replicas: int = 1, quorum_timeout_s: float = 60.0) -> Iterator[object]:
+                    min_replicas: int = 1, quorum_timeout_s: float = 60.0, init_sync: bool = True,
+                    load_state: Callable[[dict], None] | None = None) -> Iterator[object]:
     """A torchft Manager for one trainer replica (a replica group of one process) that heals from a peer.
-    ``timeout_s``: a dead peer's all-reduce fails after at most this."""
-    with replica_group(lambda: trainer_state(trainer), lambda sd: load_trainer_state(trainer, sd), lighthouse_addr,
-                       replica_id, timeout_s, quorum_timeout_s, min_replicas) as manager:
+    ``timeout_s``: a dead peer's all-reduce fails after at most this. ``init_sync=False`` when every replica
+    starts from the same state (no copy at step 0: only a replica that is behind heals). ``load_state``: how a
+    heal loads the peer's state (default ``load_trainer_state``)."""
+    load = load_state or (lambda sd: load_trainer_state(trainer, sd))
+    with replica_group(lambda: trainer_state(trainer), load, lighthouse_addr, replica_id, timeout_s,
+                       quorum_timeout_s, min_replicas, init_sync=init_sync) as manager:
         yield manager
 
 
@@ -224,9 +287,11 @@ class ElasticTrainer:
         """``Trainer.step`` on ``batch`` over the live replicas (every replica passes the same batch)."""
         return self.step_at(lambda _: batch)
 
-    def step_at(self, batch_of: Callable[[int], TrainBatch]) -> dict[str, float]:
+    def step_at(self, batch_of: Callable[[int], TrainBatch | None]) -> dict[str, float] | None:
         """One committed step; ``batch_of(k)`` is the whole batch of quorum step k (asked after the quorum:
-        a replica that has just healed jumps to the quorum's step there)."""
+        a replica that has just healed jumps to the quorum's step there). ``batch_of`` returning None means
+        this quorum is not one to train in (a replica without its leader, ``leader_present``): the attempt
+        is left uncommitted and None returned."""
         for _ in range(self.max_attempts):
             self.manager.start_quorum()
             snap = trainer_state(self.trainer)  # after the quorum: a replica that healed keeps the healed state
@@ -237,7 +302,12 @@ class ElasticTrainer:
             participants = self.manager.num_participants()
             if self.check_replicas:
                 self._check_at_rest(step)
-            metrics = self.trainer.step(batch_of(step))
+            batch = batch_of(step)
+            if batch is None:
+                self.manager.report_error(RuntimeError(f"quorum step {step}: not a step to train in"))
+                self.manager.should_commit()
+                return None
+            metrics = self.trainer.step(batch)
             left = self._compare_replicas(step) if self.check_replicas else None
             if self.manager.should_commit():
                 self._left = (step, left) if left is not None else None

@@ -67,6 +67,7 @@ from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoi
 from tidal.train.critic import Critic, CriticConfig, CriticTargets, check_supported
 from tidal.train.diloco import DiLoCoConfig
 from tidal.train.distributed import LOCAL, DataParallel
+from tidal.train.elastic_dp import ElasticConfig, validate_elastic
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
@@ -111,16 +112,21 @@ class TrainerConfig:
     data_parallel: str = "fsdp"
     """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
     ``train/distributed.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
-    every ``diloco.sync_every`` optimizer steps, ``train/diloco_trainer.py``). Ignored in one process."""
+    every ``diloco.sync_every`` optimizer steps, ``train/diloco_trainer.py``); both are ignored in one
+    process. ``elastic`` is launched without torchrun: the run's process starts ``elastic.replicas - 1``
+    replica processes and keeps training when one dies (``train/elastic_leader.py``, docs/faults.md)."""
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     """The outer loop with ``data_parallel=diloco``. ``sync_every`` counts optimizer steps
     (``num_minibatches`` per trainer step); the default H=500 is the paper's, far apart for an RL run."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """The replicas with ``data_parallel=elastic``: how many, failure timeouts, restarts."""
 
 
 def validate(cfg: TrainerConfig) -> None:
     """Raise a ConfigError naming the key when the trainer config cannot run (overrides bypass __init__)."""
-    if cfg.data_parallel not in ("fsdp", "diloco"):
-        raise ConfigError(f"trainer.data_parallel must be fsdp or diloco, got {cfg.data_parallel!r}")
+    if cfg.data_parallel not in ("fsdp", "diloco", "elastic"):
+        raise ConfigError(f"trainer.data_parallel must be fsdp, diloco or elastic, got {cfg.data_parallel!r}")
+    validate_elastic(cfg.elastic)
     try:
         cfg.diloco.__post_init__()
     except ValueError as e:
