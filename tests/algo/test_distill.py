@@ -63,6 +63,33 @@ def test_sparse_renormalize_hand_computed():
         sparse_forward_kl(Q, *topk_sparsify(P, 2), residual="drop")
 
 
+def test_sparse_uniform_tail_hand_computed():
+    # k = 1: the teacher read as (0.5, 0.25, 0.25); student (0.25, 0.25, 0.5)
+    expect = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.25) + 0.25 * math.log(0.25 / 0.5)
+    close(sparse_forward_kl(Q, *topk_sparsify(P, 1), residual="uniform_tail"), [expect])
+    close(expect, 0.173287, 1e-6)
+    # k = V - 1 (one tail token: uniform is exact) and k = V: the full KL
+    close(sparse_forward_kl(Q, *topk_sparsify(P, 2), residual="uniform_tail"), [FULL])
+    close(sparse_forward_kl(Q, *topk_sparsify(P, 3), residual="uniform_tail"), [FULL])
+    # a teacher whose tail is flat: the uniform reading is the teacher, so the loss is the full KL at any k
+    flat = torch.tensor([[0.6, 0.1, 0.1, 0.1, 0.1]]).log()
+    student = torch.tensor([[0.3, 0.4, 0.1, 0.1, 0.1]]).log()
+    close(sparse_forward_kl(student, *topk_sparsify(flat, 1), residual="uniform_tail"),
+          full_forward_kl(student, flat))
+
+
+def test_uniform_tail_gradient_pulls_the_student_tail_flat():
+    teacher = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).log()
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True)  # a skewed tail
+    sparse_forward_kl(logits.log_softmax(-1), *topk_sparsify(teacher, 1), residual="uniform_tail").sum().backward()
+    grad = logits.grad[0, 1:]
+    assert grad[0] > 0 > grad[2]  # down where the tail is above flat, up where below
+    logits.grad = None
+    sparse_forward_kl(logits.log_softmax(-1), *topk_sparsify(teacher, 1)).sum().backward()  # tail bucket
+    g = logits.grad[0, 1:]
+    assert torch.allclose(g / g.sum(), logits.detach()[0, 1:].softmax(-1), atol=1e-6)  # shape-preserving
+
+
 def test_tail_bucket_is_a_lower_bound_of_full_kl_and_tightens_with_k():
     gen = torch.Generator().manual_seed(0)
     teacher = torch.randn(64, 51, generator=gen).mul(3).log_softmax(-1)

@@ -20,6 +20,12 @@ positions over a V-token vocabulary; ``_n`` one value per position):
     teacher puts no mass outside the top-k; the student is never pushed to put zero mass on the tail
     (the bias of truncating a distribution that Anshumann et al., "Sparse Logit Sampling", arXiv
     2503.16870, show for top-k caching).
+  * ``uniform_tail``: the residual is read as spread evenly over the V - k other tokens (the reading
+    ``sparse_information_loss`` measures against), and the loss is the full KL to that distribution:
+    the tail bucket's terms plus r times the KL from the uniform tail to the student's tail shape. Where
+    the tail bucket leaves the shape of the student's tail untrained (whatever it was at the start),
+    this pulls it toward flat; it helps when the teacher's tail is closer to flat than the student's
+    (a teacher's leakage over thousands of unrelated tokens), and costs nothing in storage.
   * ``renormalize``: the top-k probabilities are rescaled to sum to 1 and the residual is dropped:
     cross-entropy of the student's (full-softmax) log-probs on the top-k ids against p_i / (1 - r),
     minus that distribution's entropy (so it is 0 when the student matches it on those ids and has
@@ -40,7 +46,7 @@ import math
 
 import torch
 
-RESIDUAL_MODES = ("tail_bucket", "renormalize")
+RESIDUAL_MODES = ("tail_bucket", "uniform_tail", "renormalize")
 
 
 def topk_sparsify(teacher_logp_nv: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,9 +77,11 @@ def sparse_forward_kl(student_logp_nv: torch.Tensor, ids_nk: torch.Tensor, teach
         sum_i p_i (log p_i - log q_i) + r (log r - log q_tail),   q_tail = sum_{v not in top-k} q_v;
     a term with p_i = 0 (or r = 0) is 0. ``renormalize``: p'_i = p_i / (1 - r),
         sum_i p'_i (log p'_i - log q_i),
-    with q_i the student's full-softmax probabilities (the residual is dropped). q_tail is the student's
-    mass outside the k ids, summed directly (``student_tail_logmass``); ``eps`` floors it and r inside
-    the logs."""
+    with q_i the student's full-softmax probabilities (the residual is dropped). ``uniform_tail``: the
+    teacher read as top-k plus u = r / (V - k) on every other token,
+        sum_i p_i (log p_i - log q_i) + sum_{v not in top-k} u (log u - log q_v)
+    (0 tail terms at k = V). q_tail is the student's mass outside the k ids, summed directly
+    (``student_tail_logmass``); ``eps`` floors it and r inside the logs."""
     if residual not in RESIDUAL_MODES:
         raise ValueError(f"residual={residual!r}: use one of {RESIDUAL_MODES}")
     q_logp_nk = student_logp_nv.gather(-1, ids_nk.long())
@@ -83,6 +91,14 @@ def sparse_forward_kl(student_logp_nv: torch.Tensor, ids_nk: torch.Tensor, teach
         p_logp_nk = p_logp_nk - torch.log1p(-r_n.clamp(max=1.0 - eps)).unsqueeze(-1)
         return (p_logp_nk.exp() * (p_logp_nk - q_logp_nk)).sum(-1)
     top_n = (p_logp_nk.exp() * (p_logp_nk - q_logp_nk)).sum(-1)
+    if residual == "uniform_tail":
+        num_tail = student_logp_nv.shape[-1] - ids_nk.shape[-1]
+        if num_tail == 0:
+            return top_n
+        u_n = r_n / num_tail
+        sum_log_q_tail_n = student_logp_nv.sum(-1) - q_logp_nk.sum(-1)
+        tail_n = r_n * u_n.clamp(min=eps).log() - u_n * sum_log_q_tail_n
+        return top_n + torch.where(r_n > 0, tail_n, torch.zeros_like(r_n))
     log_q_tail_n = student_tail_logmass(student_logp_nv, ids_nk).clamp(min=math.log(eps))
     tail_n = torch.where(r_n > 0, r_n * (r_n.clamp(min=eps).log() - log_q_tail_n), torch.zeros_like(r_n))
     return top_n + tail_n

@@ -64,7 +64,8 @@ class StudentConfig:
     pack_tokens: int = 128
     """Longest packed row of the SFT loss, in tokens (CPU attention within a row is O(row^2))."""
     residual: str = "tail_bucket"
-    """k-sparse KL: how the residual mass is handled (``tail_bucket`` or ``renormalize``; algo/distill.py)."""
+    """k-sparse KL: how the residual mass is handled (``tail_bucket``, ``uniform_tail`` or ``renormalize``;
+    algo/distill.py)."""
     seed: int = 0
     """Order in which sequences are drawn."""
     max_time_s: float | None = None
