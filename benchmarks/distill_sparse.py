@@ -23,11 +23,12 @@ temperature 1, as ``tidal distill logits`` stores them), take exactly ``student_
 cosine decay to 0, and are read once at the end by their full forward KL to the teacher on the response
 positions of held-out teacher samples (``eval_kl``). The k-sparse targets are what the store keeps: top-k
 ids, fp16 log-probs, the residual read as ``residual`` says (default a tail bucket;
-``algo/distill.sparse_forward_kl``). Per seed, a k arm's gap = eval_kl(k) / eval_kl(full) - 1; ``k32_rel_loss_gap`` is the median over seeds, beside the
-full-KL students' own spread across seeds (the noise a gap has to clear). Also reported per k: bytes per
-position against the full fp32 distribution, the teacher's residual mass and information lost, and the
-same-weights objective gap (sparse loss over full KL on the full-KL student's weights: what the target
-alone changes, free of training noise).
+``algo/distill.sparse_forward_kl``). Per seed, a k arm's gap = eval_kl(k) / eval_kl(full) - 1;
+``k32_rel_loss_gap`` is the median over seeds, beside the full-KL students' own spread across seeds
+(the noise a gap has to clear). Also reported per k: bytes per position against the full fp32
+distribution, the teacher's residual mass and information lost, and the same-weights objective gap
+(sparse loss over full KL on the full-KL student's weights: what the target alone changes, free of
+training noise).
 
     tidal bench distill_sparse [--set seeds=[0,1,2]] [--set ks=[1,8,32]] [--set noise=0.1] [--set student_steps=300]
 """
@@ -53,8 +54,12 @@ from tidal.algo.distill import (
     sparse_information_loss,
     topk_sparsify,
 )
+from tidal.bench import load
 from tidal.config import apply_overrides
 from tidal.rollout.slots import cache_kwargs
+
+_lm = load("_lm")  # benchmarks/_lm.py
+cosine, train_lm = _lm.cosine, _lm.train_lm
 
 DESCRIPTION = "k-sparse vs full KL students at a 4,096-token vocabulary with a peaked teacher (reversal task)"
 
@@ -130,33 +135,17 @@ def response_logp(model, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return logits.float().log_softmax(-1).flatten(0, 1)
 
 
-def cosine(step: int, steps: int, peak: float, warmup: int = 0) -> float:
-    """Linear warm-up over ``warmup`` steps, then a half cosine from ``peak`` to 0 at ``steps``."""
-    return peak * min(1.0, (step + 1) / warmup if warmup else 1.0) * 0.5 * (1 + math.cos(math.pi * step / steps))
-
-
 def train_teacher(s: Settings) -> tuple[Qwen2ForCausalLM, dict, list[dict]]:
     """(teacher, the state after ``student_step`` steps, curve): supervised on response tokens."""
     torch.manual_seed(s.teacher_seed)
     model, gen = build_model(s), torch.Generator().manual_seed(s.teacher_seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.teacher_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    start, curve = None, []
-    for step in range(s.teacher_steps):
-        for group in opt.param_groups:
-            group["lr"] = cosine(step, s.teacher_steps, s.teacher_lr, s.teacher_warmup)
+
+    def step_loss(_: int) -> torch.Tensor:
         seqs = task_sequences(s, s.batch_size, gen)
         logp = response_logp(model, seqs, s.prompt_len)  # supervised on the response tokens only
-        loss = -logp.gather(-1, seqs[:, s.prompt_len + 1 :].reshape(-1, 1)).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step + 1 == s.student_step:
-            start = {k: v.clone() for k, v in model.state_dict().items()}
-        if (step + 1) % max(s.teacher_steps // 10, 1) == 0:
-            curve.append({"step": step + 1, "train_nll": round(loss.item(), 4)})
-    if start is None:
-        raise ValueError(f"student_step={s.student_step} must be in 1..teacher_steps={s.teacher_steps}")
+        return -logp.gather(-1, seqs[:, s.prompt_len + 1 :].reshape(-1, 1)).mean()
+
+    start, curve = train_lm(model, s.teacher_steps, s.teacher_lr, step_loss, s.student_step, s.teacher_warmup)
     return model.eval(), start, curve
 
 

@@ -26,7 +26,6 @@ LLM's would, so the losses here lean pessimistic). Seconds are measured on a sha
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import sysconfig
 import time
@@ -45,7 +44,10 @@ from tidal.algo.distill import (
     sparse_information_loss,
     topk_sparsify,
 )
+from tidal.bench import load
 from tidal.config import apply_overrides
+
+train_lm = load("_lm").train_lm  # benchmarks/_lm.py
 
 DESCRIPTION = "k-sparse teacher store at a realistic vocabulary: bytes, information lost, loss change (local BPE LM)"
 
@@ -129,22 +131,14 @@ def run(overrides: list[str], out_dir: Path) -> dict:
                          num_attention_heads=4, num_key_value_heads=4, intermediate_size=4 * s.hidden_size,
                          tie_word_embeddings=True, max_position_embeddings=s.seq_len)
     model = Qwen2ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(s.seed)
-    student_state, t0, curve = None, time.perf_counter(), []
-    for step in range(s.steps):
-        for group in opt.param_groups:
-            group["lr"] = s.lr * 0.5 * (1 + math.cos(math.pi * step / s.steps))
+
+    def step_loss(_: int) -> torch.Tensor:
         batch = train_w[[rng.randrange(len(train_w)) for _ in range(s.batch_size)]]
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step + 1 == s.student_step:
-            student_state = {k: v.clone() for k, v in model.state_dict().items()}
-        if (step + 1) % max(s.steps // 10, 1) == 0:
-            curve.append({"step": step + 1, "train_nll": loss.item()})
+        return model(input_ids=batch, labels=batch).loss
+
+    t0 = time.perf_counter()
+    student_state, curve = train_lm(model, s.steps, s.lr, step_loss, s.student_step)
     train_s = time.perf_counter() - t0
     model.eval()
     with torch.no_grad():
@@ -152,8 +146,6 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         targets = held_w[:, 1:].flatten()
         nll = float(-teacher_logp.gather(-1, targets[:, None]).mean())
         entropy = float(-(teacher_logp.exp() * teacher_logp).sum(-1).mean())
-        if student_state is None:
-            raise ValueError(f"student_step={s.student_step} must be in 1..steps={s.steps}")
         model.load_state_dict(student_state)
         student_logp = model(input_ids=held_w).logits[:, :-1].float().log_softmax(-1).flatten(0, 1)
         full_kl = float(full_forward_kl(student_logp, teacher_logp).mean())
