@@ -32,7 +32,7 @@ needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
 def test_config_errors_name_the_key(tmp_path):
     bad = TrainerConfig()
     bad.data_parallel = "ddp"  # as an override sets it: no __init__
-    with pytest.raises(ConfigError, match="trainer.data_parallel must be fsdp or diloco, got 'ddp'"):
+    with pytest.raises(ConfigError, match="trainer.data_parallel must be fsdp, diloco or elastic, got 'ddp'"):
         validate(bad)
     bad = TrainerConfig(data_parallel="diloco")
     bad.diloco.sync_every = 0
