@@ -5,6 +5,8 @@
   ``DiLoCoTrainer``: after each sync both ranks hold the same parameters, equal to the hand-written outer
   step (``outer_step_reference``) applied to two plain 1-process trainers that each trained on their own
   share of the groups (own denominators), including a batch with one group, where rank 1 has nothing.
+  After every round the ranks' weights agree bit for bit (the replica check finds nothing), and a bit
+  flipped on rank 1 right after a round's outer update is found there, naming the layer (slow).
 - ``tidal train quickstart`` under torchrun with DiLoCo finishes and logs the bytes and sync count (slow).
 """
 
@@ -61,7 +63,27 @@ def _trainer():
                    OptimConfig(lr=3e-3, warmup_steps=0), TrainerConfig())
 
 
-def _worker(rank: int, world: int, port: int, out: str, outer: tuple[float, float]) -> None:
+FLIPPED = "model.layers.1.mlp.up_proj.weight"
+"""The parameter whose bit rank 1 flips right after round 1's outer update (``flip``)."""
+
+
+def _flip_after_first_sync(worker) -> None:
+    """Fault injection on this rank: the first inner step that ends after round 1 flips bit 20 of one weight
+    (a post-step hook registered after DiLoCo's, which runs the sync): what a corrupted outer update on
+    this worker leaves behind."""
+    from tidal.train.faults import flip_bit
+
+    done = []
+
+    def hook(*_):
+        if not done and worker.manager.current_step() == 1:
+            flip_bit(dict(worker.trainer.model.named_parameters())[FLIPPED].data, 5, 20)
+            done.append(True)
+
+    worker.trainer.optimizer.register_step_post_hook(hook)
+
+
+def _worker(rank: int, world: int, port: int, out: str, outer: tuple[float, float], flip: bool = False) -> None:
     from tidal.train.diloco import DiLoCoConfig, start_lighthouse
     from tidal.train.diloco_trainer import DiLoCoTrainer, broadcast_weights
     from tidal.train.distributed import LeaderTrainer, follow, init_distributed, teardown
@@ -75,6 +97,8 @@ def _worker(rank: int, world: int, port: int, out: str, outer: tuple[float, floa
     broadcast_weights(trainer.model)
     cfg = DiLoCoConfig(sync_every=H, outer_lr=outer[0], outer_momentum=outer[1], timeout_s=30)
     worker = DiLoCoTrainer(trainer, cfg, dp, addr)
+    if flip and rank == 1:
+        _flip_after_first_sync(worker)
     metrics = []
     try:
         if rank == 0:
@@ -89,7 +113,7 @@ def _worker(rank: int, world: int, port: int, out: str, outer: tuple[float, floa
             lighthouse.shutdown()
         teardown()
     torch.save({"params": [p.detach() for p in trainer.model.parameters()], "metrics": metrics,
-                "version": trainer.version}, Path(out) / f"rank{rank}.pt")
+                "version": trainer.version, "incidents": worker.incidents}, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.mark.slow
@@ -131,6 +155,24 @@ def test_two_ranks_match_the_reference_outer_step(tmp_path, outer):
     syncs = [m["perf/diloco_syncs"] for m in got[0]["metrics"]]
     assert syncs == [0.0, 1.0, 1.0, 2.0]
     assert got[0]["metrics"][-1]["perf/diloco_bytes"] == 2 * num_params * 4, "one fp32 all-reduce per round"
+    # after each round both ranks hold the same weights bit for bit: the replica check finds nothing
+    assert [m["diloco/replica_mismatches"] for m in got[0]["metrics"]] == [0.0] * len(BATCHES)
+    assert got[0]["incidents"] == got[1]["incidents"] == []
+
+
+@pytest.mark.slow
+@needs_torchft
+def test_a_flip_on_one_rank_after_a_sync_is_found_and_named(tmp_path):
+    """Rank 1's weights are corrupted right after round 1's outer update: the post-sync comparison names
+    rank 1 and the layer, on both ranks, at round 1."""
+    from tidal.train.sdc import layer_of
+
+    spawn(_worker, 2, (_free_port(), str(tmp_path), (0.7, 0.9), True), timeout_s=180)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    want = {"round": 1, "entry": layer_of(FLIPPED), "ambiguous": True, "ranks": [0, 1]}  # 2 ranks: a tie
+    for g in got:
+        assert g["incidents"][0] == want, g["incidents"]
+    assert got[0]["metrics"][1]["diloco/replica_mismatches"] >= 1.0
 
 
 # ---- the command line under torchrun ---------------------------------------------------------------

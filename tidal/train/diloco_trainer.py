@@ -30,11 +30,23 @@ Checkpoints are rank 0's replica, inner optimizer and scheduler in the 1-process
 0 alone; every rank resumes from them (so a run may resume on a different number of processes, or one).
 Lost on resume: the other replicas' drift since the last sync and the outer Nesterov momentum (the
 first round after a resume seeds it afresh, as round one does).
+
+Silent data corruption. The 1-process SDC guard (recording, replay) is off under torchrun
+(``system/data_parallel.py``); what DiLoCo gives instead is a moment when every replica must hold the
+same weights: right after a round that synced the whole model (one fragment, no local mix-in, the sync on
+the trainer step's last inner step), every worker has applied the same averaged pseudo-gradient with the
+same outer optimizer to the same global parameters. So after each such round the ranks all-gather a
+fingerprint per layer (``sdc.param_checksums``; a few int64s per layer over the default group) and a rank
+whose layer differs from the others' is named in a warning (``elastic_dp.disagreeing_ranks``) and counted
+in ``diloco/replica_mismatches``. It catches a flip in a replica's weights or outer state that survived
+to the sync; a flip in one worker's inner steps is averaged into everyone's update alike (replay needs
+that worker's own rows) and is not found this way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from contextlib import ExitStack
 
 import torch
@@ -43,8 +55,12 @@ import torch.distributed as dist
 from tidal.train.critic import check_supported
 from tidal.train.diloco import DiLoCoConfig, diloco_worker
 from tidal.train.distributed import DataParallel
+from tidal.train.elastic_dp import disagreeing_ranks, fingerprint_row
+from tidal.train.sdc import param_checksums
 from tidal.train.trainer import Trainer, minibatches
 from tidal.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 def rows_of(batch: TrainBatch, rows: list[int]) -> TrainBatch:
@@ -73,6 +89,10 @@ class DiLoCoTrainer:
             check_supported(trainer.cfg, data_parallel=True)
         self.trainer = trainer
         self.dp = dp
+        self.cfg = cfg
+        self.inner_steps = 0
+        """Inner optimizer steps since this worker joined (torchft's DiLoCo counts from 0 there too)."""
+        self.incidents: list[dict] = []
         self._stack = ExitStack()
         self.manager, self.stats = self._stack.enter_context(
             diloco_worker(trainer.model, trainer.optimizer, cfg, lighthouse_addr, f"rank{dp.rank}"))
@@ -100,9 +120,36 @@ class DiLoCoTrainer:
             self.trainer.optimizer.zero_grad(set_to_none=True)
             self.trainer.optimizer.step()
             self.trainer.scheduler.step()
+        self.inner_steps += num_chunks
+        if self.inner_steps % self.cfg.sync_every == 0 and self.whole_model_syncs():
+            self.compare_replicas()
         metrics["perf/diloco_bytes"] = float(self.stats.bytes_sent)
         metrics["perf/diloco_syncs"] = float(self.manager.current_step())
+        metrics["diloco/replica_mismatches"] = float(len(self.incidents))
         return metrics
+
+    def whole_model_syncs(self) -> bool:
+        """Whether a round leaves every worker with the global weights exactly (module docstring)."""
+        return self.cfg.num_fragments == 1 and self.cfg.fragment_update_alpha == 0.0
+
+    def compare_replicas(self) -> None:
+        """After a whole-model sync: every rank's per-layer fingerprint of its weights, gathered; a rank that
+        disagrees is reported. Skipped when a round had fewer participants than ranks (one left behind
+        legitimately holds other weights). Collective: every rank calls it at the same step."""
+        sums = param_checksums(self.trainer.model)
+        keys = sorted(sums)
+        bits = torch.zeros(self.dp.world_size, len(keys), dtype=torch.long)
+        bits[self.dp.rank] = fingerprint_row(sums, keys)
+        dist.all_reduce(bits)  # a sum of one-hot rows: the gathered table
+        if self.manager.num_participants() != self.dp.world_size:
+            return
+        round_ = self.manager.current_step()
+        for found in disagreeing_ranks(bits, keys):
+            incident = {"round": round_, **found}
+            self.incidents.append(incident)
+            log.warning("silent data corruption on a DiLoCo worker: after round %d, the weights of %s differ on "
+                        "rank(s) %s%s", round_, found["entry"], found["ranks"],
+                        " (two-way tie: either side)" if found["ambiguous"] else "")
 
     def skip_step(self) -> None:
         self.trainer.skip_step()

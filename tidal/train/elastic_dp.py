@@ -236,6 +236,12 @@ def _signed(bits: int) -> int:
     return bits - (1 << 64) if bits >= 1 << 63 else bits
 
 
+def fingerprint_row(checksums: dict, keys: list[str]) -> torch.Tensor:
+    """``[len(keys)]`` int64: each entry's fingerprint (``sdc.Checksum``'s bits), ready to be gathered from
+    every replica into the ``[ranks, keys]`` table ``disagreeing_ranks`` reads."""
+    return torch.tensor([_signed(checksums[k][0]) for k in keys], dtype=torch.long)
+
+
 class ElasticTrainer:
     """One replica of an elastic data-parallel ``Trainer`` (built with ``dp=ElasticDP(manager)``).
 
@@ -271,7 +277,7 @@ class ElasticTrainer:
     def _compare_replicas(self, step: int) -> dict:
         left = state_checksums(self.trainer.model, self.trainer.optimizer)
         keys = sorted(left)
-        bits = self.trainer.dp._gather(torch.tensor([_signed(left[k][0]) for k in keys], dtype=torch.long))
+        bits = self.trainer.dp._gather(fingerprint_row(left, keys))
         if self.manager.errored() is None:
             for found in disagreeing_ranks(bits, keys):
                 self._report({"step": step, "phase": "optimizer", **found, "how": "replicas compared"})
