@@ -16,9 +16,10 @@ and a small Qwen2 causal LM trained on the rest for ``steps`` steps. The model s
   changes, with no training noise;
 - bytes per position of the store (k x 4 + 4) against the full fp32 distribution (4 x V).
 
-What it cannot show: training a student on a large-vocabulary store (a CPU-trained model of this size
-is far from a real teacher, and its flatter distribution leaves more mass in the tail than a strong
-LLM's would, so the losses here lean pessimistic). Seconds are measured on a shared machine.
+What it does not do: train a student on the store (a CPU-trained language model of this size is far
+from a real teacher, and its flatter distribution leaves more mass in the tail than a strong LLM's would,
+so the losses here lean pessimistic); ``tidal bench distill_sparse`` trains k-sparse and full-KL students
+at a 4,096-token vocabulary with a peaked teacher. Seconds are measured on a shared machine.
 
     tidal bench distill_vocab [--set vocab_size=8192] [--set steps=300] [--set ks=[1,8,32,256]]
 """
