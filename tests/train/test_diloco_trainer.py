@@ -196,3 +196,14 @@ def test_tidal_train_under_torchrun_with_diloco(tmp_path):
     num_params = sum(p.numel() for p in model.parameters())
     assert last["perf/diloco_syncs"] >= 1
     assert last["perf/diloco_bytes"] == last["perf/diloco_syncs"] * num_params * 4
+
+
+def test_quiet_torchft_keeps_a_user_setting(monkeypatch):
+    from tidal.train.replica_group import quiet_torchft
+
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    quiet_torchft()
+    assert os.environ["RUST_LOG"] == "warn"
+    monkeypatch.setenv("RUST_LOG", "debug")
+    quiet_torchft()
+    assert os.environ["RUST_LOG"] == "debug"

@@ -22,6 +22,7 @@ from tidal.system.controller import RunResult
 from tidal.train.checkpoint import latest_checkpoint
 from tidal.train.elastic_leader import elastic_leader
 from tidal.train.elastic_replica import ReplicaSpec
+from tidal.train.replica_group import quiet_torchft
 
 
 def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult:
@@ -29,6 +30,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("trainer.data_parallel=elastic starts and restarts its own replica processes: run "
                           "`tidal train` without torchrun (trainer.elastic.replicas sets how many)")
+    quiet_torchft()
     try:
         import torchft  # noqa: F401
     except ImportError:
