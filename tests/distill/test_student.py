@@ -1,8 +1,9 @@
 """Student losses: the packed SFT loss equals the padded one; sparse KL at k = V equals full KL."""
 
+import pytest
 import torch
 
-from tidal.algo.distill import full_forward_kl, topk_sparsify
+from tidal.algo.distill import RESIDUAL_MODES, full_forward_kl, topk_sparsify
 from tidal.distill.shards import SparseSequence
 from tidal.distill.student import (
     StudentConfig,
@@ -49,7 +50,8 @@ def test_packed_micro_batched_sft_equals_the_padded_labels_loss():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(packed, grads(model)))
 
 
-def test_sparse_kl_with_k_equal_to_vocab_equals_full_kl():
+@pytest.mark.parametrize("residual", RESIDUAL_MODES)
+def test_sparse_kl_with_k_equal_to_vocab_equals_full_kl(residual):
     teacher, tok = small(1)
     student, _ = small(2)
     with torch.no_grad():
@@ -60,7 +62,7 @@ def test_sparse_kl_with_k_equal_to_vocab_equals_full_kl():
         ids, lp, res = topk_sparsify(logp[row : row + len(r)], len(tok))
         data.append(SparseSequence(p, r, ids, lp, res))
         row += len(r)
-    cfg = StudentConfig()
+    cfg = StudentConfig(residual=residual)  # every reading of the residual is exact with no residual
     sparse, _ = sparse_kl_loss(student, data, tok.pad_token_id, cfg)
     g_sparse = grads(student)
     student.zero_grad()
