@@ -71,6 +71,23 @@ def test_sparse_kl_with_k_equal_to_vocab_equals_full_kl(residual):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_sparse, grads(student)))
 
 
+@pytest.mark.parametrize("residual", ["tail_bucket", "uniform_tail"])
+def test_a_one_token_tail_is_exact_through_the_student_loss(residual):
+    """k = V - 1: the tail is one token, so the bucket and the flat reading both equal the full KL."""
+    teacher, tok = small(1)
+    student, _ = small(2)
+    with torch.no_grad():
+        logp = response_logprobs(teacher, SEQS, tok.pad_token_id)
+    data, row = [], 0
+    for p, r in SEQS:
+        data.append(SparseSequence(p, r, *topk_sparsify(logp[row : row + len(r)], len(tok) - 1)))
+        row += len(r)
+    sparse, _ = sparse_kl_loss(student, data, tok.pad_token_id, StudentConfig(residual=residual))
+    student.zero_grad()
+    full, _ = full_kl_loss_with(teacher)(student, SEQS, tok.pad_token_id, StudentConfig())
+    assert abs(sparse - full) < 1e-5 and full > 0.01
+
+
 def test_training_on_the_teacher_distribution_lowers_the_kl():
     teacher, tok = small(1)
     student, _ = small(2)
