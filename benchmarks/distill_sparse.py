@@ -192,10 +192,6 @@ def train_student(teacher, start: dict, data: list[torch.Tensor], k: int | None,
     return student.eval()
 
 
-def median(values: list[float]) -> float:
-    return float(statistics.median(values))
-
-
 def run(overrides: list[str], out_dir: Path) -> dict:
     s = apply_overrides(Settings(), overrides)
     if not 0.0 <= s.noise <= 1.0:
@@ -254,10 +250,10 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         base_kl = float(full_forward_kl(response_logp(base, held, s.prompt_len), held_t).mean())
     for r in table:
         k = r["k"]
-        r["student_gap_median"] = median([p[f"k{k}_gap"] for p in per_seed])
+        r["student_gap_median"] = statistics.median([p[f"k{k}_gap"] for p in per_seed])
         r["student_gap_min"] = min(p[f"k{k}_gap"] for p in per_seed)
         r["student_gap_max"] = max(p[f"k{k}_gap"] for p in per_seed)
-        r["objective_gap_median"] = median([p[f"k{k}_objective_gap"] for p in per_seed])
+        r["objective_gap_median"] = statistics.median([p[f"k{k}_objective_gap"] for p in per_seed])
     full_kls = [p["full_eval_kl"] for p in per_seed]
     k32 = next((r for r in table if r["k"] == 32), None)
     return {
@@ -265,8 +261,8 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         "k32_rel_loss_gap": k32["student_gap_median"] if k32 else None,
         "k32_bytes_fraction": k32["bytes_fraction"] if k32 else None,
         "k32_rel_objective_gap": k32["objective_gap_median"] if k32 else None,
-        "full_eval_kl_median": median(full_kls),
-        "full_eval_kl_spread": (max(full_kls) - min(full_kls)) / median(full_kls),
+        "full_eval_kl_median": statistics.median(full_kls),
+        "full_eval_kl_spread": (max(full_kls) - min(full_kls)) / statistics.median(full_kls),
         "start_eval_kl": base_kl, "per_seed": per_seed,
         "num_vocab": s.vocab_size, "full_bytes_per_position": full_bytes_per_position(s.vocab_size),
         "teacher_entropy": entropy, "teacher_token_accuracy": teacher_acc,

@@ -140,7 +140,7 @@ class DiLoCoTrainer:
         keys = sorted(sums)
         bits = torch.zeros(self.dp.world_size, len(keys), dtype=torch.long)
         bits[self.dp.rank] = fingerprint_row(sums, keys)
-        dist.all_reduce(bits)  # a sum of one-hot rows: the gathered table
+        self.dp.sum_(bits)  # a sum of one-hot rows: the gathered table
         if self.manager.num_participants() != self.dp.world_size:
             return
         round_ = self.manager.current_step()
