@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 TIMEOUT_S = 120
 TINY = [
@@ -88,6 +89,11 @@ BAD_VALUES = [  # a run that used to crash with a traceback, spin forever, or tr
     ("optim.betas=[0.9]", "optim.betas"),  # IndexError
     ("rollout.temperature=-1", "rollout.temperature"),  # said "trainer.temperature must equal ..."
     ("reward.num_workers=-3", "reward.num_workers"),  # silently ran 1 worker
+    ("system.device=tpu", "system.device"),
+    ("trainer.precision=fp16", "trainer.precision"),
+    ("rollout.dtype=int8", "rollout.dtype"),
+    # a GPU asked for on a machine without one: one line, not a CUDA traceback after the warm start
+    *([("system.device=cuda", "system.device")] if not torch.cuda.is_available() else []),
 ]
 
 

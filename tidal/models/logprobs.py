@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tidal.utils.device import model_device
+
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per LM-head chunk. One float32 [1024 x vocab] block is 4 KiB per vocab entry: 128 MiB at a 32k
 vocabulary, 594 MiB at Qwen2.5's 152k; the backward holds about three (measured, docs/memory.md). That
@@ -61,6 +63,9 @@ def token_logprobs(
     layouts where it is not the column before: prefix-shared tries (``train/prefix_tree.py``). Each
     token is then scored from its parent's output. Default: the column before."""
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
+    device = model_device(model)  # inputs built on the host (packing, tries) go where the weights are
+    input_ids_bt, attention_mask_bt, position_ids, parents_bt = (
+        x.to(device) if x is not None else None for x in (input_ids_bt, attention_mask_bt, position_ids, parents_bt))
     head = _linear_head(model)
     if head is None:
         extra = {} if position_ids is None else {"position_ids": position_ids}

@@ -35,6 +35,8 @@ class ValueModel(torch.nn.Module):
         self.head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+        self.autocast_dtype = torch.float32
+        """The decoder's autocast dtype (the trainer sets bf16 for ``trainer.precision=bf16``; the head stays fp32)."""
 
     @classmethod
     def from_policy(cls, policy: torch.nn.Module) -> ValueModel:
@@ -43,12 +45,17 @@ class ValueModel(torch.nn.Module):
         if get_decoder is None or get_decoder() is policy:
             raise TypeError(f"{type(policy).__name__} has no separate decoder (get_decoder()): the critic copies "
                             "a Hugging Face causal LM's transformer without its LM head")
-        return cls(copy.deepcopy(get_decoder()), policy.config.hidden_size)
+        return cls(copy.deepcopy(get_decoder()), policy.config.hidden_size).to(next(policy.parameters()).device)
 
     def forward(self, input_ids_bt: torch.Tensor, attention_mask_bt: torch.Tensor | None, *,
                 position_ids: torch.Tensor | None = None, parents_bt: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.decoder(input_ids=input_ids_bt, attention_mask=attention_mask_bt, position_ids=position_ids,
-                           use_cache=False)
+        device = self.head.weight.device  # inputs built on the host (packing, tries) go where the weights are
+        input_ids_bt, attention_mask_bt, position_ids, parents_bt = (
+            None if x is None else x.to(device) for x in (input_ids_bt, attention_mask_bt, position_ids, parents_bt))
+        bf16 = self.autocast_dtype != torch.float32
+        with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=bf16):
+            out = self.decoder(input_ids=input_ids_bt, attention_mask=attention_mask_bt, position_ids=position_ids,
+                               use_cache=False)
         hidden_bth = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         with torch.autocast(hidden_bth.device.type, enabled=False):
             v_bt = self.head(hidden_bth.float()).squeeze(-1)  # v_bt[:, t]: the state after token t

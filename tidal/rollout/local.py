@@ -36,6 +36,7 @@ from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache, cache_kwargs
 from tidal.rollout.thinking import open_close_prefix
 from tidal.types import Trajectory
+from tidal.utils.device import model_device, resolve_dtype
 
 
 @dataclass
@@ -52,6 +53,11 @@ class SamplingConfig:
     """Extra stop strings (EOS always stops)."""
     max_batch_size: int = 512
     """Most sequences decoded in one forward pass."""
+    dtype: str = "auto"
+    """The local engine's weights and KV cache: ``fp32`` or ``bf16`` (as vLLM serves); ``auto`` is bf16 on
+    CUDA, fp32 on CPU (``utils/device.py``). The engine lives on the device of the model it copies
+    (``system.device``). A bf16 engine samples from slightly different log-probs than the trainer computes:
+    ``train/logp_mismatch_mean`` shows the gap and ``algo.correction`` (TIS/MIS) corrects for it."""
     early_stop_run: int | None = None
     """MiniMax-M1's early truncation (arXiv 2506.13585, sec. 4): stop a sample once this many
     consecutive sampled tokens each had probability > ``early_stop_prob`` (finish_reason
@@ -137,6 +143,9 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: SamplingConfig, seed: int = 0, version: int = 0):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.device = model_device(self.model)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
+        self.model.to(self.dtype)
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.seed = seed
@@ -249,8 +258,8 @@ class LocalEngine:
     def _sample_step(self, rows: list[_Row], slots: SlotCache, temperature: float, on_done) -> list[_Row]:
         """Sample one token for every running row, hand finished rows out, decode the rest one step."""
         n = len(rows)
-        keys = torch.tensor([r.key for r in rows], dtype=torch.int64)
-        gen_pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)
+        keys = torch.tensor([r.key for r in rows], dtype=torch.int64, device=self.device)
+        gen_pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64, device=self.device)
         tokens, logps = sample_tokens(slots.logits[:n], keys, gen_pos, temperature, self.cfg.top_p)
         self._force_think_close(rows, tokens, logps)
         keep = torch.ones(n, dtype=torch.bool)
@@ -353,6 +362,7 @@ class LocalEngine:
         for r, s in enumerate(seqs):
             ids[r, width - len(s) :] = torch.tensor(s)
             mask[r, width - len(s) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -402,6 +412,7 @@ class LocalEngine:
                     past_k[layer][r, :, past - kept:] = kv.keys[layer][:, :kept]
                     past_v[layer][r, :, past - kept:] = kv.values[layer][:, :kept]
             self.num_reused_tokens += max(kept, 0)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         for layer, (k, v) in enumerate(zip(past_k, past_v)):

@@ -27,7 +27,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(keys_n: torch.Tensor, positions_n: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[n, V] uniforms in (0, 1), a pure function of (key, position, vocab id)."""
     row = _hash32(_hash32(keys_n & _M32) ^ ((positions_n * 0x27D4EB2D) & _M32) ^ (keys_n >> 32))
-    vocab = (torch.arange(vocab_size, dtype=torch.int64) * 0x165667B1) & _M32
+    vocab = (torch.arange(vocab_size, dtype=torch.int64, device=keys_n.device) * 0x165667B1) & _M32
     bits = _hash32(row[:, None] ^ vocab[None, :])
     return (bits.to(torch.float64) + 0.5) / 2**32
 

@@ -55,6 +55,7 @@ class SlotCache(Cache):
         self.heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         self.max_slots = max_slots
         self.min_columns = min_columns
         self.n = 0  # running rows, in slots [0, n)
@@ -62,9 +63,9 @@ class SlotCache(Cache):
         self.lo = 0  # the earliest column a running row attends to
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.start = torch.zeros(0, dtype=torch.long)
-        self.last_pos = torch.zeros(0, dtype=torch.long)
-        self.logits = torch.zeros(0, config.vocab_size)
+        self.start = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.last_pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.logits = torch.zeros(0, config.vocab_size, device=self.device)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self._resize(0, 0)
 
@@ -94,7 +95,7 @@ class SlotCache(Cache):
         n = self.n
         pos = self.last_pos[:n] + 1
         fed = slice(0, n) if shared is None else shared[0]
-        cols = torch.arange(self.lo, self.t + 1)
+        cols = torch.arange(self.lo, self.t + 1, device=self.device)
         mask = (cols[None, :] >= self.start[fed, None])[:, None, None, :]  # [rows fed, 1, q=1, span]
         self._fed = None if shared is None else shared[0]
         try:
@@ -185,7 +186,7 @@ class SlotCache(Cache):
         dst = self.lo if dst is None else dst
         new_kv = []
         for buf in (*self.keys, *self.values) if self.keys else [None] * (2 * self.num_layers):
-            new = torch.zeros(slots, self.heads, columns, self.head_dim, dtype=self.dtype)
+            new = torch.zeros(slots, self.heads, columns, self.head_dim, dtype=self.dtype, device=self.device)
             if buf is not None and n:
                 new[:n, :, dst : dst + span] = buf[:n, :, self.lo : self.t]
             new_kv.append(new)

@@ -67,6 +67,11 @@ class RolloutConfig(SamplingConfig):
 class SystemConfig:
     mode: Literal["sync", "async"] = "async"
     """``sync``: generate then train. ``async``: generate and train concurrently, bounded by eta."""
+    device: str = "auto"
+    """Where the policy, reference, critic, optimizer state and the local rollout engine (weights and KV
+    cache) live: ``auto`` (CUDA when torch sees a GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+    Reward workers stay CPU processes. The warm-started tiny base is built on the CPU either way
+    (``utils/device.py``; precision: ``trainer.precision``, ``rollout.dtype``)."""
     num_threads: int = 2
     """torch threads in sync mode, where generation and training take turns on all cores."""
     async_threads: int = 1

@@ -53,6 +53,7 @@ from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
+from tidal.utils.device import resolve_dtype
 from tidal.utils.progress import progress_bar
 
 
@@ -95,6 +96,11 @@ class Controller:
         self._unlogged: tuple[int, dict] | None = None  # (step, metrics) of a trained step not logged yet
         self._infra_failed = 0  # agent episodes left out because their environment failed
         self._resumed = state.step > 0  # marks this process's first row (``run/resumed``): counters restart there
+        # Weights go to a local engine already in its dtype (a bf16 engine is sent half the bytes); other
+        # engines take the trainer's.
+        self._engine_dtype = (resolve_dtype(cfg.rollout.dtype, trainer.device, "rollout.dtype")
+                              if cfg.rollout.engine == "local" and getattr(trainer, "device", None) is not None
+                              else None)
         self._setup_curriculum()
 
     # ---- the curriculum: what is drawn, how long, how it is scored (restored on resume) -------------
@@ -210,7 +216,8 @@ class Controller:
         return groups
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        self.eval_engine.request_weight_update(self.trainer.state_dict_for_engine(), self.trainer.version)
+        self.eval_engine.request_weight_update(self.trainer.state_dict_for_engine(dtype=self._engine_dtype),
+                                               self.trainer.version)
         budget = self.cfg.rollout.thinking.eval_budget
         trajs = greedy_samples(self.eval_engine, self.tokenizer, self.eval_prompts, self.reward_pool,
                                thinking=None if budget is None else (budget, self._think_close))
@@ -228,8 +235,9 @@ class Controller:
             self._unlogged = (step + 1, {"algo/empty_step": 1.0})
             self.trainer.skip_step()
             self._after_update(step, trajs, self._unlogged[1])
-            self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
-                                           self.trainer.version)
+            self.engine.request_weight_update(
+                self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant, self._engine_dtype),
+                self.trainer.version)
             return self._unlogged[1]
         rewards = [t.reward for t in trajs]
         metrics: dict[str, float] = {
@@ -271,8 +279,8 @@ class Controller:
         if self.samples is not None and self.samples.wants_train(step + 1):
             self.samples.record_train(step + 1, step, groups, batch, self.trainer)
         t0 = time.perf_counter()
-        self.engine.request_weight_update(self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant),
-                                           self.trainer.version)
+        self.engine.request_weight_update(
+            self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant, self._engine_dtype), self.trainer.version)
         metrics["perf/weight_sync_s"] = time.perf_counter() - t0
         metrics.update(self.trainer.weight_sync_metrics)  # bytes handed over, time to build them
         metrics["reward/errors"] = float(self.reward_pool.num_errors)

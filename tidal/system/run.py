@@ -203,7 +203,8 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base
-    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, critic=cfg.critic)
+    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, critic=cfg.critic,
+                      device=cfg.system.device)
 
     state = TrainingState(step=0, version=0, next_group=0, extra={})
     if ckpt is not None:

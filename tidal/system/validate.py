@@ -20,6 +20,7 @@ from tidal.config import ConfigError
 from tidal.system.config import RunConfig
 from tidal.system.sdc_guard import SDCConfig
 from tidal.train.trainer import validate as validate_trainer
+from tidal.utils.device import resolve_device, resolve_dtype
 
 Rule = tuple[str, Callable[[Any], bool], str]
 
@@ -262,6 +263,7 @@ def validate_run_config(cfg: RunConfig) -> None:
             raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
     _check_harness(cfg)
     validate_trainer(cfg.trainer)
+    _check_device(cfg)
     try:
         cfg.sdc.__post_init__()
     except ValueError as e:
@@ -273,6 +275,16 @@ def validate_run_config(cfg: RunConfig) -> None:
         betas = cfg.critic.optim.betas
         if len(betas) != 2 or not all(_fraction(b) for b in betas):
             raise ConfigError(f"critic.optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+
+
+def _check_device(cfg: RunConfig) -> None:
+    """``system.device`` exists on this machine; the precisions are known names (before the warm start)."""
+    device = resolve_device(cfg.system.device)
+    resolve_dtype(cfg.trainer.precision, device, "trainer.precision")
+    resolve_dtype(cfg.rollout.dtype, device, "rollout.dtype")
+    if device.type != "cpu" and cfg.system.backend == "ray":
+        raise ConfigError(f"system.device={cfg.system.device} with system.backend=ray: Ray's rollout workers run "
+                          "the local engine on CPU; use system.device=cpu with Ray, or the local backend on a GPU")
 
 
 def _check_elastic(cfg: RunConfig) -> None:

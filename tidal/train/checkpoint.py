@@ -187,7 +187,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
     scheduler.load_state_dict(blob["scheduler"])
     set_rng_state(blob["rng"])
     for name, component in (components or {}).items():
-        component.load_state_dict(torch.load(Path(path) / f"{name}.pt", weights_only=False))
+        component.load_state_dict(torch.load(Path(path) / f"{name}.pt", weights_only=False, map_location="cpu"))
     return TrainingState(**blob["state"])
 
 
@@ -197,4 +197,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
     path = Path(path)
     verify_hashes(path)
-    return load_file(path / "model.safetensors"), torch.load(path / "trainer_state.pt", weights_only=False)
+    # On the host: a checkpoint saved on a GPU resumes on any device (``load_state_dict`` moves each tensor,
+    # optimizer state included, to its parameter's device).
+    return load_file(path / "model.safetensors"), torch.load(path / "trainer_state.pt", weights_only=False,
+                                                             map_location="cpu")

@@ -34,6 +34,7 @@ from tidal.optim import OptimConfig, build_optimizer
 from tidal.train.packing import pack, unpack
 from tidal.train.prefix_tree import pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
+from tidal.utils.device import resolve_dtype
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Critic:
     def __init__(self, policy: torch.nn.Module, cfg: CriticConfig, layout):
         """``layout``: the trainer's ``TrainerConfig`` (packing, prefix sharing, activation checkpointing)."""
         self.model = ValueModel.from_policy(policy).train()
+        self.model.autocast_dtype = resolve_dtype(layout.precision, next(policy.parameters()).device,
+                                                  "trainer.precision")
         if layout.activation_checkpointing:
             enable_activation_checkpointing(self.model.decoder)
         self.cfg = cfg

@@ -72,6 +72,7 @@ from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
+from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
 from tidal.utils.memory import PeakMemory
 
 
@@ -109,6 +110,10 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass: same gradients, far less activation memory,
     about one extra forward of compute."""
+    precision: str = "auto"
+    """``fp32``, or ``bf16``: bf16 autocast around every forward (policy, reference, critic) with float32
+    master weights and optimizer state; the LM head and log-softmax stay float32 (``models/logprobs.py``).
+    ``auto``: bf16 on CUDA, fp32 on CPU (``utils/device.py``)."""
     data_parallel: str = "fsdp"
     """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
     ``train/distributed.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
@@ -124,6 +129,8 @@ class TrainerConfig:
 
 def validate(cfg: TrainerConfig) -> None:
     """Raise a ConfigError naming the key when the trainer config cannot run (overrides bypass __init__)."""
+    if cfg.precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"trainer.precision must be auto, fp32 or bf16, got {cfg.precision!r}")
     if cfg.data_parallel not in ("fsdp", "diloco", "elastic"):
         raise ConfigError(f"trainer.data_parallel must be fsdp, diloco or elastic, got {cfg.data_parallel!r}")
     validate_elastic(cfg.elastic)
@@ -157,7 +164,15 @@ def minibatches(group_index_b: torch.Tensor, num_minibatches: int) -> list[torch
 class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, optim: OptimConfig, cfg: TrainerConfig,
                  ref_model: torch.nn.Module | None = None, dp: DataParallel = LOCAL,
-                 critic: CriticConfig | None = None):
+                 critic: CriticConfig | None = None, device: str | torch.device | None = None):
+        """``device`` (``system.device``): where the policy, reference, critic and optimizer state live;
+        None keeps the model where it is. Batches are moved there at the start of each step."""
+        validate(cfg)
+        self.device = model_device(model) if device is None else resolve_device(device)
+        model.to(self.device)  # before the optimizer exists, so its state is created on the device too
+        if ref_model is not None:
+            ref_model.to(self.device)
+        self.autocast_dtype = resolve_dtype(cfg.precision, self.device, "trainer.precision")
         self.model = model.train()
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -166,7 +181,6 @@ class Trainer:
         self.cfg = cfg
         self.optim_cfg = optim
         self.dp = dp
-        validate(cfg)
         if cfg.share_prefixes and _flash_attention(model):
             raise ConfigError("trainer.share_prefixes needs an explicit attention mask (a prefix trie is not a varlen "
                               "flash-attention segment): load the model with attn_implementation='sdpa' or 'eager', "
@@ -205,9 +219,16 @@ class Trainer:
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _logprobs(self, model: torch.nn.Module, *args, **kwargs):
-        """``token_logprobs`` of ``model``, through its FSDP root when sharded (which unshards its weights)."""
+        """``token_logprobs`` of ``model`` under ``trainer.precision``'s autocast, through its FSDP root when
+        sharded (which unshards its weights)."""
         root = distributed.root_of(model)
-        return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
+        with self.autocast():
+            return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast on the trainer's device when ``trainer.precision`` is bf16 (a no-op for fp32)."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                              enabled=self.autocast_dtype != torch.float32)
 
     def _my_micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's micro-batches of ``rows`` (positions into ``rows``): its whole groups, split as
@@ -298,6 +319,7 @@ class Trainer:
     # ---- the step --------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algo = self.algo
+        batch = tensors_to(batch, self.device)
         everything = torch.arange(batch.num_sequences)
         chunks = minibatches(batch.group_index_b, self.cfg.num_minibatches)
         prox_bt = None  # with one minibatch the weights do not change before its loss: prox = logp.detach()
@@ -456,16 +478,21 @@ class Trainer:
         unchanged as the next version, so version numbers keep counting training steps."""
         self.version += 1
 
-    def state_dict_for_engine(self, quant: str = "none") -> dict[str, torch.Tensor]:
-        """A detached copy of the weights to ship to the rollout engine. With data parallel: the full
-        weights gathered on rank 0 (an empty dict elsewhere; every rank must call it). ``quant``
+    def state_dict_for_engine(self, quant: str = "none", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """A detached copy of the weights to ship to the rollout engine, on the trainer's device: a
+        colocated engine takes them device to device, never through host memory. ``dtype``: the engine's
+        (``rollout.dtype``), cast here so a bf16 engine is sent half the bytes. With data parallel: the
+        full weights gathered on rank 0 (an empty dict elsewhere; every rank must call it). ``quant``
         ``fp8_block``: linear weights as e4m3 plus a ``weight_scale`` per 128 x 128 tile
         (``models/quant.py``); the engine dequantizes them."""
         start = time.perf_counter()
         if self.dp.enabled and self.dp.shards_model:
             sd = distributed.full_state_dict(distributed.root_of(self.model))
-        else:
-            sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            if dtype is not None:
+                sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        else:  # one copy, already in the engine's dtype (``to`` with copy=True never aliases the weights)
+            sd = {k: v.detach().to(dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype, copy=True)
+                  for k, v in self.model.state_dict().items()}
         if quant == "fp8_block":
             sd = quantize_state_dict(sd, [n for n in linear_weight_names(self.model) if n in sd])
         elif quant != "none":
