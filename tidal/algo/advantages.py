@@ -295,7 +295,7 @@ def pass_at_k(
         raise ValueError(f"pass_at_k needs binary rewards (0 or 1), got {rewards_b[~binary_b][0].item()!r}")
     inverse_b, count_g = _group_index(group_ids_b, rewards_b.device)
     correct_g = _group_sum(rewards_b, inverse_b, len(count_g)).round().long()
-    adv_g = torch.zeros(len(count_g), 2, dtype=rewards_b.dtype)
+    adv_g = torch.zeros(len(count_g), 2, dtype=rewards_b.dtype, device=rewards_b.device)
     for g, (n, c) in enumerate(zip(count_g.tolist(), correct_g.tolist())):
         if n == 1:
             continue  # no group to compare with

@@ -313,6 +313,7 @@ def worker_mismatch(groups: list[Group], batch: TrainBatch, logp_bt: torch.Tenso
     first_row: dict[int, int] = {}
     for row, gi in enumerate(batch.group_index_b.tolist()):
         first_row.setdefault(gi, row)
+    logp_bt = logp_bt.to(batch.behav_logp_bt.device)  # the trainer's device; the batch as the controller built it
     gap_bt = (logp_bt - batch.behav_logp_bt).abs() * batch.loss_mask_bt * (batch.versions_bt == version)
     fresh_bt = batch.loss_mask_bt * (batch.versions_bt == version)
     sums: dict[Any, list[float]] = {}

@@ -148,7 +148,8 @@ def minibatches(group_index_b: torch.Tensor, num_minibatches: int) -> list[torch
     """Row indices of up to ``num_minibatches`` minibatches made of whole groups (contiguous runs of
     rows with the same group id), split as evenly by rows as whole groups allow. Whole groups keep
     group-level quantities exact per minibatch: Magistral's group baseline, group-length aggregation."""
-    starts = [0] + [i for i in range(1, len(group_index_b)) if group_index_b[i] != group_index_b[i - 1]]
+    ids = group_index_b.tolist()  # one transfer, not one per row when the batch is on a GPU
+    starts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]]
     bounds = [*starts, len(group_index_b)]
     n = min(num_minibatches, len(starts))
     chunks, first = [], 0
