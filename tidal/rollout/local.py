@@ -33,7 +33,7 @@ from tidal.api import GenRequest
 from tidal.models.quant import dequantize_state_dict
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
-from tidal.rollout.slots import SlotCache, cache_kwargs
+from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
 from tidal.rollout.thinking import open_close_prefix
 from tidal.types import Trajectory
 from tidal.utils.device import model_device, resolve_dtype
@@ -53,6 +53,11 @@ class SamplingConfig:
     """Extra stop strings (EOS always stops)."""
     max_batch_size: int = 512
     """Most sequences decoded in one forward pass."""
+    cuda_graphs: str = "auto"
+    """Decode steps with static shapes, replayed from CUDA graphs (``rollout/graphs.py``): a small model's
+    decode step is launch-bound, and a graph issues it in one launch. ``auto``: on CUDA, not on CPU;
+    ``on``: static shapes everywhere (run eagerly off CUDA: for tests); ``off``: dynamic shapes. With
+    graphs every row is decoded (``share_identical_rows`` applies to prefills only)."""
     dtype: str = "auto"
     """The local engine's weights and KV cache: ``fp32`` or ``bf16`` (as vLLM serves); ``auto`` is bf16 on
     CUDA, fp32 on CPU (``utils/device.py``). The engine lives on the device of the model it copies
@@ -146,6 +151,10 @@ class LocalEngine:
         self.device = model_device(self.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
         self.model.to(self.dtype)
+        if cfg.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"rollout.cuda_graphs must be auto, on or off, got {cfg.cuda_graphs!r}")
+        self._static_decode = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and self.device.type == "cuda")
+        self._slots: SlotCache | None = None  # kept across calls with static decode: its graphs are recorded once
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.seed = seed
@@ -216,7 +225,7 @@ class LocalEngine:
         start = time.perf_counter()
         temperature = 0.0 if greedy else self.cfg.temperature
         rows: list[_Row] = []  # the running batch, row i in slot i of ``slots``
-        slots = SlotCache(self.model, self.cfg.max_batch_size)  # grows to fit: memory follows the live rows
+        slots = self._slot_cache()
         exhausted = False
         try:
             while True:
@@ -248,6 +257,17 @@ class LocalEngine:
                 rows = self._sample_step(rows, slots, temperature, on_done)
         finally:
             self.generate_seconds += time.perf_counter() - start
+
+    def _slot_cache(self) -> SlotCache:
+        """A fresh slot cache (it grows to fit: memory follows the live rows), or with static decode the
+        engine's own, emptied, whose recorded graphs stay valid (weights are updated in place)."""
+        if not self._static_decode:
+            return SlotCache(self.model, self.cfg.max_batch_size)
+        if self._slots is None:
+            self._slots = SlotCache(self.model, self.cfg.max_batch_size)
+            self._slots.use_static_decode(self.model)
+        self._slots.clear()
+        return self._slots
 
     def _reprefill(self, slots: SlotCache, rows: list[_Row]) -> None:
         """After a weight update: recompute every running row's cache (prompt + tokens so far)."""
@@ -300,7 +320,7 @@ class LocalEngine:
         """Give each row the node of its context after feeding its newest token; return (one slot per
         distinct node, each row's index into those), or None when every row is distinct (or sharing
         is off). Rows sharing a node before the token and sampling the same token share one after."""
-        if not self.cfg.share_identical_rows:
+        if not self.cfg.share_identical_rows or self._static_decode:
             return None
         after: dict[tuple[int, int], int] = {}
         first_slot: list[int] = []
@@ -366,7 +386,7 @@ class LocalEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **cache_kwargs(self.model, cache)).logits[:, -1]
+                            **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
         slots.admit(cache, mask, positions[:, -1], logits, torch.tensor(source))
 
     def _save_turn(self, row: _Row, slots: SlotCache, slot: int) -> None:
@@ -417,8 +437,8 @@ class LocalEngine:
         cache = DynamicCache()
         for layer, (k, v) in enumerate(zip(past_k, past_v)):
             cache.update(k, v, layer)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:],
-                            use_cache=True, **cache_kwargs(self.model, cache)).logits[:, -1]
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:], use_cache=True,
+                            **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
         for row, _ in resumed:  # each its own context
             row.node, self._next_node = self._next_node, self._next_node + 1
         slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n))

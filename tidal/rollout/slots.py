@@ -28,6 +28,8 @@ import inspect
 import torch
 from transformers import Cache, DynamicCache
 
+from tidal.rollout.graphs import StaticDecoder
+
 
 def cache_kwargs(model: torch.nn.Module, cache) -> dict:
     """``{name: cache}`` for the model's forward: transformers >= 5.2x names the KV cache ``cache`` and
@@ -40,6 +42,18 @@ def cache_kwargs(model: torch.nn.Module, cache) -> dict:
 
 
 _CACHE_ARG: dict[type, str] = {}
+
+
+def last_logits_kwargs(model: torch.nn.Module) -> dict:
+    """``{"logits_to_keep": 1}`` where the model's forward takes it: a prefill needs the last position's
+    logits only, and [rows x width x vocab] of them is gigabytes at a 152k vocabulary."""
+    keep = _KEEP_ARG.get(type(model))
+    if keep is None:
+        keep = _KEEP_ARG[type(model)] = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if keep else {}
+
+
+_KEEP_ARG: dict[type, bool] = {}
 
 class SlotCache(Cache):
     """Running rows' keys and values in preallocated slots (see module docstring), plus each
@@ -67,7 +81,18 @@ class SlotCache(Cache):
         self.last_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self.logits = torch.zeros(0, config.vocab_size, device=self.device)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
+        self.generation = 0  # bumped whenever the buffers are reallocated
+        self.static: StaticDecoder | None = None
+        """Static-shape decode steps (CUDA graphs on a GPU, ``graphs.py``): set with ``use_static_decode``."""
         self._resize(0, 0)
+
+    def use_static_decode(self, model: torch.nn.Module, capture: bool = True) -> None:
+        """Decode with static shapes from now on, recorded as CUDA graphs when ``capture`` and on CUDA."""
+        def forward(input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+
+        self.static = StaticDecoder(forward, self, capture)
 
     # ---- what the model calls ----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -94,6 +119,12 @@ class SlotCache(Cache):
         self._place(0, extra=1)
         n = self.n
         pos = self.last_pos[:n] + 1
+        if self.static is not None:
+            assert shared is None, "static decode runs every row (no shared contexts)"
+            self.logits[:n] = self.static.decode(tokens_n, pos)
+            self.t += 1
+            self.last_pos[:n] = pos
+            return
         fed = slice(0, n) if shared is None else shared[0]
         cols = torch.arange(self.lo, self.t + 1, device=self.device)
         mask = (cols[None, :] >= self.start[fed, None])[:, None, None, :]  # [rows fed, 1, q=1, span]
@@ -191,6 +222,7 @@ class SlotCache(Cache):
                 new[:n, :, dst : dst + span] = buf[:n, :, self.lo : self.t]
             new_kv.append(new)
         self.keys, self.values = new_kv[: self.num_layers], new_kv[self.num_layers :]
+        self.generation += 1
         for name in ("start", "last_pos", "logits"):
             old = getattr(self, name)
             new = old.new_zeros((slots, *old.shape[1:]))

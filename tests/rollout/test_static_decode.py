@@ -1,0 +1,60 @@
+"""Static-shape decode (``rollout/graphs.py``; CUDA graphs on a GPU) against the dynamic slot cache, on the CPU
+where the same static step runs eagerly: the same tokens and log-probs through continuous batching, rows
+finishing and joining, buffer growth and an in-flight weight update. Replay on CUDA: tests/gpu/test_cuda.py."""
+
+import torch
+
+from tidal.rollout.graphs import bucket
+from tidal.rollout.local import LocalEngine, SamplingConfig
+from tidal.rollout.requests import group_requests
+from tidal.types import Prompt
+
+
+def _requests(tokenizer, n_prompts=7, group=3):
+    prompts = [Prompt(f"p{i}", f"{i}+{3 * i}=" + "1" * (i % 3), str(4 * i)) for i in range(n_prompts)]
+    return group_requests(tokenizer, prompts, group)
+
+
+def _generate(model, tokenizer, graphs: str, **cfg):
+    engine = LocalEngine(model, tokenizer, SamplingConfig(cuda_graphs=graphs, **cfg))
+    return engine, engine.generate(_requests(tokenizer))
+
+
+def test_buckets_are_powers_of_two_capped_at_the_slots():
+    assert [bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert bucket(5, 6) == 6 and bucket(100, 96) == 96
+
+
+def test_static_decode_samples_what_the_dynamic_decode_samples(small_model, tokenizer):
+    # 21 requests through 5 slots: rows finish at different lengths and new ones join into freed slots;
+    # 40 tokens outgrow the first buffer width, so the buffers are reallocated (and graphs re-recorded).
+    cfg = dict(max_new_tokens=40, max_batch_size=5)
+    _, dynamic = _generate(small_model, tokenizer, "off", **cfg)
+    engine, static = _generate(small_model, tokenizer, "on", **cfg)
+    assert engine._static_decode and engine._slots.static is not None and engine._slots.generation > 1
+    assert [t.token_ids for t in static] == [t.token_ids for t in dynamic]
+    for a, b in zip(static, dynamic):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert len({t.num_tokens for t in static}) > 3, "the test must mix lengths"
+    again = engine.generate(_requests(tokenizer))  # the engine's slot cache is reused, emptied
+    assert [t.token_ids for t in again] == [t.token_ids for t in static]
+
+
+def test_static_decode_takes_an_inflight_weight_update(small_model, tokenizer):
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in small_model.state_dict().items()}
+    runs = {}
+    for graphs in ("off", "on"):
+        engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12, cuda_graphs=graphs))
+        apply, calls = engine._apply_pending_update, []
+
+        def interrupt(engine=engine, apply=apply, calls=calls):
+            calls.append(1)
+            if len(calls) == 4:
+                engine.request_weight_update(new, version=3)
+            return apply()
+
+        engine._apply_pending_update = interrupt
+        runs[graphs] = engine.generate(_requests(tokenizer))
+    assert any(len(set(t.versions)) == 2 for t in runs["on"])
+    assert [t.token_ids for t in runs["on"]] == [t.token_ids for t in runs["off"]]
+    assert [t.versions for t in runs["on"]] == [t.versions for t in runs["off"]]

@@ -1,0 +1,150 @@
+"""Static-shape decode steps for the slot cache, replayed from CUDA graphs on a GPU.
+
+Why: a decode step of a small model is launch-bound. Each of the model's ~15 kernels per layer is queued by
+Python (Hugging Face's modules, our cache), so on a GPU the step costs what the host takes to issue them,
+not what the GPU takes to run them: the first device check measured about 80 ms per step for a 0.5B model
+at 256 rows (``benchmarks/results/gpu/``), where reading the weights and the KV cache once takes under
+1 ms. A CUDA graph records the step's kernels once and replays them with one launch (the lever vLLM and
+SGLang use for decode; PyTorch: ``torch.cuda.CUDAGraph``).
+
+A graph replays fixed shapes and fixed memory, so the step is rewritten with static shapes:
+
+- The running rows are padded up to a *bucket* (1, 2, 4, ... ``max_slots``), one graph per bucket; padding
+  rows run on free slots and are ignored.
+- Attention reads every column of the slot buffers, ``[0, columns)``, instead of the live span; the mask
+  admits a row's own columns ``[start, t]``. Masked columns weigh exactly 0, so the result is the dynamic
+  step's up to summation order (tests compare them on the CPU, where the same static step runs eagerly).
+- The new column ``t`` is written with ``index_copy_`` at a device index, so replays follow ``t``.
+
+Graphs are recorded lazily, per (bucket, buffer) pair: when the slot cache reallocates its buffers
+(more rows or columns) the recorded graphs are dropped and recorded again as needed. If recording fails
+(a model whose forward synchronizes with the host, say) the engine says so once and decodes eagerly.
+Rows that share a context (``SamplingConfig.share_identical_rows``) need a gather the graph cannot hold, so
+with graphs every row is decoded (the step is cheap; sharing saved work at the tiny model's scale).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+
+log = logging.getLogger(__name__)
+
+
+class _BucketCache(Cache):
+    """The slot buffers' first ``rows`` slots as a Hugging Face cache: ``update`` writes column ``t_index`` in
+    place and hands attention the whole buffer width (static shapes)."""
+
+    def __init__(self, slots, rows: int, t_index: torch.Tensor):
+        super().__init__(layers=[])
+        self.slots, self.rows, self.t_index = slots, rows, t_index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k = self.slots.keys[layer_idx][: self.rows]
+        v = self.slots.values[layer_idx][: self.rows]
+        k.index_copy_(2, self.t_index, key_states)
+        v.index_copy_(2, self.t_index, value_states)
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # no host-side value may depend on the step: position ids and the mask carry everything
+
+
+def bucket(n: int, max_rows: int) -> int:
+    """The smallest power of two >= n, capped at ``max_rows``."""
+    return min(max_rows, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class _Step:
+    """One bucket's static inputs, its eager forward, and (on CUDA) its recorded graph and output."""
+
+    tokens: torch.Tensor  # long [rows, 1]
+    pos: torch.Tensor  # long [rows, 1]
+    mask: torch.Tensor  # bool [rows, 1, 1, columns]
+    t_index: torch.Tensor  # long [1]: the column this step writes
+    run: Callable[[], torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None  # the graph's logits [rows, V]
+
+
+class StaticDecoder:
+    """One decode step over slots [0, bucket) with static shapes; on CUDA recorded once per bucket as a CUDA
+    graph and replayed (``capture``), elsewhere run eagerly (the same computation, for tests)."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], slots, capture: bool):
+        """``forward(input_ids, attention_mask, position_ids, cache) -> logits [rows, V]``: the model's decode
+        forward (``SlotCache.use_static_decode`` builds it)."""
+        self.forward, self.slots = forward, slots
+        self.capture = capture and slots.device.type == "cuda"
+        self._steps: dict[int, _Step] = {}
+        self._generation = -1
+        self._pool = None
+        self.failed = False
+        self.num_recorded = 0
+
+    def decode(self, tokens_n: torch.Tensor, pos_n: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of the running rows after feeding ``tokens_n`` at position ids ``pos_n``; writes each
+        row's new keys and values at column ``slots.t``."""
+        s = self.slots
+        n, rows = s.n, bucket(s.n, len(s.start))
+        if self._generation != s.generation:  # reallocated buffers: recorded graphs point at freed memory
+            self._steps.clear()
+            self._generation = s.generation
+        step = self._steps.get(rows) or self._new_step(rows)
+        step.tokens[:n, 0] = tokens_n
+        step.tokens[n:] = 0
+        step.pos[:n, 0] = pos_n
+        step.pos[n:] = 0
+        step.t_index.fill_(s.t)
+        cols = torch.arange(s.columns, device=s.device)
+        start = torch.full((rows,), s.t, dtype=torch.long, device=s.device)  # padding rows see column t only
+        start[:n] = s.start[:n]
+        step.mask.copy_(((cols >= start[:, None]) & (cols <= s.t))[:, None, None, :])
+        if step.graph is None:
+            return step.run()[:n]
+        step.graph.replay()
+        return step.out[:n]
+
+    def _new_step(self, rows: int) -> _Step:
+        s = self.slots
+        step = _Step(tokens=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
+                     pos=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
+                     mask=torch.zeros(rows, 1, 1, s.columns, dtype=torch.bool, device=s.device),
+                     t_index=torch.zeros(1, dtype=torch.long, device=s.device), run=lambda: None)
+        cache = _BucketCache(s, rows, step.t_index)
+
+        step.run = lambda: self.forward(step.tokens, step.mask, step.pos, cache)
+        if self.capture and not self.failed:
+            try:
+                self._record(step)
+            except Exception as e:  # noqa: BLE001 (fall back to eager decoding, said once)
+                self.failed = True
+                step.graph = step.out = None
+                log.warning("CUDA graph recording failed (%s: %s); decoding without graphs", type(e).__name__, e)
+        self._steps[rows] = step
+        return step
+
+    def _record(self, step: _Step) -> None:
+        """Warm up on a side stream (as ``torch.cuda.graphs`` requires), then record. Warm-up and recording
+        write column ``t`` of rows [0, bucket): the running rows' next column and free slots, both overwritten
+        by the real step."""
+        step.t_index.fill_(self.slots.t)
+        step.mask.fill_(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step.run()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step.out = step.run()
+        step.graph = graph
+        self.num_recorded += 1
