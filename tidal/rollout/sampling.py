@@ -9,8 +9,11 @@ resumed. That is what makes async(eta=0) reproduce sync exactly and interruption
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger(__name__)
 _M32 = 0xFFFFFFFF
 
 
@@ -58,7 +61,39 @@ def sample_tokens(
         drop_sorted = (cum - sorted_logp.exp()) >= top_p  # keep the smallest prefix reaching top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logp_nv = torch.log_softmax(logp_nv.masked_fill(drop, float("-inf")), dim=-1)
+    tokens_n = _gumbel_argmax_for(logp_nv.device)(logp_nv, keys_n, positions_n)
+    return tokens_n, logp_nv.gather(1, tokens_n[:, None]).squeeze(1)
+
+
+def gumbel_argmax(logp_nv: torch.Tensor, keys_n: torch.Tensor, positions_n: torch.Tensor) -> torch.Tensor:
+    """argmax(logp + Gumbel noise keyed by (key, position, vocab id)): one sampled token id per row."""
     u = uniform_noise(keys_n, positions_n, logp_nv.shape[-1])
     gumbel = (-torch.log(-torch.log(u))).to(logp_nv.dtype)
-    tokens_n = (logp_nv + gumbel).argmax(dim=-1)
-    return tokens_n, logp_nv.gather(1, tokens_n[:, None]).squeeze(1)
+    return (logp_nv + gumbel).argmax(dim=-1)
+
+
+_compiled_gumbel_argmax = None
+
+
+def _gumbel_argmax_for(device: torch.device):
+    """On CUDA, ``gumbel_argmax`` compiled into one fused kernel: eagerly it is ~20 passes over [rows x vocab]
+    int64/float64 tensors (about 16 GB per decode step at 256 rows and a 152k vocabulary, several times the
+    step itself). The fused kernel evaluates the same float64 expression, so the tokens are the same
+    (tests/gpu). Elsewhere, or if compiling fails (said once), the eager function."""
+    global _compiled_gumbel_argmax
+    if device.type != "cuda":
+        return gumbel_argmax
+    if _compiled_gumbel_argmax is None:
+        compiled = torch.compile(gumbel_argmax, dynamic=True)
+
+        def safe(*args):
+            global _compiled_gumbel_argmax
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001 (an inductor/triton failure must not stop generation)
+                log.warning("compiling the sampler failed (%s: %s); sampling eagerly", type(e).__name__, e)
+                _compiled_gumbel_argmax = gumbel_argmax
+                return gumbel_argmax(*args)
+
+        _compiled_gumbel_argmax = safe
+    return _compiled_gumbel_argmax
