@@ -219,3 +219,28 @@ def test_compiled_sampler_draws_the_eager_tokens_on_cuda():
     tokens = fused(logp, keys, pos)
     assert sampling._compiled_gumbel_argmax is not sampling.gumbel_argmax, "compiling fell back"
     assert torch.equal(tokens, sampling.gumbel_argmax(logp, keys, pos))
+
+
+def test_tf32_head_stays_within_a_stated_band_of_the_fp32_head():
+    """``trainer.head_matmul=tf32`` on a Qwen2.5-sized head (hidden 896, vocab 151,936, logits of std ~4):
+    per-token log-probs within 2e-2 of the float32 head (mean under 2e-3). The bf16-rounded head that
+    MiniMax-M1 warns about is reported beside it for scale."""
+    from tidal.models.logprobs import chunked_head_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(1, 2048, 896, device="cuda", generator=g)
+    weight = torch.randn(151_936, 896, device="cuda", generator=g) * (4 / 896**0.5)
+    targets = torch.randint(0, 151_936, (1, 2048), device="cuda", generator=g)
+    exact, _ = chunked_head_logprobs(hidden, weight, None, targets)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        tf32, _ = chunked_head_logprobs(hidden, weight, None, targets)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    logits_bf16 = (hidden.bfloat16() @ weight.bfloat16().T).float()
+    bf16 = torch.log_softmax(logits_bf16, -1).gather(-1, targets[..., None])[..., 0]
+    gap, gap_bf16 = (tf32 - exact).abs(), (bf16 - exact).abs()
+    report("tf32_head", gap_mean=gap.mean().item(), gap_max=gap.max().item(), bf16_gap_mean=gap_bf16.mean().item(),
+           bf16_gap_max=gap_bf16.max().item())
+    assert gap.max() < 2e-2 and gap.mean() < 2e-3, (gap.mean(), gap.max())

@@ -114,6 +114,14 @@ class TrainerConfig:
     """``fp32``, or ``bf16``: bf16 autocast around every forward (policy, reference, critic) with float32
     master weights and optimizer state; the LM head and log-softmax stay float32 (``models/logprobs.py``).
     ``auto``: bf16 on CUDA, fp32 on CPU (``utils/device.py``)."""
+    head_matmul: str = "fp32"
+    """The float32 LM-head matmul on CUDA: ``fp32`` (IEEE float32 products on the CUDA cores, ~67 TFLOP/s on an
+    H100/H200) or ``tf32`` (tensor cores: inputs rounded to 10 mantissa bits, float32 accumulation and output,
+    several times faster). The body runs under bf16 autocast, so the head (and the critic's value head) are the
+    only float32 matmuls this affects; with a 152k vocabulary the head is a quarter of a 0.5B model's FLOPs
+    and an fp32 head caps its MFU near 0.2 (docs/gpu.md). Applied as PyTorch's process-wide TF32 switch for the
+    duration of ``step``: a float32 rollout engine decoding meanwhile would use TF32 too (a bf16 one is
+    unaffected). No effect on CPU."""
     data_parallel: str = "fsdp"
     """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
     ``train/distributed.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
@@ -131,6 +139,8 @@ def validate(cfg: TrainerConfig) -> None:
     """Raise a ConfigError naming the key when the trainer config cannot run (overrides bypass __init__)."""
     if cfg.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"trainer.precision must be auto, fp32 or bf16, got {cfg.precision!r}")
+    if cfg.head_matmul not in ("fp32", "tf32"):
+        raise ConfigError(f"trainer.head_matmul must be fp32 or tf32, got {cfg.head_matmul!r}")
     if cfg.data_parallel not in ("fsdp", "diloco", "elastic"):
         raise ConfigError(f"trainer.data_parallel must be fsdp, diloco or elastic, got {cfg.data_parallel!r}")
     validate_elastic(cfg.elastic)
@@ -319,8 +329,17 @@ class Trainer:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One policy update on ``batch`` (the module docstring's three stages); returns its metrics."""
+        tf32 = self.device.type == "cuda" and self.cfg.head_matmul == "tf32"
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = before or tf32
+        try:
+            return self._step(tensors_to(batch, self.device))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
+
+    def _step(self, batch: TrainBatch) -> dict[str, float]:
         algo = self.algo
-        batch = tensors_to(batch, self.device)
         everything = torch.arange(batch.num_sequences)
         chunks = minibatches(batch.group_index_b, self.cfg.num_minibatches)
         prox_bt = None  # with one minibatch the weights do not change before its loss: prox = logp.detach()
