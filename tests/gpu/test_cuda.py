@@ -170,25 +170,6 @@ def test_cuda_resume_equals_uninterrupted(tmp_path):
     assert worst < 1e-5, worst
 
 
-def test_quickstart_on_cuda_reaches_its_target(tmp_path):
-    """The README's main job on the GPU: ``tidal train quickstart --set system.device=cuda`` (the warm-started
-    base is built on the CPU, cached) stops at its target accuracy."""
-    out = tmp_path / "qs"
-    cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", "--out", str(out), "--set", "system.device=cuda",
-           "--set", "log.report=false", "--set", "log.progress=false", "--set", f"sft.cache_dir={tmp_path / 'cache'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    target = RECIPES.get("quickstart")().target_accuracy
-    steps = rows[-1]["step"]
-    report("quickstart_on_cuda", base=evals[0], final=evals[-1], steps=steps,
-           rl_s=sum(r.get("perf/step_s", 0.0) for r in rows),
-           mismatch_mean=[r["train/logp_mismatch_mean"] for r in rows if "train/logp_mismatch_mean" in r][-5:])
-    assert evals[-1] >= target, (evals, steps)
-
-
 def test_cuda_graph_decode_matches_eager_decode(small_model, tokenizer):
     """Replayed CUDA graphs (the CUDA default) sample the tokens eager dynamic decoding samples (fp32 engine;
     log-probs within 1e-4), through continuous batching and buffer growth; recording did not fall back."""
@@ -244,3 +225,22 @@ def test_tf32_head_stays_within_a_stated_band_of_the_fp32_head():
     report("tf32_head", gap_mean=gap.mean().item(), gap_max=gap.max().item(), bf16_gap_mean=gap_bf16.mean().item(),
            bf16_gap_max=gap_bf16.max().item())
     assert gap.max() < 2e-2 and gap.mean() < 2e-3, (gap.mean(), gap.max())
+
+
+def test_quickstart_on_cuda_reaches_its_target(tmp_path):
+    """The README's main job on the GPU: ``tidal train quickstart --set system.device=cuda`` (the warm-started
+    base is built on the CPU, cached) stops at its target accuracy."""
+    out = tmp_path / "qs"
+    cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", "--out", str(out), "--set", "system.device=cuda",
+           "--set", "log.report=false", "--set", "log.progress=false", "--set", f"sft.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    target = RECIPES.get("quickstart")().target_accuracy
+    steps = rows[-1]["step"]
+    report("quickstart_on_cuda", base=evals[0], final=evals[-1], steps=steps,
+           rl_s=sum(r.get("perf/step_s", 0.0) for r in rows),
+           mismatch_mean=[r["train/logp_mismatch_mean"] for r in rows if "train/logp_mismatch_mean" in r][-5:])
+    assert evals[-1] >= target, (evals, steps)

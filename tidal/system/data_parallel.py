@@ -43,6 +43,7 @@ from tidal.train.diloco import start_lighthouse
 from tidal.train.diloco_trainer import DiLoCoTrainer, broadcast_weights
 from tidal.train.distributed import LOCAL, DataParallel, LeaderTrainer, follow
 from tidal.train.trainer import Trainer
+from tidal.utils.device import resolve_device
 from tidal.utils.seeding import seed_everything
 
 
@@ -51,6 +52,9 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
     if cfg.trainer.data_parallel == "elastic":  # before the process group: every rank says it, none waits
         raise ConfigError("trainer.data_parallel=elastic starts and restarts its own replica processes: run "
                           "`tidal train` without torchrun (trainer.elastic.replicas sets how many)")
+    if resolve_device(cfg.system.device).type != "cpu":  # before the process group: every rank says it, none waits
+        raise ConfigError(f"system.device={cfg.system.device} under torchrun: data-parallel trainers (FSDP2, DiLoCo) "
+                          "run on the CPU (gloo) for now; use system.device=cpu, or one process on the GPU")
     dp = distributed.init_distributed()
     try:
         cfg = dp.broadcast(cfg)  # one config for every rank: rank 0's

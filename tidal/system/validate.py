@@ -282,6 +282,9 @@ def _check_device(cfg: RunConfig) -> None:
     device = resolve_device(cfg.system.device)
     resolve_dtype(cfg.trainer.precision, device, "trainer.precision")
     resolve_dtype(cfg.rollout.dtype, device, "rollout.dtype")
+    if device.type != "cpu" and cfg.trainer.data_parallel == "elastic":
+        raise ConfigError(f"system.device={cfg.system.device} with trainer.data_parallel=elastic: elastic replicas "
+                          "train on the CPU (gloo) for now; use system.device=cpu")
     if device.type != "cpu" and cfg.system.backend == "ray":
         raise ConfigError(f"system.device={cfg.system.device} with system.backend=ray: Ray's rollout workers run "
                           "the local engine on CPU; use system.device=cpu with Ray, or the local backend on a GPU")
