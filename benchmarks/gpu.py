@@ -71,7 +71,9 @@ goes under its key) so one part's crash never loses the others' numbers.
    fractions.
 
 Reading the numbers: they are for one device and these shapes; the model is small for an H100, so per-step
-overheads (kernel launches, Python) weigh more than at 7B.
+overheads (kernel launches, Python) weigh more than at 7B. The defaults are sized to finish in about 2-3
+minutes on one H100 (an estimate, not yet measured), most of it in part 2's ``generate``, which decodes every
+row to the longest budget.
 
     tidal bench gpu [--set device=cpu] [--set 'parts=[train]'] [--set train_steps=5] ...
 """
@@ -144,16 +146,16 @@ class Settings:
     train_steps: int = 3
     """Timed steps after one warm-up step."""
     # ---- generate
-    gen_prompts: int = 32
+    gen_prompts: int = 16
     gen_group_size: int = 8
     gen_prompt_len: int = 128
     gen_max_new_tokens: int = 512
     gen_max_batch_size: int = 256
     """The engine's ``max_batch_size``; HF ``generate`` runs the same number of rows per call."""
     # ---- rl_step
-    rl_prompts: int = 16
+    rl_prompts: int = 8
     rl_group_size: int = 16
-    rl_max_new_tokens: int = 512
+    rl_max_new_tokens: int = 256
     rl_steps: int = 2
     """RL steps run; the last one's split is reported (the first starts the reward workers)."""
 
