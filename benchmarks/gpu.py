@@ -163,7 +163,7 @@ class Settings:
 CPU_DEFAULTS = [
     "model=stand-in", "matmul_size=1024", "copy_mb=256",
     "train_groups=2", "group_size=8", "prompt_len=32", "max_response=192", "pack_tokens=256",
-    "micro_batch_tokens=1024", "train_steps=2",
+    "micro_batch_tokens=512", "train_steps=2",
     "gen_prompts=4", "gen_group_size=4", "gen_prompt_len=16", "gen_max_new_tokens=64", "gen_max_batch_size=16",
     "rl_prompts=4", "rl_group_size=4", "rl_max_new_tokens=32",
 ]

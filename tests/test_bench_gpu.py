@@ -94,3 +94,23 @@ def test_a_failing_part_keeps_the_others(tmp_path, monkeypatch):
     assert result["generate"]["error"] == "RuntimeError: out of memory, say"
     assert result["engine_over_hf_generate"] is None and result["trainer_mfu"] is None
     assert result["matmul_tflops_measured"] > 0 and bench.format_table(result["table"])
+
+
+def test_documented_commands_name_real_settings():
+    """The ``tidal bench gpu`` lines of docs/benchmarks.md parse against the benchmark's settings."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from tidal.config import apply_overrides
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    lines = re.findall(r"^tidal bench gpu.*$", doc, flags=re.M)
+    assert len(lines) == 3, lines
+    for line in lines:
+        args = shlex.split(line, comments=True)[3:]
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        settings = apply_overrides(gpu.Settings(), sets)
+        for kv in sets:
+            key, value = kv.split("=", 1)
+            assert str(getattr(settings, key)).replace("'", "") == value, kv

@@ -205,6 +205,19 @@ def test_trl_trains_on_tidals_device_in_tidals_precision(monkeypatch):
     assert grpo.device_args({}) == {"use_cpu": True, "bf16": False, "fp16": False}  # configs written before
 
 
+def test_the_documented_gpu_command_resolves():
+    """docs/benchmarks.md's command for a GPU machine without network names real keys with the meant values."""
+    import re
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    (line,) = re.findall(r"^tidal bench trl .*venv=current.*$", doc, flags=re.M)
+    args = shlex.split(line)[3:]
+    s, cfg = trl_bench.resolve([args[i + 1] for i, a in enumerate(args) if a == "--set"])
+    assert (s.venv, cfg.system.device, cfg.max_time_s, s.seeds, s.report_at) == ("current", "cuda", 60, [0], [30, 60])
+    assert "--set venv=current --set system.device=cuda --set max_time_s=60" in " ".join(trl_bench.__doc__.split())
+
+
 # ---- the harness end to end, toy size ---------------------------------------------------------------------
 def test_run_on_a_toy_size_writes_the_table_curves_and_plot(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the warm start caches under ./.tidal_cache
