@@ -373,9 +373,10 @@ def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) ->
     return useful, seconds
 
 
-def hf_arm(model, requests, s: Settings, device: torch.device) -> tuple[int, float]:
-    """(useful new tokens, seconds) of HF ``generate`` over the requests in batches of ``gen_max_batch_size``
-    rows (every prompt has the same length: no padding), each batch run to its longest budget."""
+def hf_arm(model, requests, s: Settings, device: torch.device) -> tuple[int, int, float]:
+    """(useful new tokens, new tokens computed, seconds) of HF ``generate`` over the requests in batches of
+    ``gen_max_batch_size`` rows (every prompt has the same length: no padding), each batch run to its longest
+    budget; a row's tokens past its own budget are computed but not useful."""
     model.generation_config.eos_token_id = None  # ignore EOS, as the engine does
     ids = torch.tensor([r.prompt_ids for r in requests], device=device)
     budgets = [r.max_new_tokens for r in requests]
@@ -388,13 +389,14 @@ def hf_arm(model, requests, s: Settings, device: torch.device) -> tuple[int, flo
 
     with torch.no_grad():
         generate(slice(0, 8), 4)
-        useful, seconds = 0, 0.0
+        useful, computed, seconds = 0, 0, 0.0
         for start in range(0, len(requests), s.gen_max_batch_size):
             rows = slice(start, start + s.gen_max_batch_size)
             width, sec = timed(lambda rows=rows: generate(rows, max(budgets[rows])), device)
             useful += sum(min(b, width) for b in budgets[rows])
+            computed += width * len(budgets[rows])
             seconds += sec
-    return useful, seconds
+    return useful, computed, seconds
 
 
 def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
@@ -405,7 +407,7 @@ def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peak
     requests = gen_requests(s, model.config.vocab_size)
     engine_tokens, engine_s = engine_arm(model, tiny.build_tokenizer(), requests, s, device)
     model.to(dtype)
-    hf_tokens, hf_s = hf_arm(model, requests, s, device)
+    hf_tokens, hf_computed, hf_s = hf_arm(model, requests, s, device)
     weight_bytes = matmul_params(model) * dtype.itemsize
     kv = kv_bytes_per_token(model.config, dtype)
     steps = decode_steps([len(r.prompt_ids) for r in requests], [r.max_new_tokens for r in requests],
@@ -415,8 +417,8 @@ def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peak
     return {
         "engine_over_hf_generate": engine_rate / hf_rate, "engine_tokens_per_s": engine_rate,
         "hf_generate_tokens_per_s": hf_rate, "engine_roofline_frac": engine_rate / ceiling,
-        "roofline_tokens_per_s": ceiling, "useful_tokens": engine_tokens, "engine_s": engine_s, "hf_s": hf_s,
-        "hf_computed_tokens": len(requests) * s.gen_max_new_tokens, "requests": len(requests),
+        "roofline_tokens_per_s": ceiling, "useful_tokens": engine_tokens, "hf_useful_tokens": hf_tokens,
+        "hf_computed_tokens": hf_computed, "engine_s": engine_s, "hf_s": hf_s, "requests": len(requests),
         "decode_steps": len(steps), "weight_bytes": weight_bytes, "kv_bytes_per_token": kv, "dtype": str(dtype),
     }
 
