@@ -54,7 +54,8 @@ goes under its key) so one part's crash never loses the others' numbers.
    W = N * bytes (N as above; the input-embedding lookup reads only a few rows), kv_per_token = 2 * layers
    * kv_heads * head_dim * bytes, the steps those of the engine's own schedule (``decode_steps``: rows
    admitted in order up to ``max_batch_size``, each makes one token per step, a finished row's slot refilled
-   at the next). ``engine_roofline_frac`` = T_min / measured time = measured tok/s / ceiling tok/s.
+   at the next; one forward per token, the prefill counting as a row's first). ``engine_roofline_frac`` =
+   T_min / measured time = measured tok/s / ceiling tok/s.
    Assumptions: prefill, sampling and the logits' traffic cost nothing; a shared prompt's keys and values
    are read once per row (as the slot cache stores them); bandwidth is the measured device-to-device
    ``copy_`` rate counting bytes read plus written (about 3.0 TB/s on an H100, 4.3 on an H200, FACTS.md).
@@ -63,8 +64,9 @@ goes under its key) so one part's crash never loses the others' numbers.
    ``rl_group_size`` samples for each of ``rl_prompts`` prompts (character-tokenizer prompts from
    ``models/tiny.py``: its ids are valid rows of any larger embedding; long-tailed budgets as above), the
    ``RewardPool`` (a worker process) scores them with the ``length`` reward (DAPO's soft overlong penalty with
-   its ramp over the whole budget, ``-len / rl_max_new_tokens``, so rewards vary inside every group and
-   nothing needs assigning by hand), ``build_train_batch`` + ``Trainer.step`` train on them, and the weights
+   its ramp over the whole budget, ``-len / rl_max_new_tokens``: the budgets differ inside a group, so its
+   rewards do and nothing needs assigning by hand; a group of equal lengths is dropped as in a run),
+   ``build_train_batch`` + ``Trainer.step`` train on them, and the weights
    go back to the engine (``state_dict_for_engine`` in the engine's dtype, ``request_weight_update``, then
    applied at once through the engine's interruption point). ``step_time_split`` is the seconds of each
    phase of the last of ``rl_steps`` steps (the first warms up the reward workers and the engine) and their
