@@ -28,11 +28,23 @@ Writes ``benchmarks/results/trl.png`` (accuracy vs training time).
 ``--set`` takes this benchmark's own knobs (``Settings``) and any quickstart run-config key; the TRL
 run reads its values from the same resolved config. Runs about 12 minutes (2 x 300 s of training plus
 setup and scoring); the first run also installs TRL (about a minute).
+
+On a GPU (``system.device``, a quickstart key: ``auto`` takes CUDA when present) both sides train there:
+tidal's trainer and engine as the run config places them, TRL with ``use_cpu=False`` and ``bf16`` exactly
+when tidal's ``trainer.precision`` resolves to bf16 (bf16 autocast over float32 weights on both sides), no
+vLLM, no gradient checkpointing. The snapshots are scored on the CPU by the same evaluator as before. A
+machine without network cannot build the benchmark's venv: ``--set venv=current`` runs TRL with this
+interpreter, which must import ``trl`` and ``datasets`` already (``scripts/device_wheels.txt`` lists the
+wheels to carry). On one H100, about 3 minutes (two 60-s runs, the warm start, TRL's import, scoring):
+
+    tidal bench trl --set venv=current --set system.device=cuda --set max_time_s=60 --set 'seeds=[0]' \
+        --set 'report_at=[30,60]'
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -57,6 +69,7 @@ from tidal.system.config import RunConfig
 from tidal.system.evaluate import greedy_accuracy
 from tidal.system.run import base_model_path, prepare
 from tidal.tasks import TASKS
+from tidal.utils.device import resolve_device, resolve_dtype
 from tidal.utils.metrics import MultiTracker
 
 DESCRIPTION = "tidal vs TRL GRPOTrainer: time to TRL's 300-s held-out accuracy, accuracy after equal time"
@@ -96,7 +109,9 @@ class Settings:
     any other busy process stalls every multi-threaded op (measured here: 7 s per step with 2 threads
     vs 1.3 s with 1 while another job held a core; FACTS.md saw the same 21x on a training step)."""
     venv: str = ".tidal_cache/bench-trl-venv"
-    """The benchmark's own environment for TRL, created on first use and reused."""
+    """The benchmark's own environment for TRL, created on first use and reused. ``current`` (or empty): no
+    venv, TRL runs with this interpreter (``sys.executable``), which must import ``trl`` and ``datasets``
+    (a machine without network, where pip cannot build the venv)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """One base model per seed (``seed``, ``model.init_seed``, ``sft.seed``): each is warm-started into
     ``sft.accuracy_band`` from its own init and data order, the way another CPU's rounding moves a base
@@ -216,9 +231,27 @@ def across_bases(per_base: list[dict], report_at: list[float]) -> dict:
 
 
 # ---- the TRL environment and run -----------------------------------------------------------------------
+CURRENT = ("", "current")
+"""``venv`` values meaning: no venv, TRL is already importable by this interpreter."""
+
+
 def ensure_venv(path: str | Path, version: str = TRL_VERSION) -> Path:
     """A venv with tidal's packages plus TRL (``benchmarks/_venv.py``; pip adds accelerate, psutil, trl)."""
     return _venv.bench_venv(path, [f"trl=={version}"], "trl")
+
+
+def trl_python(venv: str) -> tuple[str, str]:
+    """The interpreter that runs the TRL side and the TRL version it has: ``sys.executable`` when ``venv`` is
+    ``current`` or empty (TRL and datasets must import there already: a clear error names what is missing),
+    else the benchmark's own venv at ``venv`` (created with ``TRL_VERSION`` on first use)."""
+    if venv.strip() not in CURRENT:
+        return str(ensure_venv(venv)), TRL_VERSION
+    missing = [name for name in ("trl", "datasets") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(f"venv=current: {', '.join(missing)} cannot be imported by {sys.executable}; install "
+                           f"trl=={TRL_VERSION} there (offline: the wheels in scripts/device_wheels.txt), or set venv "
+                           "to a directory for the benchmark's own environment (needs pip and a package index)")
+    return sys.executable, importlib.metadata.version("trl")
 
 
 def export_prompts(task, count: int, path: Path) -> None:
@@ -250,19 +283,28 @@ def trl_settings(cfg: RunConfig, s: Settings, model_dir: Path, work: Path) -> di
         "weight_decay": o.weight_decay, "grad_clip": o.grad_clip, **eps, "schedule": o.schedule,
         "warmup_steps": o.warmup_steps, "min_lr_ratio": o.min_lr_ratio,
         "max_time_s": cfg.max_time_s, "max_steps": min(max_steps, cfg.max_steps),
-        "snapshot_every_s": s.snapshot_every_s,
+        "snapshot_every_s": s.snapshot_every_s, **device_settings(cfg),
     }
 
 
+def device_settings(cfg: RunConfig) -> dict:
+    """Where TRL trains and in which precision, from tidal's resolved ``system.device`` and ``trainer.precision``:
+    ``device`` is ``cpu`` or ``cuda`` (TRL, through accelerate, takes the first visible GPU), ``bf16`` whether
+    both sides run bf16 autocast over float32 weights."""
+    device = resolve_device(cfg.system.device)
+    return {"device": device.type,
+            "bf16": resolve_dtype(cfg.trainer.precision, device, "trainer.precision") == torch.bfloat16}
+
+
 def run_trl(cfg: RunConfig, s: Settings, task, model_dir: Path, work: Path) -> tuple[list[dict], list[dict], dict]:
-    python = ensure_venv(s.venv)
+    python, version = trl_python(s.venv)
     work.mkdir(parents=True, exist_ok=True)
-    settings = trl_settings(cfg, s, model_dir, work)
+    settings = {**trl_settings(cfg, s, model_dir, work), "trl_version": version, "python": python}
     export_prompts(task, 2 * task.num_train, Path(settings["prompts_path"]))  # TRL cycles it if it runs out
     (work / "config.json").write_text(json.dumps(settings, indent=2))
     env = {**os.environ, "OMP_NUM_THREADS": str(settings["threads"]), "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([str(python), str(_SCRIPT), "--config", str(work / "config.json")], check=True, env=env)
-    snapshots = torch.load(settings["snapshots_path"], weights_only=True)
+    subprocess.run([python, str(_SCRIPT), "--config", str(work / "config.json")], check=True, env=env)
+    snapshots = torch.load(settings["snapshots_path"], weights_only=True, map_location="cpu")  # scored on the CPU
     return snapshots, grpo.read_rows(settings["log_path"]), settings
 
 
@@ -373,11 +415,12 @@ def run_base(s: Settings, cfg: RunConfig, out_dir: Path) -> dict:
         start, cpu_start = time.perf_counter(), cpu_clock()
         if name == "trl":
             snaps[name], steps, trl_cfg = run_trl(cfg, s, task, model_dir, out_dir / "trl")
-            label = f"TRL {TRL_VERSION} GRPOTrainer, {trl_cfg['threads']} thread(s)"
+            label = f"TRL {trl_cfg['trl_version']} GRPOTrainer, {trl_cfg['device']}, {trl_cfg['threads']} thread(s)"
         else:
             torch.set_num_threads(s.threads)
             snaps[name], steps = run_tidal(cfg, s, out_dir / "tidal")
-            label = f"quickstart, {cfg.system.mode}, eta={cfg.rollout.max_staleness}, {s.threads} threads"
+            label = (f"quickstart, {cfg.system.mode}, eta={cfg.rollout.max_staleness}, "
+                     f"{resolve_device(cfg.system.device).type}, {s.threads} threads")
         runs[name] = {"steps": steps, "samples_per_step": samples_per_step, "label": label,
                       "wall_s": time.perf_counter() - start, "others_cores": others_cores(cpu_start, cpu_clock())}
     torch.set_num_threads(s.threads)
@@ -408,7 +451,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
                      "target_accuracy", "tidal_time_to_target_s", "speedup", "goal_3x_sooner", "goal_higher_at_end")
     return {
         "benchmark": "trl", "description": DESCRIPTION, "table": [r for b in per_base for r in b["table"]],
-        **across_bases(per_base, s.report_at), "plot": str(png), "trl_version": TRL_VERSION,
+        **across_bases(per_base, s.report_at), "plot": str(png),
+        "trl_version": (per_base[0]["trl_script"] or {}).get("trl_version", TRL_VERSION),
+        "device": resolve_device(cfg.system.device).type,
         "bases": [{"seed": b["seed"], **{k: b.get(k) for k in headline_keys}} for b in per_base],
         "settings": {"benchmark": dataclasses.asdict(s), "trl_script": per_base[0]["trl_script"],
                      "tidal_overrides": [*RUN, *overrides], "task": cfg.task.name, "num_eval": per_base[0]["num_eval"],

@@ -117,13 +117,20 @@ def lr_schedule(s: dict) -> dict:
             "lr_scheduler_kwargs": {"min_lr_rate": s["min_lr_ratio"]}}
 
 
+def device_args(s: dict) -> dict:
+    """Where and in which precision TRL trains: ``device`` ``cuda`` is the first visible GPU (accelerate's
+    choice), ``cpu`` the CPU; ``bf16`` (tidal's resolved ``trainer.precision``) is bf16 autocast over float32
+    weights, as tidal's. FACTS.md: on CPU bf16 must be off explicitly (it defaults on, and is 10x slower)."""
+    return {"use_cpu": s.get("device", "cpu") == "cpu", "bf16": s.get("bf16", False), "fp16": False}
+
+
 def grpo_config(s: dict, out_dir: str):
-    """GRPOConfig with every knob that differs from TRL's defaults stated (FACTS.md: CPU needs bf16 and
-    gradient checkpointing off explicitly; both default on)."""
+    """GRPOConfig with every knob that differs from TRL's defaults stated (FACTS.md: gradient checkpointing
+    must be off explicitly, it defaults on; ``device_args`` for the device and precision)."""
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,
+        output_dir=out_dir, **device_args(s), gradient_checkpointing=False, use_vllm=False,
         per_device_train_batch_size=s["prompts_per_step"] * s["group_size"], gradient_accumulation_steps=1,
         num_generations=s["group_size"], num_iterations=1, max_completion_length=s["max_new_tokens"],
         temperature=s["temperature"], top_p=s["top_p"], top_k=0,

@@ -3,6 +3,7 @@ the TRL script's reward and prompt export, the settings both runs share, and the
 One optional test (marked slow) runs 2 TRL steps when the benchmark's TRL environment already exists."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,52 @@ def test_both_runs_read_one_resolved_config(tmp_path):
         trl_bench.resolve(["snapshot_evry_s=3"])
 
 
+# ---- where TRL runs: its interpreter, device and precision ------------------------------------------------
+def test_venv_current_runs_trl_with_this_interpreter(monkeypatch):
+    import importlib.machinery
+    import importlib.metadata
+    import sys
+    import types
+
+    if importlib.util.find_spec("trl") is None:  # tidal's own environment has no TRL: say so, clearly
+        with pytest.raises(RuntimeError, match=r"venv=current: trl.* cannot be imported by .*device_wheels"):
+            trl_bench.trl_python("current")
+    for name in ("trl", "datasets"):  # importable (as on a GPU machine that carries the wheels)
+        fake = types.ModuleType(name)
+        fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, fake)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"trl": "1.16.0"}[name])
+    assert trl_bench.trl_python("current") == trl_bench.trl_python("") == (sys.executable, "1.16.0")
+    monkeypatch.setattr(trl_bench, "ensure_venv", lambda path: Path(path) / "bin" / "python")
+    assert trl_bench.trl_python("/some/venv") == ("/some/venv/bin/python", trl_bench.TRL_VERSION)
+
+
+def test_trl_trains_on_tidals_device_in_tidals_precision(monkeypatch):
+    _, cfg = trl_bench.resolve(["system.device=cpu"])
+    assert trl_bench.device_settings(cfg) == {"device": "cpu", "bf16": False}  # auto precision: fp32 on a CPU
+    assert grpo.device_args({"device": "cpu", "bf16": False}) == {"use_cpu": True, "bf16": False, "fp16": False}
+    cfg.trainer.precision = "bf16"
+    assert trl_bench.device_settings(cfg) == {"device": "cpu", "bf16": True}
+    monkeypatch.setattr(trl_bench, "resolve_device", lambda spec: torch.device("cuda", 0))  # as on a GPU machine
+    cfg.trainer.precision = "auto"
+    assert trl_bench.device_settings(cfg) == {"device": "cuda", "bf16": True}  # auto precision: bf16 on CUDA
+    assert grpo.device_args({"device": "cuda", "bf16": True}) == {"use_cpu": False, "bf16": True, "fp16": False}
+    assert grpo.device_args({}) == {"use_cpu": True, "bf16": False, "fp16": False}  # configs written before
+
+
+def test_the_documented_gpu_command_resolves():
+    """docs/benchmarks.md's command for a GPU machine without network names real keys with the meant values."""
+    import re
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    (line,) = re.findall(r"^tidal bench trl .*venv=current.*$", doc, flags=re.M)
+    args = shlex.split(line)[3:]
+    s, cfg = trl_bench.resolve([args[i + 1] for i, a in enumerate(args) if a == "--set"])
+    assert (s.venv, cfg.system.device, cfg.max_time_s, s.seeds, s.report_at) == ("current", "cuda", 60, [0], [30, 60])
+    assert "--set venv=current --set system.device=cuda --set max_time_s=60" in " ".join(trl_bench.__doc__.split())
+
+
 # ---- the harness end to end, toy size ---------------------------------------------------------------------
 def test_run_on_a_toy_size_writes_the_table_curves_and_plot(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the warm start caches under ./.tidal_cache
@@ -181,7 +228,8 @@ def test_run_on_a_toy_size_writes_the_table_curves_and_plot(tmp_path, monkeypatc
         weights = grpo.clone_state(tiny.load(model_dir)[0])
         snaps = [{"elapsed_s": 0.0, "step": 0, "state_dict": weights}, {"elapsed_s": 0.2, "step": 2,
                                                                           "state_dict": weights}]
-        return snaps, [{"step": 1, "elapsed_s": 0.1}, {"step": 2, "elapsed_s": 0.2}], {"lr": cfg.optim.lr, "threads": 1}
+        return snaps, [{"step": 1, "elapsed_s": 0.1}, {"step": 2, "elapsed_s": 0.2}], {
+            "lr": cfg.optim.lr, "threads": 1, "trl_version": "fake", "device": "cpu"}
 
     monkeypatch.setattr(trl_bench, "run_trl", fake_trl)
     result = trl_bench.run([*TOY, "max_time_s=0.2", "seeds=[0,1]"], tmp_path / "results" / "trl")
@@ -217,6 +265,21 @@ def test_two_trl_steps(tmp_path, monkeypatch):
     assert row["steps"] == 2 and len(result["curves"]["seed0/trl"]["accuracy"]) == 3
     snapshots = torch.load(tmp_path / "results" / "trl" / "seed0" / "trl" / "snapshots.pt", weights_only=True)
     assert [s["step"] for s in snapshots] == [0, 1, 2]  # the base, then every step (snapshot_every_s=0.05)
+
+
+@pytest.mark.slow
+def test_two_trl_steps_with_this_interpreter(tmp_path, monkeypatch):
+    """``venv=current`` (a GPU machine without network): TRL from this interpreter, no venv made."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+        pytest.skip("trl or datasets is not importable here")
+    monkeypatch.chdir(tmp_path)
+    result = trl_bench.run([*TOY, "frameworks=[trl]", "seeds=[0]", "venv=current", "max_steps=2", "max_time_s=600"],
+                           tmp_path / "results" / "trl")
+    (row,) = result["table"]
+    assert row["steps"] == 2 and result["settings"]["trl_script"]["python"] == sys.executable
+    assert not (tmp_path / ".tidal_cache" / "bench-trl-venv").exists()
 
 
 def test_tidal_cosine_is_hugging_faces_cosine_with_min_lr():

@@ -1,0 +1,575 @@
+"""One device, three numbers: trainer MFU, engine speed vs Hugging Face ``generate``, and where an RL step's time goes.
+
+Runs on whatever device is present (``--set device=cpu`` forces the CPU). On CUDA the model has
+Qwen2.5-0.5B's exact shapes (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936,
+tied embeddings, rope theta 1e6), built locally with random weights (no hub); on CPU a small stand-in
+(hidden 128, 2 layers, vocab 4,096) and smaller workloads (``CPU_DEFAULTS``), so every code path runs in
+seconds and the JSON says ``"model": "...stand-in..."``. Each part catches its own failure (the error string
+goes under its key) so one part's crash never loses the others' numbers.
+
+1. ``train``: tidal's ``Trainer`` (fp32 master weights, ``trainer.precision`` bf16 autocast on CUDA, packed
+   rows of ``pack_tokens``) on groups of ``group_size`` samples sharing a ``prompt_len``-token prompt, with
+   response lengths n ~ 1/n up to ``max_response`` (the long tail of reasoning traces, as in
+   ``benchmarks/packing.py``), random token ids and rewards that vary inside every group. One warm-up step,
+   then ``train_steps`` timed steps (synchronized). MFU = model FLOPs per second / peak, with
+
+       FLOPs per step = 6 * N * tokens + 12 * layers * d_attn * sum_seq L (L + 1) / 2
+
+   - 6N per token: a forward costs 2 FLOPs per parameter per token and the backward twice that (Kaplan et
+     al. 2020, arXiv 2001.08361, sec. 2.1; PaLM, arXiv 2204.02311, appendix B: 6N + 12 L H Q T). N counts
+     every parameter outside the input embedding plus the LM head's V x h matmul, which runs on every token
+     even when it is tied to the embedding (Chinchilla, arXiv 2203.15556, appendix F, counts the logits).
+   - Attention: per layer and token, QK^T and AV cost 2 * d_attn FLOPs each per attended key, so 4 d_attn
+     ctx forward and 12 d_attn ctx with the backward (PaLM's 12 L H Q T). Packed sequences attend only
+     within themselves and causally, so the attended keys of a length-L sequence sum to L (L + 1) / 2
+     exactly (PaLM's T counts the whole window; we count what the causal mask keeps).
+   - What is not counted (model FLOPs, not hardware FLOPs): the LM-head recomputation of the chunked fp32
+     log-prob head (``models/logprobs.py`` recomputes each chunk in the backward), norms, softmaxes,
+     entropies, the optimizer. The head runs in float32 there (MiniMax-M1's fix), not bf16: at a 152k
+     vocabulary it is ``head_flops_frac`` of the FLOPs, so ``matmul_tflops_measured_fp32`` is reported too.
+   - One forward and one backward per step: with the default ``AlgoConfig`` (one minibatch, no KL, no
+     reference model) ``Trainer.step`` takes pi_prox from the training forward itself (``logp.detach()``),
+     so no extra scoring pass runs. A hook counts the decoder's forwards and the part asserts there is
+     exactly one per micro-batch, so a changed trainer cannot silently make the FLOP count wrong.
+   Peaks: the bf16 dense datasheet figure for the detected GPU (``DATASHEET_BF16_TFLOPS``; None when the
+   name is not in the table, and on CPU) and a measured one, the median of timed ``matmul_size``^3 matmuls
+   in the autocast dtype (about 790 TFLOP/s on an H100 or H200, FACTS.md). ``trainer_mfu`` uses the
+   datasheet peak (the measured one where there is none, as on a CPU: ``trainer_mfu_peak`` says which),
+   ``trainer_mfu_vs_measured_matmul`` the measured one.
+
+2. ``generate``: the same model in the engine dtype (bf16 on CUDA) in tidal's ``LocalEngine`` and in Hugging
+   Face's ``model.generate`` (``do_sample``, temperature 1, no top-k/top-p, as the engine samples), on the
+   same ``gen_prompts`` x ``gen_group_size`` requests of ``gen_prompt_len`` random tokens. Each request has
+   its own budget n ~ 1/n up to ``gen_max_new_tokens`` (``GenRequest.max_new_tokens``), and neither side
+   may stop early (EOS is switched off on both: a random model would otherwise stop at random), so both do
+   the same useful work. ``generate`` runs every row to the longest budget; only the tokens within each
+   row's budget are useful (what a user gets), and only those are counted for either side.
+   ``engine_over_hf_generate`` = engine useful tok/s / HF useful tok/s (one warm-up each on a few rows,
+   then one timed batch each).
+   The engine's roofline: decoding is memory-bound, and a step must read every weight once (shared by the
+   step's rows) plus each live row's keys and values, so the least time a schedule can take is
+
+       T_min = sum over decode steps (W + kv_per_token * sum_rows context_row) / bandwidth,
+
+   W = N * bytes (N as above; the input-embedding lookup reads only a few rows), kv_per_token = 2 * layers
+   * kv_heads * head_dim * bytes, the steps those of the engine's own schedule (``decode_steps``: rows
+   admitted in order up to ``max_batch_size``, each makes one token per step, a finished row's slot refilled
+   at the next; one forward per token, the prefill counting as a row's first). ``engine_roofline_frac`` =
+   T_min / measured time = measured tok/s / ceiling tok/s.
+   Assumptions: prefill, sampling and the logits' traffic cost nothing; a shared prompt's keys and values
+   are read once per row (as the slot cache stores them); bandwidth is the measured device-to-device
+   ``copy_`` rate counting bytes read plus written (about 3.0 TB/s on an H100, 4.3 on an H200, FACTS.md).
+
+3. ``rl_step``: one RL step of tidal's real components on the same model: the engine generates
+   ``rl_group_size`` samples for each of ``rl_prompts`` prompts (character-tokenizer prompts from
+   ``models/tiny.py``: its ids are valid rows of any larger embedding; long-tailed budgets as above), the
+   ``RewardPool`` (a worker process) scores them with the ``length`` reward (DAPO's soft overlong penalty with
+   its ramp over the whole budget, ``-len / rl_max_new_tokens``: the budgets differ inside a group, so its
+   rewards do and nothing needs assigning by hand; a group of equal lengths is dropped as in a run),
+   ``build_train_batch`` + ``Trainer.step`` train on them, and the weights
+   go back to the engine (``state_dict_for_engine`` in the engine's dtype, ``request_weight_update``, then
+   applied at once through the engine's interruption point). ``step_time_split`` is the seconds of each
+   phase of the last of ``rl_steps`` steps (the first warms up the reward workers and the engine) and their
+   fractions.
+
+Reading the numbers: they are for one device and these shapes; the model is small for an H100, so per-step
+overheads (kernel launches, Python) weigh more than at 7B. The defaults are sized to finish in about 2-3
+minutes on one H100 (an estimate, not yet measured), most of it in part 2's ``generate``, which decodes every
+row to the longest budget.
+
+    tidal bench gpu [--set device=cpu] [--set 'parts=[train]'] [--set train_steps=5] ...
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import random
+import statistics
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import transformers
+
+from tidal.config import apply_overrides
+from tidal.utils.device import resolve_device, resolve_dtype
+
+DESCRIPTION = "one device: trainer tokens/s and MFU, engine vs HF generate (and its roofline), an RL step's time split"
+
+MODELS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "stand-in": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=512, vocab_size=4096, tie_word_embeddings=True, rope_theta=1e6,
+                     max_position_embeddings=2048, rms_norm_eps=1e-6),
+}
+"""Model shapes (``transformers.Qwen2Config`` arguments; Qwen2.5-0.5B's are from its config.json)."""
+MODEL_NOTES = {"qwen2.5-0.5b": "Qwen2.5-0.5B's shapes, random weights",
+               "stand-in": "a small stand-in for CPU runs, random weights: not Qwen2.5-0.5B's shapes"}
+
+DATASHEET_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
+                         ("H200", 989.0), ("A100", 312.0)]
+"""Dense BF16 tensor-core peaks by device-name substring, first match wins (NVIDIA's H100/H200 datasheets
+list 1,979 TFLOP/s for SXM "with sparsity", twice the dense rate; the A100's is 312 dense). The SXM H100
+calls itself "NVIDIA H100 80GB HBM3"."""
+
+
+@dataclass
+class Settings:
+    device: str = "auto"
+    """``auto`` (CUDA if present), ``cpu``, ``cuda`` or ``cuda:N``. On CPU, ``CPU_DEFAULTS`` apply first."""
+    model: str = "qwen2.5-0.5b"
+    """A key of ``MODELS``."""
+    parts: list[str] = field(default_factory=lambda: ["train", "generate", "rl_step"])
+    precision: str = "auto"
+    """``trainer.precision``: bf16 autocast on CUDA with ``auto``, fp32 on CPU."""
+    engine_dtype: str = "auto"
+    """``rollout.dtype`` of the engine, and the dtype HF ``generate`` runs in: bf16 on CUDA with ``auto``."""
+    seed: int = 0
+    matmul_size: int = 8192
+    """Side of the square matmuls timed for the measured peak."""
+    copy_mb: int = 2048
+    """Bytes of the buffer copied device to device for the measured bandwidth."""
+    # ---- train
+    train_groups: int = 8
+    group_size: int = 16
+    prompt_len: int = 256
+    max_response: int = 1536
+    pack_tokens: int = 2048
+    micro_batch_tokens: int = 8192
+    """A few packed rows per forward/backward."""
+    train_steps: int = 3
+    """Timed steps after one warm-up step."""
+    # ---- generate
+    gen_prompts: int = 16
+    gen_group_size: int = 8
+    gen_prompt_len: int = 128
+    gen_max_new_tokens: int = 512
+    gen_max_batch_size: int = 256
+    """The engine's ``max_batch_size``; HF ``generate`` runs the same number of rows per call."""
+    # ---- rl_step
+    rl_prompts: int = 8
+    rl_group_size: int = 16
+    rl_max_new_tokens: int = 256
+    rl_steps: int = 2
+    """RL steps run; the last one's split is reported (the first starts the reward workers)."""
+
+
+CPU_DEFAULTS = [
+    "model=stand-in", "matmul_size=1024", "copy_mb=256",
+    "train_groups=2", "group_size=8", "prompt_len=32", "max_response=192", "pack_tokens=256",
+    "micro_batch_tokens=512", "train_steps=2",
+    "gen_prompts=4", "gen_group_size=4", "gen_prompt_len=16", "gen_max_new_tokens=64", "gen_max_batch_size=16",
+    "rl_prompts=4", "rl_group_size=4", "rl_max_new_tokens=32",
+]
+"""What changes on a CPU (before the command line's ``--set``): the stand-in model and small workloads."""
+
+
+# ---- formulas (pure) -------------------------------------------------------------------------------------
+def matmul_params(model: torch.nn.Module) -> int:
+    """N: every parameter outside the input embedding, plus the LM head's weight (counted even when tied to the
+    embedding: the head's matmul runs on every token either way)."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    rest = sum(p.numel() for p in model.parameters() if p is not emb and p is not head)
+    return rest + head.numel()
+
+
+def training_flops(num_params: int, num_layers: int, attn_dim: int, lengths: list[int]) -> float:
+    """Model FLOPs of one forward + backward over packed sequences of ``lengths`` (module docstring, part 1):
+    6 N per token plus 12 * layers * d_attn per attended (query, key) pair, L (L + 1) / 2 pairs per sequence."""
+    tokens = sum(lengths)
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return 6.0 * num_params * tokens + 12.0 * num_layers * attn_dim * pairs
+
+
+def long_tailed(rng: random.Random, count: int, top: int) -> list[int]:
+    """``count`` lengths n in [1, top] with P(n) proportional to 1/n (most short, a few near ``top``)."""
+    return rng.choices(range(1, top + 1), [1 / n for n in range(1, top + 1)], k=count)
+
+
+def decode_steps(prompt_lens: list[int], budgets: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """The engine's decode schedule as (live rows, total context tokens of those rows) per step: requests join
+    in order while fewer than ``max_rows`` run, each live row makes one token per step and leaves after its
+    budget (its slot is free at the next step). A row's context is its prompt plus its tokens so far."""
+    pending = deque(zip(prompt_lens, budgets))
+    live: list[list[int]] = []  # [context, tokens left]
+    steps = []
+    while pending or live:
+        while pending and len(live) < max_rows:
+            live.append(list(pending.popleft()))
+        steps.append((len(live), sum(ctx for ctx, _ in live)))
+        live = [[ctx + 1, left - 1] for ctx, left in live if left > 1]
+    return steps
+
+
+def roofline_tokens_per_s(weight_bytes: float, kv_bytes_per_token: float, steps: list[tuple[int, int]],
+                          bandwidth: float) -> float:
+    """Tokens/s if every decode step only moved its bytes at ``bandwidth`` (bytes/s): each step reads all weights
+    once plus every live row's keys and values (module docstring, part 2)."""
+    seconds = sum(weight_bytes + kv_bytes_per_token * context for _, context in steps) / bandwidth
+    return sum(rows for rows, _ in steps) / seconds
+
+
+def datasheet_tflops(name: str) -> float | None:
+    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS if key in name), None)
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable, device: torch.device):
+    """(fn(), seconds), with the device synchronized before and after."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5, per_sample: int = 10) -> float:
+    """Median TFLOP/s of ``per_sample`` back-to-back n x n x n matmuls (2 n^3 FLOPs each), ``repeats`` samples."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    a @ b  # warm-up (library handles, kernel selection)
+
+    def burst():
+        for _ in range(per_sample):
+            a @ b
+
+    return statistics.median(2 * n**3 * per_sample / timed(burst, device)[1] / 1e12 for _ in range(repeats))
+
+
+def copy_bandwidth(device: torch.device, megabytes: int, repeats: int = 5) -> float:
+    """Median bytes/s of a device-to-device ``copy_``, counting bytes read plus bytes written."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return statistics.median(2 * src.numel() / timed(lambda: dst.copy_(src), device)[1] for _ in range(repeats))
+
+
+def build_model(s: Settings) -> torch.nn.Module:
+    """A Qwen2 causal LM of ``MODELS[s.model]``'s shapes with random float32 weights (seeded), on the CPU."""
+    torch.manual_seed(s.seed)
+    config = transformers.Qwen2Config(**MODELS[s.model])
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+
+
+# ---- part 1: the trainer ---------------------------------------------------------------------------------
+def train_batch(s: Settings, vocab: int):
+    """``train_groups`` groups of ``group_size`` sequences: a shared ``prompt_len``-token prompt, a long-tailed
+    response, random ids; uniform random rewards (never equal inside a group) and plausible behaviour log-probs."""
+    from tidal.types import TrainBatch
+
+    rng = random.Random(s.seed)
+    num = s.train_groups * s.group_size
+    lengths = [s.prompt_len + n for n in long_tailed(rng, num, s.max_response)]
+    width = max(lengths)
+    gen = torch.Generator().manual_seed(s.seed)
+    attn_bt = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    group_b = torch.arange(num) // s.group_size
+    ids_bt = torch.randint(0, vocab, (num, width), generator=gen)
+    ids_bt[:, : s.prompt_len] = ids_bt[group_b * s.group_size, : s.prompt_len]  # a group shares its prompt
+    ids_bt = ids_bt * attn_bt
+    loss_mask_bt = attn_bt.float()
+    loss_mask_bt[:, : s.prompt_len] = 0
+    behav_bt = -torch.rand(num, width, generator=gen) * loss_mask_bt
+    versions_bt = torch.where(loss_mask_bt > 0, 0, -1)
+    rewards_b = torch.rand(num, generator=gen)
+    return TrainBatch(ids_bt, attn_bt, loss_mask_bt, behav_bt, versions_bt, group_b, rewards_b), lengths
+
+
+def make_trainer(model: torch.nn.Module, s: Settings, device: torch.device):
+    from tidal.algo.config import AlgoConfig
+    from tidal.optim import OptimConfig
+    from tidal.train.trainer import Trainer, TrainerConfig
+
+    cfg = TrainerConfig(precision=s.precision, packing=True, pack_tokens=s.pack_tokens,
+                        micro_batch_tokens=s.micro_batch_tokens)
+    return Trainer(model, AlgoConfig(), OptimConfig(lr=1e-6), cfg, device=device)
+
+
+def part_train(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
+    from tidal.train.microbatch import pack_sequences
+
+    trainer = make_trainer(copy.deepcopy(base), s, device)
+    config = trainer.model.config
+    batch, lengths = train_batch(s, config.vocab_size)
+    forwards = [0]
+    hook = trainer.model.get_decoder().register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        _, warm_s = timed(lambda: trainer.step(batch), device)
+        forwards[0] = 0
+        times, metrics = [], {}
+        for _ in range(s.train_steps):
+            metrics, seconds = timed(lambda: trainer.step(batch), device)
+            times.append(seconds)
+    finally:
+        hook.remove()
+    micro_batches = len(pack_sequences(lengths, s.micro_batch_tokens))
+    assert forwards[0] == micro_batches * s.train_steps, (
+        f"{forwards[0] / s.train_steps} decoder forwards per step, {micro_batches} micro-batches: the step does "
+        "more than one forward + backward, and the 6N FLOP count would be wrong")
+    n = matmul_params(trainer.model)
+    attn_dim = config.num_attention_heads * (getattr(config, "head_dim", None)
+                                             or config.hidden_size // config.num_attention_heads)
+    flops = training_flops(n, config.num_hidden_layers, attn_dim, lengths)
+    step_s = statistics.median(times)
+    achieved = flops / step_s / 1e12
+    datasheet, measured = peaks["peak_tflops_datasheet"], peaks["matmul_tflops_measured"]
+    head = config.vocab_size * config.hidden_size
+    return {
+        "trainer_tokens_per_s": sum(lengths) / step_s,
+        "trainer_response_tokens_per_s": (sum(lengths) - len(lengths) * s.prompt_len) / step_s,
+        "step_s": step_s, "step_times_s": times, "warmup_step_s": warm_s, "tokens_per_step": sum(lengths),
+        "sequences_per_step": len(lengths), "micro_batches_per_step": micro_batches,
+        "decoder_forwards_per_step": forwards[0] / s.train_steps, "flops_per_step": flops,
+        "matmul_params": n, "head_flops_frac": 6.0 * head * sum(lengths) / flops, "achieved_tflops": achieved,
+        "trainer_mfu": achieved / (datasheet or measured), "trainer_mfu_peak": "datasheet" if datasheet else
+        "measured matmul (no datasheet peak for this device)", "trainer_mfu_vs_measured_matmul": achieved / measured,
+        "autocast_dtype": str(trainer.autocast_dtype),
+        "last_step_metrics": {k: v for k, v in metrics.items() if k.startswith("perf/")},
+    }
+
+
+# ---- part 2: the engine vs HF generate -------------------------------------------------------------------
+def gen_requests(s: Settings, vocab: int) -> list:
+    """``gen_prompts`` x ``gen_group_size`` requests: random ``gen_prompt_len``-token prompts, long-tailed budgets."""
+    from tidal.api import GenRequest
+    from tidal.types import Prompt
+
+    rng = random.Random(s.seed + 1)
+    budgets = long_tailed(rng, s.gen_prompts * s.gen_group_size, s.gen_max_new_tokens)
+    requests = []
+    for i in range(s.gen_prompts):
+        ids = tuple(rng.randrange(vocab) for _ in range(s.gen_prompt_len))
+        for j in range(s.gen_group_size):
+            requests.append(GenRequest(Prompt(f"p{i}", "", ""), ids, j, budgets[len(requests)]))
+    return requests
+
+
+def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) -> tuple[int, float]:
+    """(useful new tokens, seconds) of one timed ``LocalEngine.generate`` over every request, after a warm-up."""
+    from tidal.rollout.local import LocalEngine, SamplingConfig
+
+    cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.gen_max_new_tokens, max_batch_size=s.gen_max_batch_size)
+    engine = LocalEngine(model, tokenizer, cfg, seed=s.seed)
+    engine.eos_id = None  # ignore EOS: a random model would stop at random (the budget ends every request)
+    engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests[:8]])
+    trajs, seconds = timed(lambda: engine.generate(requests), device)
+    useful = sum(len(t.token_ids) for t in trajs)
+    assert useful == sum(r.max_new_tokens for r in requests), "the engine stopped a request before its budget"
+    return useful, seconds
+
+
+def hf_arm(model, requests, s: Settings, device: torch.device) -> tuple[int, int, float]:
+    """(useful new tokens, new tokens computed, seconds) of HF ``generate`` over the requests in batches of
+    ``gen_max_batch_size`` rows (every prompt has the same length: no padding), each batch run to its longest
+    budget; a row's tokens past its own budget are computed but not useful."""
+    model.generation_config.eos_token_id = None  # ignore EOS, as the engine does
+    ids = torch.tensor([r.prompt_ids for r in requests], device=device)
+    budgets = [r.max_new_tokens for r in requests]
+
+    def generate(rows: slice, max_new: int):
+        torch.manual_seed(s.seed)
+        out = model.generate(input_ids=ids[rows], attention_mask=torch.ones_like(ids[rows]), do_sample=True,
+                             temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new, pad_token_id=0)
+        return out.shape[1] - ids.shape[1]  # new columns, the same for every row
+
+    with torch.no_grad():
+        generate(slice(0, 8), 4)
+        useful, computed, seconds = 0, 0, 0.0
+        for start in range(0, len(requests), s.gen_max_batch_size):
+            rows = slice(start, start + s.gen_max_batch_size)
+            width, sec = timed(lambda rows=rows: generate(rows, max(budgets[rows])), device)
+            useful += sum(min(b, width) for b in budgets[rows])
+            computed += width * len(budgets[rows])
+            seconds += sec
+    return useful, computed, seconds
+
+
+def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
+    from tidal.models import tiny
+
+    dtype = resolve_dtype(s.engine_dtype, device, "engine_dtype")
+    model = copy.deepcopy(base).to(device).eval()
+    requests = gen_requests(s, model.config.vocab_size)
+    engine_tokens, engine_s = engine_arm(model, tiny.build_tokenizer(), requests, s, device)
+    model.to(dtype)
+    hf_tokens, hf_computed, hf_s = hf_arm(model, requests, s, device)
+    weight_bytes = matmul_params(model) * dtype.itemsize
+    kv = kv_bytes_per_token(model.config, dtype)
+    steps = decode_steps([len(r.prompt_ids) for r in requests], [r.max_new_tokens for r in requests],
+                         s.gen_max_batch_size)
+    ceiling = roofline_tokens_per_s(weight_bytes, kv, steps, peaks["copy_bandwidth_bytes_per_s"])
+    engine_rate, hf_rate = engine_tokens / engine_s, hf_tokens / hf_s
+    return {
+        "engine_over_hf_generate": engine_rate / hf_rate, "engine_tokens_per_s": engine_rate,
+        "hf_generate_tokens_per_s": hf_rate, "engine_roofline_frac": engine_rate / ceiling,
+        "roofline_tokens_per_s": ceiling, "useful_tokens": engine_tokens, "hf_useful_tokens": hf_tokens,
+        "hf_computed_tokens": hf_computed, "engine_s": engine_s, "hf_s": hf_s, "requests": len(requests),
+        "decode_steps": len(steps), "weight_bytes": weight_bytes, "kv_bytes_per_token": kv, "dtype": str(dtype),
+    }
+
+
+# ---- part 3: one RL step ---------------------------------------------------------------------------------
+def rl_requests(s: Settings, tokenizer) -> list:
+    from tidal.api import GenRequest
+    from tidal.rollout.requests import prompt_ids
+    from tidal.types import Prompt
+
+    rng = random.Random(s.seed + 2)
+    budgets = long_tailed(rng, s.rl_prompts * s.rl_group_size, s.rl_max_new_tokens)
+    requests = []
+    for i in range(s.rl_prompts):
+        prompt = Prompt(f"q{i}", f"{rng.randrange(100)}+{rng.randrange(100)}=", "")
+        ids = prompt_ids(tokenizer, prompt)
+        for j in range(s.rl_group_size):
+            requests.append(GenRequest(prompt, ids, j, budgets[len(requests)]))
+    return requests
+
+
+def rl_step(trainer, engine, pool, requests, s: Settings, pad_id: int, device: torch.device) -> dict:
+    """One generate -> score -> train -> weight sync step; seconds of each phase."""
+    from tidal.algo.config import AlgoConfig
+    from tidal.train.batch import build_train_batch
+    from tidal.types import Group
+
+    trajs, gen_s = timed(lambda: engine.generate(requests), device)
+    items = [(t.text, dataclasses.replace(r.prompt, meta={**r.prompt.meta, "num_tokens": t.num_tokens}))
+             for t, r in zip(trajs, requests)]  # the controller hands the reward each response's length the same way
+    scores, score_s = timed(lambda: pool.score(items), device)
+    for t, (reward, _) in zip(trajs, scores):
+        t.reward = reward
+    groups = [Group(requests[i].prompt, trajs[i : i + s.rl_group_size]) for i in range(0, len(trajs), s.rl_group_size)]
+
+    def train():
+        batch, _ = build_train_batch(groups, AlgoConfig(), pad_id)
+        assert batch is not None, "every group's rewards were equal: nothing to train on"
+        return trainer.step(batch)
+
+    _, train_s = timed(train, device)
+
+    def weight_sync():
+        engine.request_weight_update(trainer.state_dict_for_engine(dtype=engine.dtype), trainer.version)
+        assert engine._apply_pending_update(), "the weight update was not applied"
+
+    _, sync_s = timed(weight_sync, device)
+    split = {"generate": gen_s, "score": score_s, "train": train_s, "weight_sync": sync_s}
+    total = sum(split.values())
+    return {"seconds": split, "fractions": {k: v / total for k, v in split.items()}, "total_s": total,
+            "samples": len(trajs), "response_tokens": sum(t.num_tokens for t in trajs),
+            "reward_std": statistics.pstdev(t.reward for t in trajs)}
+
+
+def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
+    from tidal.models import tiny
+    from tidal.rewards import build_reward
+    from tidal.rewards.pool import RewardConfig, RewardPool
+    from tidal.rollout.local import LocalEngine, SamplingConfig
+
+    tokenizer = tiny.build_tokenizer()
+    trainer = make_trainer(copy.deepcopy(base), s, device)
+    cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.rl_max_new_tokens)
+    engine = LocalEngine(trainer.model, tokenizer, cfg, seed=s.seed)
+    params = {"max_len": s.rl_max_new_tokens, "cache_len": s.rl_max_new_tokens}
+    pool = RewardPool(build_reward("length", params), RewardConfig("length", params))
+    requests = rl_requests(s, tokenizer)
+    try:
+        steps = [rl_step(trainer, engine, pool, requests, s, tokenizer.pad_token_id, device) for _ in range(s.rl_steps)]
+    finally:
+        pool.close()
+    return {"step_time_split": {**steps[-1]["seconds"], "fractions": steps[-1]["fractions"]},
+            "rl_step_s": steps[-1]["total_s"], "rl_steps": steps, "engine_dtype": str(engine.dtype)}
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------
+PARTS = {"train": part_train, "generate": part_generate, "rl_step": part_rl_step}
+HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split"}
+
+
+def resolve(overrides: list[str]) -> tuple[Settings, torch.device]:
+    """Settings with ``CPU_DEFAULTS`` under the command line's overrides when the device is a CPU."""
+    device = resolve_device(apply_overrides(Settings(), overrides).device, "device")
+    s = apply_overrides(Settings(), [*(CPU_DEFAULTS if device.type == "cpu" else []), *overrides])
+    unknown = set(s.parts) - set(PARTS)
+    assert not unknown and s.model in MODELS, f"parts must be among {list(PARTS)}, model among {list(MODELS)}"
+    return s, device
+
+
+def measure_peaks(s: Settings, device: torch.device) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    dtype = resolve_dtype(s.precision, device, "precision")
+    return {"device": name, "peak_tflops_datasheet": datasheet_tflops(name) if device.type == "cuda" else None,
+            "matmul_tflops_measured": matmul_tflops(device, dtype, s.matmul_size), "matmul_dtype": str(dtype),
+            "matmul_tflops_measured_fp32": matmul_tflops(device, torch.float32, s.matmul_size),
+            "copy_bandwidth_bytes_per_s": copy_bandwidth(device, s.copy_mb)}
+
+
+def table(result: dict) -> list[dict]:
+    rows = []
+    train, gen, rl = (result.get(k, {}) for k in PARTS)
+
+    def row(part, quantity, value, note=""):
+        rows.append({"part": part, "quantity": quantity, "value": value, "note": note})
+
+    row("peak", "matmul TFLOP/s measured", result.get("matmul_tflops_measured"), result.get("matmul_dtype", ""))
+    row("peak", "datasheet TFLOP/s", result.get("peak_tflops_datasheet"), result.get("device", ""))
+    row("peak", "copy TB/s measured", (result.get("copy_bandwidth_bytes_per_s") or 0) / 1e12, "read + write")
+    row("train", "tokens/s", train.get("trainer_tokens_per_s"), train.get("error", "packed, one fwd+bwd"))
+    row("train", "MFU vs datasheet", train.get("trainer_mfu"), "6N + causal attention")
+    row("train", "MFU vs measured matmul", train.get("trainer_mfu_vs_measured_matmul"), "")
+    row("generate", "engine useful tok/s", gen.get("engine_tokens_per_s"), gen.get("error", ""))
+    row("generate", "HF generate useful tok/s", gen.get("hf_generate_tokens_per_s"), "")
+    row("generate", "engine / HF generate", gen.get("engine_over_hf_generate"), "")
+    row("generate", "engine roofline frac", gen.get("engine_roofline_frac"), "weights + live KV per step")
+    split = rl.get("step_time_split") or {}
+    for phase in ("generate", "score", "train", "weight_sync"):
+        note = f"{split['fractions'][phase]:.1%}" if split else rl.get("error", "")
+        row("rl_step", f"{phase} s", split.get(phase), note)
+    return rows
+
+
+def run(overrides: list[str], out_dir: Path) -> dict:
+    s, device = resolve(overrides)
+    print(f"[bench gpu] device {device}, model {s.model}, parts {s.parts}", flush=True)
+    result: dict = {"benchmark": "gpu", "description": DESCRIPTION, "model": f"{s.model} ({MODEL_NOTES[s.model]})",
+                    "torch": torch.__version__, "transformers": transformers.__version__}
+    result.update(measure_peaks(s, device))
+    print(f"[bench gpu] peaks: {result['matmul_tflops_measured']:.4g} TFLOP/s matmul, "
+          f"{result['copy_bandwidth_bytes_per_s'] / 1e12:.4g} TB/s copy", flush=True)
+    start = time.perf_counter()
+    base = build_model(s)
+    result["model_build_s"] = time.perf_counter() - start
+    for name in s.parts:
+        print(f"[bench gpu] part {name} ...", flush=True)
+        start = time.perf_counter()
+        try:
+            result[name] = PARTS[name](s, base, device, result)
+        except Exception as e:  # one part's failure must not lose the others' numbers
+            traceback.print_exc()
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        result[name]["part_s"] = time.perf_counter() - start
+        print(f"[bench gpu] part {name} done in {result[name]['part_s']:.1f} s: "
+              f"{result[name].get(HEADLINE[name], result[name].get('error'))}", flush=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for name, key in HEADLINE.items():
+        result[key] = result.get(name, {}).get(key)
+    result["settings"] = {f.name: getattr(s, f.name) for f in fields(s)}
+    result["table"] = table(result)
+    return result
