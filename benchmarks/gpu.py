@@ -127,7 +127,10 @@ class Settings:
     """``auto`` (CUDA if present), ``cpu``, ``cuda`` or ``cuda:N``. On CPU, ``CPU_DEFAULTS`` apply first."""
     model: str = "qwen2.5-0.5b"
     """A key of ``MODELS``."""
-    parts: list[str] = field(default_factory=lambda: ["train", "generate", "rl_step"])
+    parts: list[str] = field(default_factory=lambda: ["train", "train_tf32", "generate", "rl_step"])
+    """``train_tf32`` is ``train`` again with ``trainer.head_matmul=tf32`` (the LM head on tensor cores)."""
+    head_matmul: str = "fp32"
+    """``trainer.head_matmul`` of the ``train`` part (and the RL step)."""
     precision: str = "auto"
     """``trainer.precision``: bf16 autocast on CUDA with ``auto``, fp32 on CPU."""
     engine_dtype: str = "auto"
@@ -163,7 +166,7 @@ class Settings:
 
 
 CPU_DEFAULTS = [
-    "model=stand-in", "matmul_size=1024", "copy_mb=256",
+    "model=stand-in", "parts=[train,generate,rl_step]", "matmul_size=1024", "copy_mb=256",
     "train_groups=2", "group_size=8", "prompt_len=32", "max_response=192", "pack_tokens=256",
     "micro_batch_tokens=512", "train_steps=2",
     "gen_prompts=4", "gen_group_size=4", "gen_prompt_len=16", "gen_max_new_tokens=64", "gen_max_batch_size=16",
@@ -298,7 +301,7 @@ def make_trainer(model: torch.nn.Module, s: Settings, device: torch.device):
     from tidal.train.trainer import Trainer, TrainerConfig
 
     cfg = TrainerConfig(precision=s.precision, packing=True, pack_tokens=s.pack_tokens,
-                        micro_batch_tokens=s.micro_batch_tokens)
+                        micro_batch_tokens=s.micro_batch_tokens, head_matmul=s.head_matmul)
     return Trainer(model, AlgoConfig(), OptimConfig(lr=1e-6), cfg, device=device)
 
 
@@ -497,7 +500,12 @@ def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
-PARTS = {"train": part_train, "generate": part_generate, "rl_step": part_rl_step}
+def part_train_tf32(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
+    """``part_train`` with the LM head's float32 matmul on TF32 tensor cores (``trainer.head_matmul=tf32``)."""
+    return part_train(dataclasses.replace(s, head_matmul="tf32"), base, device, peaks)
+
+
+PARTS = {"train": part_train, "train_tf32": part_train_tf32, "generate": part_generate, "rl_step": part_rl_step}
 HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split"}
 
 
@@ -521,7 +529,7 @@ def measure_peaks(s: Settings, device: torch.device) -> dict:
 
 def table(result: dict) -> list[dict]:
     rows = []
-    train, gen, rl = (result.get(k, {}) for k in PARTS)
+    train, gen, rl = (result.get(k, {}) for k in ("train", "generate", "rl_step"))
 
     def row(part, quantity, value, note=""):
         rows.append({"part": part, "quantity": quantity, "value": value, "note": note})
@@ -532,6 +540,8 @@ def table(result: dict) -> list[dict]:
     row("train", "tokens/s", train.get("trainer_tokens_per_s"), train.get("error", "packed, one fwd+bwd"))
     row("train", "MFU vs datasheet", train.get("trainer_mfu"), "6N + causal attention")
     row("train", "MFU vs measured matmul", train.get("trainer_mfu_vs_measured_matmul"), "")
+    tf32 = result.get("train_tf32", {})
+    row("train", "MFU vs datasheet, TF32 head", tf32.get("trainer_mfu"), tf32.get("error", "trainer.head_matmul=tf32"))
     row("generate", "engine useful tok/s", gen.get("engine_tokens_per_s"), gen.get("error", ""))
     row("generate", "HF generate useful tok/s", gen.get("hf_generate_tokens_per_s"), "")
     row("generate", "engine / HF generate", gen.get("engine_over_hf_generate"), "")
@@ -570,6 +580,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
             torch.cuda.empty_cache()
     for name, key in HEADLINE.items():
         result[key] = result.get(name, {}).get(key)
+    result["trainer_mfu_tf32_head"] = result.get("train_tf32", {}).get("trainer_mfu")
     result["settings"] = {f.name: getattr(s, f.name) for f in fields(s)}
     result["table"] = table(result)
     return result
