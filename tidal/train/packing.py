@@ -97,12 +97,12 @@ def unpack(values_rl: torch.Tensor, packed: PackedRows, width: int) -> torch.Ten
 def packed_attention_mask(layout, model: torch.nn.Module, mode: str):
     """What ``model``'s attention takes for a packed ``layout`` (``PackedRows`` or ``PackedTrees``,
     both carry ``end_rl``) under ``trainer.packed_attention`` ``mode``: None for varlen flash
-    attention; a ``BlockMask`` on the model's device for ``block`` (``auto`` on CUDA), after switching
-    the model to ``tidal_packed`` (``models/attention.py``); else the dense [R, 1, L, L] mask."""
+    attention; a ``BlockMask`` for ``block`` (``auto`` on CUDA), after switching the model to
+    ``tidal_packed`` (``models/attention.py``); else the dense [R, 1, L, L] mask; on the model's device."""
     if str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
         return None
     device = next(model.parameters()).device
     block = mode == "block" or (mode == "auto" and device.type == "cuda")
     if block and use_packed_attention(model):
         return interval_block_mask(layout.end_rl.to(device))
-    return layout.attention_mask_r1ll
+    return layout.attention_mask_r1ll.to(device)
