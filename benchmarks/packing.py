@@ -18,14 +18,15 @@ load changes on a shared machine hit all of them alike), the tokens each layout 
 are distinct after prefix sharing, the fraction that were padding, and the speed-up over padded; the
 gradients of every arm are checked to agree with padded first.
 
-Then one long packed row (``row_tokens``, 8k by default: long-tailed sequences up to ``row_max_len``)
-goes forward and backward through the tiny model twice: with the dense [1, 1, L, L] mask
-(``trainer.packed_attention=dense``) and with the block path (``block``: no [L, L] tensor;
-``models/attention.py``). Reported at the top level: each one's peak of tensor memory over what the
-model holds (``row8k_peak_mb_dense``, ``row8k_peak_mb_block``; on CPU replayed from the profiler's
-allocation events, ``utils/memory.tensor_peak_bytes``; on CUDA the allocator's peak) and median time
+Then one long packed row goes forward and backward through the tiny model twice: with the dense
+[1, 1, L, L] mask (``trainer.packed_attention=dense``) and with the block path (``block``: no [L, L]
+tensor; ``models/attention.py``). The row is ``row_tokens`` long (default 32 x ``max_len``: 8,192)
+of long-tailed sequences up to ``row_max_len`` (default 8 x ``max_len``), so a small run stays small.
+Reported at the top level: each one's peak of tensor memory over what the model holds
+(``row8k_peak_mb_dense``, ``row8k_peak_mb_block``; on CPU replayed from the profiler's allocation
+events, ``utils/memory.tensor_peak_bytes``; on CUDA the allocator's peak) and median time
 (``row8k_s_dense``, ``row8k_s_block``), gradients checked to agree. ``device=cuda`` runs the row on a
-GPU (FlexAttention); ``compare_layouts=false`` runs the row alone.
+GPU (FlexAttention); ``compare_layouts=false`` runs the row alone; ``row_tokens=0`` skips it.
 
     tidal bench packing [--set num_sequences=256 --set max_len=256 ...]
     tidal bench packing --set compare_layouts=false --set row_tokens=32768 --set device=cuda
@@ -69,8 +70,8 @@ class Settings:
     threads: int = 2
     seed: int = 0
     compare_layouts: bool = True
-    row_tokens: int = 8192
-    row_max_len: int = 2048
+    row_tokens: int | None = None  # None: 32 x max_len (8,192); 0: no row
+    row_max_len: int | None = None  # None: 8 x max_len (2,048)
     row_repeats: int = 2
     device: str = "cpu"
 
@@ -179,6 +180,8 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     s = apply_overrides(Settings(), overrides)
     torch.set_num_threads(s.threads)
     tokenizer = tiny.build_tokenizer()
+    s.row_tokens = 32 * s.max_len if s.row_tokens is None else s.row_tokens
+    s.row_max_len = 8 * s.max_len if s.row_max_len is None else s.row_max_len
     settings = {f.name: getattr(s, f.name) for f in fields(s)}
     row = row_attention(s, tokenizer) if s.row_tokens else {}
     if not s.compare_layouts:

@@ -145,6 +145,8 @@ def test_a_switched_model_runs_sdpa_for_every_other_mask(tokenizer, gqa_config, 
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,
                            switched(input_ids=ids, attention_mask=mask).logits)
         assert torch.equal(model(input_ids=ids).logits, switched(input_ids=ids).logits)
+        greedy = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)  # prefill + cached decode
+        assert torch.equal(model.generate(ids, **greedy), switched.generate(ids, **greedy))
     decoder = copy.deepcopy(model.get_decoder())  # the critic's copy of the decoder
     assert use_packed_attention(decoder) and decoder.config._attn_implementation == "tidal_packed"
     flash = copy.deepcopy(model)
