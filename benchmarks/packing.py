@@ -183,9 +183,10 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     s.row_tokens = 32 * s.max_len if s.row_tokens is None else s.row_tokens
     s.row_max_len = 8 * s.max_len if s.row_max_len is None else s.row_max_len
     settings = {f.name: getattr(s, f.name) for f in fields(s)}
-    row = row_attention(s, tokenizer) if s.row_tokens else {}
+    long_row = row_attention(s, tokenizer) if s.row_tokens else {}
     if not s.compare_layouts:
-        return {"benchmark": "packing", "description": DESCRIPTION, "table": [row], "settings": settings, **row}
+        return {"benchmark": "packing", "description": DESCRIPTION, "table": [long_row], "settings": settings,
+                **long_row}
     model = tiny.build_model(tiny.ModelConfig(max_position_embeddings=max(s.max_len, 128)), tokenizer)
     batch = long_tailed_batch(s, len(tokenizer))
     lengths = batch.attention_mask_bt.sum(-1).tolist()
@@ -222,4 +223,4 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     for row in rows:
         row["speedup"] = rows[0]["step_s"] / row["step_s"]
     return {"benchmark": "packing", "description": DESCRIPTION, "table": rows, "settings": settings,
-            "real_tokens": real, **row}
+            "real_tokens": real, **long_row}
