@@ -18,7 +18,18 @@ load changes on a shared machine hit all of them alike), the tokens each layout 
 are distinct after prefix sharing, the fraction that were padding, and the speed-up over padded; the
 gradients of every arm are checked to agree with padded first.
 
+Then one long packed row goes forward and backward through the tiny model twice: with the dense
+[1, 1, L, L] mask (``trainer.packed_attention=dense``) and with the block path (``block``: no [L, L]
+tensor; ``models/attention.py``). The row is ``row_tokens`` long (default 32 x ``max_len``: 8,192)
+of long-tailed sequences up to ``row_max_len`` (default 8 x ``max_len``), so a small run stays small.
+Reported at the top level: each one's peak of tensor memory over what the model holds
+(``row8k_peak_mb_dense``, ``row8k_peak_mb_block``; on CPU replayed from the profiler's allocation
+events, ``utils/memory.tensor_peak_bytes``; on CUDA the allocator's peak) and median time
+(``row8k_s_dense``, ``row8k_s_block``), gradients checked to agree. ``device=cuda`` runs the row on a
+GPU (FlexAttention); ``compare_layouts=false`` runs the row alone; ``row_tokens=0`` skips it.
+
     tidal bench packing [--set num_sequences=256 --set max_len=256 ...]
+    tidal bench packing --set compare_layouts=false --set row_tokens=32768 --set device=cuda
 """
 
 from __future__ import annotations
@@ -35,11 +46,14 @@ import torch
 from tidal.algo.config import AlgoConfig
 from tidal.config import apply_overrides
 from tidal.models import tiny
+from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig
 from tidal.train.microbatch import greedy_collation, pack_sequences, padded_tokens
+from tidal.train.packing import pack, packed_attention_mask
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.types import TrainBatch
+from tidal.utils.memory import tensor_peak_bytes
 
 DESCRIPTION = "padded vs greedy collation vs packing vs prefix sharing: tokens/s and padding on long-tailed lengths"
 
@@ -55,6 +69,11 @@ class Settings:
     steps: int = 3
     threads: int = 2
     seed: int = 0
+    compare_layouts: bool = True
+    row_tokens: int | None = None  # None: 32 x max_len (8,192); 0: no row
+    row_max_len: int | None = None  # None: 8 x max_len (2,048)
+    row_repeats: int = 2
+    device: str = "cpu"
 
 
 def long_tailed_batch(s: Settings, vocab: int) -> TrainBatch:
@@ -101,10 +120,73 @@ def trie_tokens(batch: TrainBatch, lengths: list[int], micro_batch_tokens: int,
     return total, nodes
 
 
+def one_row(s: Settings, vocab: int) -> tuple[torch.Tensor, list[int]]:
+    """Sequences with lengths drawn as in ``long_tailed_batch`` (1/n, up to ``row_max_len``) that fill
+    exactly ``row_tokens``: one packed row."""
+    rng = random.Random(s.seed)
+    weights = [1 / n for n in range(1, s.row_max_len + 1)]
+    lengths: list[int] = []
+    while sum(lengths) < s.row_tokens:
+        lengths.append(min(rng.choices(range(1, s.row_max_len + 1), weights)[0], s.row_tokens - sum(lengths)))
+    ids = torch.randint(3, vocab, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(s.seed))
+    return ids, lengths
+
+
+def row_attention(s: Settings, tokenizer) -> dict:
+    """Peak tensor memory and time of forward + backward of one ``row_tokens`` packed row, dense mask
+    vs block path (mask built inside the measured step: it is what differs)."""
+    device = torch.device(s.device)
+    model = tiny.build_model(tiny.ModelConfig(max_position_embeddings=s.row_max_len), tokenizer).to(device)
+    ids, lengths = one_row(s, len(tokenizer))
+    key = f"row{s.row_tokens // 1024}k"
+    out: dict[str, float] = {f"{key}_sequences": len(lengths)}
+    grads = {}
+    for mode in ("dense", "block"):
+        m = copy.deepcopy(model).train()
+
+        def step(m=m, mode=mode):
+            m.zero_grad(set_to_none=True)
+            packed = pack(ids, lengths, s.row_tokens)
+            assert packed.input_ids_rl.shape == (1, s.row_tokens)
+            mask = packed_attention_mask(packed, m, mode)
+            logp, _ = token_logprobs(m, packed.input_ids_rl.to(device), mask,
+                                     position_ids=packed.position_ids_rl.to(device))
+            logp.sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        if device.type == "cuda":  # on CPU the profiled step is the warm-up
+            step()  # FlexAttention compiles
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            peak = tensor_peak_bytes(step)
+        times = []
+        for _ in range(s.row_repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        out[f"{key}_peak_mb_{mode}"] = peak / 2**20
+        out[f"{key}_s_{mode}"] = statistics.median(times)
+        grads[mode] = torch.cat([p.grad.flatten() for p in m.parameters()])
+    gap = (grads["block"] - grads["dense"]).abs().max().item()
+    assert gap < 1e-3 * grads["dense"].abs().max().item(), f"the block path changed the gradient: {gap}"
+    return out
+
+
 def run(overrides: list[str], out_dir: Path) -> dict:
     s = apply_overrides(Settings(), overrides)
     torch.set_num_threads(s.threads)
     tokenizer = tiny.build_tokenizer()
+    s.row_tokens = 32 * s.max_len if s.row_tokens is None else s.row_tokens
+    s.row_max_len = 8 * s.max_len if s.row_max_len is None else s.row_max_len
+    settings = {f.name: getattr(s, f.name) for f in fields(s)}
+    long_row = row_attention(s, tokenizer) if s.row_tokens else {}
+    if not s.compare_layouts:
+        return {"benchmark": "packing", "description": DESCRIPTION, "table": [long_row], "settings": settings,
+                **long_row}
     model = tiny.build_model(tiny.ModelConfig(max_position_embeddings=max(s.max_len, 128)), tokenizer)
     batch = long_tailed_batch(s, len(tokenizer))
     lengths = batch.attention_mask_bt.sum(-1).tolist()
@@ -140,6 +222,5 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         assert gap < 1e-4 * max(grads["padded"].abs().max().item(), 1e-6), f"{name} changed the gradient: {gap}"
     for row in rows:
         row["speedup"] = rows[0]["step_s"] / row["step_s"]
-    return {"benchmark": "packing", "description": DESCRIPTION, "table": rows,
-            "settings": {f.name: getattr(s, f.name) for f in fields(s)},
-            "real_tokens": real}
+    return {"benchmark": "packing", "description": DESCRIPTION, "table": rows, "settings": settings,
+            "real_tokens": real, **long_row}

@@ -2,16 +2,27 @@
 (log-probs, entropies and gradients), alone and through the Trainer."""
 
 import copy
+import random
 
 import pytest
 import torch
 
 from tidal.algo.config import AlgoConfig
 from tidal.config import ConfigError
+from tidal.models.attention import interval_mask
 from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig
-from tidal.train.prefix_tree import ancestor_mask, group_micro_batches, pack_prefix_trees, trie, unpack_trees
+from tidal.train.prefix_tree import (
+    ancestor_mask,
+    group_micro_batches,
+    pack_prefix_trees,
+    subtree_ends,
+    trie,
+    unpack_trees,
+)
 from tidal.train.trainer import Trainer, TrainerConfig
+
+from .test_packing import step_results
 
 
 def test_trie_shares_every_common_prefix():
@@ -107,3 +118,46 @@ def test_flash_attention_is_refused_with_a_clear_error(small_model):
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigError, match="share_prefixes"):
         Trainer(model, AlgoConfig(), OptimConfig(), TrainerConfig(share_prefixes=True))
+
+
+def test_the_trie_is_in_pre_order_and_keeps_input_order_paths():
+    # creation order would put e (under a) after c and d; pre-order puts it right after a's subtree so far
+    tokens, parents, paths = trie([[9, 1, 2], [9, 3, 4], [9, 1, 5]])
+    assert tokens == [9, 1, 2, 5, 3, 4] and parents == [-1, 0, 1, 1, 0, 4]
+    assert paths == [[0, 1, 2], [0, 4, 5], [0, 1, 3]]
+    assert subtree_ends(parents) == [6, 4, 3, 4, 6, 6]
+
+
+def test_random_tries_are_pre_order_and_their_intervals_are_the_ancestor_mask():
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs = [[rng.randint(0, 2) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 8))]
+        tokens, parents, paths = trie(seqs)
+        assert len(tokens) == len({tuple(s[:k]) for s in seqs for k in range(1, len(s) + 1)})  # one node per prefix
+        assert [[tokens[n] for n in path] for path in paths] == seqs
+        ends = subtree_ends(parents)
+        for node, p in enumerate(parents):  # pre-order: a node lies inside its parent's interval
+            assert p < node and (p < 0 or ends[p] >= ends[node])
+        parents_rl = torch.tensor([parents + [-1, -1]])  # + two padding slots
+        end_rl = torch.tensor([ends + [len(parents) + 1, len(parents) + 2]])
+        assert torch.equal(interval_mask(end_rl)[:, 0], ancestor_mask(parents_rl))
+
+
+def test_packed_trees_intervals_are_the_ancestor_mask():
+    lengths, groups = [9, 12, 9, 7, 11, 10, 9], [0, 0, 0, 0, 1, 1, 1]
+    packed = pack_prefix_trees(_batch(lengths, groups, prompt_len=6), lengths, groups, capacity=30)
+    assert packed.input_ids_rl.shape[0] > 1  # several rows, with padding
+    assert torch.equal(packed.attention_mask_r1ll[:, 0], ancestor_mask(packed.parents_rl))
+
+
+@pytest.mark.parametrize("layout", [dict(share_prefixes=True, pack_tokens=384),
+                                    dict(share_prefixes=True, pack_tokens=384, micro_batch_tokens=400)])
+@pytest.mark.parametrize("advantage", ["grpo", "gae"])
+def test_block_attention_trains_tries_as_the_dense_mask(small_model, layout, advantage):
+    """As ``test_packing``'s check, with each group packed as a trie (rows of several blocks)."""
+    algo = AlgoConfig(advantage=advantage, skip_zero_adv_groups=False)
+    dense = step_results(small_model, layout, "dense", algo)
+    block = step_results(small_model, layout, "block", algo)
+    assert dense.keys() == block.keys()
+    for name in dense:
+        torch.testing.assert_close(block[name], dense[name], atol=1e-5, rtol=1e-4, msg=name)

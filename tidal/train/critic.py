@@ -31,7 +31,7 @@ from tidal.config import ConfigError
 from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.value_head import ValueModel
 from tidal.optim import OptimConfig, build_optimizer
-from tidal.train.packing import pack, unpack
+from tidal.train.packing import pack, packed_attention_mask, unpack
 from tidal.train.prefix_tree import pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
 from tidal.utils.device import resolve_dtype
@@ -79,21 +79,20 @@ class Critic:
 
     def values(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         """V(s_t) of ``rows`` in the batch's [len(rows), T] layout, computed in the trainer's layout: padded
-        to the longest row, packed (``trainer.packing``) or as prefix tries (``trainer.share_prefixes``)."""
+        to the longest row, packed (``trainer.packing``) or as prefix tries (``trainer.share_prefixes``),
+        with the policy's choice of packed attention (``trainer.packed_attention``)."""
         width = batch.input_ids_bt.shape[1]
         lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
         if self.layout.share_prefixes:
             trees = pack_prefix_trees(batch.input_ids_bt[rows], lengths, batch.group_index_b[rows].tolist(),
                                       self.layout.pack_tokens)
-            v = self.model(trees.input_ids_rl, trees.attention_mask_r1ll, position_ids=trees.position_ids_rl,
-                           parents_bt=trees.parents_rl)
+            mask = packed_attention_mask(trees, self.model.decoder, self.layout.packed_attention)
+            v = self.model(trees.input_ids_rl, mask, position_ids=trees.position_ids_rl, parents_bt=trees.parents_rl)
             return unpack_trees(v, trees, width)
         if self.layout.packing:
             packed = pack(batch.input_ids_bt[rows], lengths, self.layout.pack_tokens)
-            # varlen flash attention finds the boundaries in the position ids; SDPA/eager need the mask
-            flash = str(getattr(self.model.decoder.config, "_attn_implementation", "")).startswith("flash")
-            v = self.model(packed.input_ids_rl, None if flash else packed.attention_mask_r1ll,
-                           position_ids=packed.position_ids_rl)
+            mask = packed_attention_mask(packed, self.model.decoder, self.layout.packed_attention)
+            v = self.model(packed.input_ids_rl, mask, position_ids=packed.position_ids_rl)
             return unpack(v, packed, width)
         used = max(lengths)
         v = self.model(batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used])

@@ -4,10 +4,14 @@ AReaL's dynamic batching (arXiv 2505.24298) and every large RL trainer pack vari
 sequences end to end instead of padding each to the longest: a padded [B, T] batch of a long-tailed
 length distribution is mostly padding, and every linear layer pays for it. Isolation comes from two
 things: position ids restart at 0 for every sequence, and attention is block-diagonal causal (a
-token sees only earlier tokens of its own sequence). On GPU, varlen flash attention gets the
-boundaries from the position ids alone; on CPU (SDPA or eager attention) we pass an explicit boolean
-[R, 1, L, L] mask. Each row holds at most ``capacity`` tokens, which bounds the mask and, on CPU,
-the quadratic cost of attending within a row.
+token sees only earlier tokens of its own sequence).
+
+The attention rule is carried as intervals (``models/attention.py``): key column kv is visible to
+queries kv <= q < ``end_rl[kv]``, the end of kv's sequence (a padding slot: kv + 1, itself only).
+``packed_attention_mask`` turns that into what the model's attention takes: nothing for varlen flash
+attention (it finds the boundaries in the position ids), a FlexAttention ``BlockMask`` built from the
+intervals (``trainer.packed_attention=block``: no [L, L] tensor, so rows can be long), or the dense
+boolean [R, 1, L, L] mask (``dense``: built only when asked for, quadratic in the row length).
 
 The trainer's losses work on the padded [B, T] layout; ``unpack`` scatters packed per-token values
 back to it, so the loss and its gradients equal the padded computation's (tests pin this).
@@ -15,11 +19,15 @@ back to it, so the loss and its gradients equal the padded computation's (tests 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from tidal.models.attention import interval_block_mask, interval_mask, use_packed_attention
 from tidal.train.microbatch import pack_sequences
+
+PACKED_ATTENTION = ("auto", "dense", "block")
 
 
 @dataclass
@@ -28,12 +36,21 @@ class PackedRows:
 
     input_ids_rl: torch.Tensor  # long [R, L]
     position_ids_rl: torch.Tensor  # long [R, L], restarting at 0 per sequence
-    attention_mask_r1ll: torch.Tensor  # bool [R, 1, L, L], block-diagonal causal
+    end_rl: torch.Tensor  # long [R, L]: one past the last column of each slot's sequence (padding: itself + 1)
     where: list[tuple[int, int, int]]
+    source_rows: torch.Tensor  # long [N]: for every (sequence, position >= 1) pair, its row ...
+    source_cols: torch.Tensor  # ... and column
+    dest_b: torch.Tensor  # long [N]: the pair's sequence ...
+    dest_t: torch.Tensor  # ... and position in the right-padded [B, T] layout
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, _, n in self.where)
+
+    @functools.cached_property
+    def attention_mask_r1ll(self) -> torch.Tensor:
+        """Bool [R, 1, L, L], block-diagonal causal; built on first use (the block path never does)."""
+        return interval_mask(self.end_rl)
 
 
 def pack(input_ids_bt: torch.Tensor, lengths_b: list[int], capacity: int, pad_id: int = 0) -> PackedRows:
@@ -42,7 +59,8 @@ def pack(input_ids_bt: torch.Tensor, lengths_b: list[int], capacity: int, pad_id
     width = max(sum(lengths_b[i] for i in row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
-    seq = torch.full((len(rows), width), -1, dtype=torch.long)  # which sequence owns each slot
+    # Padding slots attend to themselves only: every query row needs one allowed key (no NaN).
+    end = torch.arange(1, width + 1).repeat(len(rows), 1)
     where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(lengths_b)
     for r, row in enumerate(rows):
         start = 0
@@ -50,14 +68,21 @@ def pack(input_ids_bt: torch.Tensor, lengths_b: list[int], capacity: int, pad_id
             n = lengths_b[i]
             ids[r, start : start + n] = input_ids_bt[i, :n]
             pos[r, start : start + n] = torch.arange(n)
-            seq[r, start : start + n] = i
+            end[r, start : start + n] = start + n
             where[i] = (r, start, n)
             start += n
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)
-    # Padding slots attend to themselves only: every query row needs one allowed key (no NaN).
-    mask = (same & causal) | torch.eye(width, dtype=torch.bool)
-    return PackedRows(ids, pos, mask[:, None], where)
+    return PackedRows(ids, pos, end, where, *_unpack_index(where))
+
+
+def _unpack_index(where: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
+    """Where ``unpack`` reads and writes: (row, column) of every packed token at position >= 1 of
+    its sequence, and its (sequence, position), built with tensor ops (this runs every step)."""
+    row_b, start_b, length_b = torch.tensor(where, dtype=torch.long).reshape(-1, 3).unbind(1)
+    count_b = (length_b - 1).clamp(min=0)  # position 0 has no predecessor in its sequence
+    dest_b = torch.repeat_interleave(torch.arange(len(where)), count_b)
+    first_b = torch.cumsum(count_b, 0) - count_b  # where each sequence's run starts in the flat index
+    dest_t = torch.arange(int(count_b.sum())) - first_b.repeat_interleave(count_b) + 1
+    return row_b[dest_b], start_b[dest_b] + dest_t, dest_b, dest_t
 
 
 def unpack(values_rl: torch.Tensor, packed: PackedRows, width: int) -> torch.Tensor:
@@ -65,10 +90,19 @@ def unpack(values_rl: torch.Tensor, packed: PackedRows, width: int) -> torch.Ten
     right-padded [B, width] layout; keeps the autograd graph. Position 0 of every sequence stays 0,
     as in the padded computation: nothing in its own sequence predicts it (in a packed row the slot
     before it belongs to another sequence)."""
-    b = len(packed.where)
-    rows = torch.tensor([r for r, _, n in packed.where for _ in range(1, n)], dtype=torch.long)
-    cols = torch.tensor([s + t for _, s, n in packed.where for t in range(1, n)], dtype=torch.long)
-    dest_b = torch.tensor([i for i, (_, _, n) in enumerate(packed.where) for _ in range(1, n)], dtype=torch.long)
-    dest_t = torch.tensor([t for _, _, n in packed.where for t in range(1, n)], dtype=torch.long)
-    out = values_rl.new_zeros((b, width))
-    return out.index_put((dest_b, dest_t), values_rl[rows, cols])
+    out = values_rl.new_zeros((len(packed.where), width))
+    return out.index_put((packed.dest_b, packed.dest_t), values_rl[packed.source_rows, packed.source_cols])
+
+
+def packed_attention_mask(layout, model: torch.nn.Module, mode: str):
+    """What ``model``'s attention takes for a packed ``layout`` (``PackedRows`` or ``PackedTrees``,
+    both carry ``end_rl``) under ``trainer.packed_attention`` ``mode``: None for varlen flash
+    attention; a ``BlockMask`` for ``block`` (``auto`` on CUDA), after switching the model to
+    ``tidal_packed`` (``models/attention.py``); else the dense [R, 1, L, L] mask; on the model's device."""
+    if str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
+        return None
+    device = next(model.parameters()).device
+    block = mode == "block" or (mode == "auto" and device.type == "cuda")
+    if block and use_packed_attention(model):
+        return interval_block_mask(layout.end_rl.to(device))
+    return layout.attention_mask_r1ll.to(device)

@@ -16,27 +16,33 @@ padded and about 15-40 as a trie, depending on how many samples agree; the forwa
 shrink in proportion. Long prompts and multi-turn episodes that share turns gain more; long,
 all-different responses gain little.
 
-Like ``train/packing.py`` on CPU, isolation is an explicit boolean [R, 1, L, L] mask (SDPA or eager
-attention): varlen flash attention only knows contiguous causal segments, so it cannot express a trie.
+Nodes are laid out in depth-first pre-order, so each node's subtree is the run of columns right after
+it and "kv is an ancestor of q, or q itself" is the interval test kv <= q < ``end_rl[kv]`` (one past kv's
+subtree), the same rule as plain packing (``models/attention.py``, ``train/packing.py``'s
+``packed_attention_mask``): a FlexAttention block mask with no [L, L] tensor (``trainer.packed_attention=
+block``), or the dense boolean [R, 1, L, L] mask, built only when asked for. Varlen flash attention only
+knows contiguous causal segments, so it cannot express a trie.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from tidal.models.attention import interval_mask
 from tidal.train.microbatch import pack_sequences
 
 
 @dataclass
 class PackedTrees:
     """``R`` rows, each holding one or more tries (a group's, or part of a group too large for a row),
-    nodes in creation order: parents first."""
+    nodes in depth-first pre-order: parents first, each subtree contiguous."""
 
     input_ids_rl: torch.Tensor  # long [R, L]; padding slots hold pad_id
     position_ids_rl: torch.Tensor  # long [R, L]: each node's depth (its position in every sequence through it)
-    attention_mask_r1ll: torch.Tensor  # bool [R, 1, L, L]: a node sees its ancestors and itself
+    end_rl: torch.Tensor  # long [R, L]: one past the last column of each node's subtree (padding: itself + 1)
     parents_rl: torch.Tensor  # long [R, L]: column of each node's parent; -1 for a root or padding
     source_rows: torch.Tensor  # long [N]: for every (sequence, position >= 1) pair, its node's row ...
     source_cols: torch.Tensor  # ... and column
@@ -45,15 +51,22 @@ class PackedTrees:
     num_sequences: int
     num_tokens: int  # real (non-padding) nodes: the tokens the forward pays for
 
+    @functools.cached_property
+    def attention_mask_r1ll(self) -> torch.Tensor:
+        """Bool [R, 1, L, L]: a node sees its ancestors and itself; built on first use (the block path
+        never does)."""
+        return interval_mask(self.end_rl)
+
 
 def trie(sequences: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
-    """The token trie of ``sequences``: each node's token and parent (-1 for a root), in creation
-    order (every parent before its children), and for every sequence the node of each of its tokens."""
+    """The token trie of ``sequences``: each node's token and parent (-1 for a root), in depth-first
+    pre-order (every parent before its children, each subtree contiguous; siblings in the order they
+    first appear), and for every sequence, in input order, the node of each of its tokens."""
     tokens: list[int] = []
     parents: list[int] = []
     paths: list[list[int]] = []
     child: dict[tuple[int, int], int] = {}
-    for seq in sequences:
+    for seq in sequences:  # creation order first: [p a b], [p c d], [p a e] creates e after c and d
         node, path = -1, []
         for tok in seq:
             nxt = child.get((node, tok))
@@ -64,7 +77,30 @@ def trie(sequences: list[list[int]]) -> tuple[list[int], list[int], list[list[in
             path.append(nxt)
             node = nxt
         paths.append(path)
-    return tokens, parents, paths
+    children: list[list[int]] = [[] for _ in tokens]
+    roots: list[int] = []
+    for node, p in enumerate(parents):
+        (children[p] if p >= 0 else roots).append(node)
+    order, stack = [], roots[::-1]
+    while stack:  # then renumbered in pre-order: the interval form of the ancestor mask needs it
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    new = [0] * len(order)
+    for i, node in enumerate(order):
+        new[node] = i
+    return ([tokens[n] for n in order], [new[parents[n]] if parents[n] >= 0 else -1 for n in order],
+            [[new[n] for n in path] for path in paths])
+
+
+def subtree_ends(parents: list[int]) -> list[int]:
+    """One past the last node of each node's subtree, for nodes in pre-order (``trie``): the node's
+    index plus its subtree's size, the sizes summed in one reverse pass (children after parents)."""
+    size = [1] * len(parents)
+    for node in range(len(parents) - 1, -1, -1):
+        if parents[node] >= 0:
+            size[parents[node]] += size[node]
+    return [node + n for node, n in enumerate(size)]
 
 
 def _groups(group_ids_b: list[int]) -> list[list[int]]:
@@ -115,10 +151,10 @@ def pack_prefix_trees(input_ids_bt: torch.Tensor, lengths_b: list[int], group_id
              for unit in _fitting_units([seq[i] for i in members], members, capacity)]
     rows = pack_sequences([len(t[0]) for _, t in tries], capacity)
     width = max(sum(len(tries[k][1][0]) for k in row) for row in rows)
-    ids, depth, parents = [], [], []  # built as lists, one tensor each at the end: this runs every step
+    ids, depth, parents, ends = [], [], [], []  # built as lists, one tensor each at the end: this runs every step
     src_r, src_c, dst_b, dst_t = [], [], [], []
     for r, row in enumerate(rows):
-        ids_r, depth_r, parents_r = [], [], []
+        ids_r, depth_r, parents_r, ends_r = [], [], [], []
         for k in sorted(row):  # group order inside a row keeps the layout easy to read
             members, (tokens, pars, paths) = tries[k]
             offset = len(ids_r)
@@ -126,6 +162,7 @@ def pack_prefix_trees(input_ids_bt: torch.Tensor, lengths_b: list[int], group_id
                 ids_r.append(tok)
                 parents_r.append(offset + p if p >= 0 else -1)
                 depth_r.append(depth_r[offset + p] + 1 if p >= 0 else 0)
+            ends_r += [offset + e for e in subtree_ends(pars)]
             for i, path in zip(members, paths):  # position 0 has no predecessor: it stays 0, as padded
                 src_r += [r] * (len(path) - 1)
                 src_c += [offset + node for node in path[1:]]
@@ -135,18 +172,19 @@ def pack_prefix_trees(input_ids_bt: torch.Tensor, lengths_b: list[int], group_id
         ids.append(ids_r + [pad_id] * pad)
         depth.append(depth_r + [0] * pad)
         parents.append(parents_r + [-1] * pad)
+        ends.append(ends_r + list(range(len(ids_r) + 1, width + 1)))  # padding sees itself only
     long = dict(dtype=torch.long)
-    parents_rl = torch.tensor(parents, **long)
-    return PackedTrees(torch.tensor(ids, **long), torch.tensor(depth, **long), ancestor_mask(parents_rl)[:, None],
-                       parents_rl, torch.tensor(src_r, **long), torch.tensor(src_c, **long),
+    return PackedTrees(torch.tensor(ids, **long), torch.tensor(depth, **long), torch.tensor(ends, **long),
+                       torch.tensor(parents, **long), torch.tensor(src_r, **long), torch.tensor(src_c, **long),
                        torch.tensor(dst_b, **long), torch.tensor(dst_t, **long), len(lengths_b),
                        sum(len(t[0]) for _, t in tries))
 
 
 def ancestor_mask(parents_rl: torch.Tensor) -> torch.Tensor:
-    """Bool [R, L, L]: ``mask[r, q, k]`` when column k is column q or one of its ancestors. Built by
-    pointer jumping, one pass per tree level; padding slots (parent -1, no children) see themselves
-    only, so no query row is empty (an all-masked row would give NaN)."""
+    """Bool [R, L, L]: ``mask[r, q, k]`` when column k is column q or one of its ancestors, for any
+    node order (the reference the interval form is tested against). Built by pointer jumping, one pass
+    per tree level; padding slots (parent -1, no children) see themselves only, so no query row is
+    empty (an all-masked row would give NaN)."""
     r, n = parents_rl.shape
     mask = torch.eye(n, dtype=torch.bool).expand(r, n, n).clone()
     rows = torch.arange(r)[:, None].expand(r, n)

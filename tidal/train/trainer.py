@@ -69,7 +69,7 @@ from tidal.train.diloco import DiLoCoConfig
 from tidal.train.distributed import LOCAL, DataParallel
 from tidal.train.elastic_dp import ElasticConfig, validate_elastic
 from tidal.train.microbatch import greedy_collation, pack_sequences
-from tidal.train.packing import pack, unpack
+from tidal.train.packing import PACKED_ATTENTION, pack, packed_attention_mask, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
 from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
@@ -95,15 +95,27 @@ class TrainerConfig:
     None: the whole minibatch in one pass."""
     packing: bool = False
     """Pack sequences end to end without padding (position ids restart per sequence, block-diagonal
-    causal attention; see ``train/packing.py``). Same loss and gradients as padded."""
+    causal attention; see ``train/packing.py``). Same loss and gradients as padded. How attention is
+    isolated inside a row: ``packed_attention``."""
     share_prefixes: bool = False
     """Pack each group's sequences as one token trie, so the prompt and every other prefix the samples
     share is computed once (``train/prefix_tree.py``; Prefix Grouper, arXiv 2506.05433). Same loss and
     gradients as padded; needs SDPA or eager attention (a trie is not a varlen flash segment). Rows
-    hold at most ``pack_tokens`` trie nodes."""
+    hold at most ``pack_tokens`` trie nodes; with ``packed_attention=block`` they may be long (no
+    [L, L] mask: a node's ancestors are an interval of columns)."""
     pack_tokens: int = 512
-    """Longest packed row, in tokens. On CPU, attention inside a row costs O(row^2) with a dense mask,
-    so rows stay short; on GPU, varlen flash attention makes long rows cheap."""
+    """Longest packed row, in tokens. With ``packed_attention=dense`` attention inside a row costs an
+    [L, L] mask and O(row^2) work, so rows stay short (a 32k row is 1 GiB of mask); with ``block``
+    (the default on CUDA) or varlen flash attention, memory is linear in the row and long rows are
+    cheap."""
+    packed_attention: str = "auto"
+    """How a packed row (``packing``, ``share_prefixes``) isolates its sequences in attention: ``dense``,
+    the boolean [R, 1, L, L] mask through SDPA; ``block``, no [L, L] tensor: a block mask built from each
+    token's interval of visible queries (``models/attention.py``), run by FlexAttention on CUDA and by
+    query-chunked SDPA on CPU; same log-probs and gradients. ``auto``: ``block`` when the model is on
+    CUDA, ``dense`` otherwise, decided at each forward from the model's device. ``block`` switches an
+    SDPA or eager model to the ``tidal_packed`` attention, which runs SDPA for every other mask.
+    Flash-attention models take packed rows without a mask either way."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the FP32 LM head + log-softmax (``models/logprobs.py``): the full
     [tokens x vocab] logits are never materialized (about 3 x chunk x vocab x 4 bytes at peak)."""
@@ -143,6 +155,9 @@ def validate(cfg: TrainerConfig) -> None:
         raise ConfigError(f"trainer.head_matmul must be fp32 or tf32, got {cfg.head_matmul!r}")
     if cfg.data_parallel not in ("fsdp", "diloco", "elastic"):
         raise ConfigError(f"trainer.data_parallel must be fsdp, diloco or elastic, got {cfg.data_parallel!r}")
+    if cfg.packed_attention not in PACKED_ATTENTION:
+        raise ConfigError(f"trainer.packed_attention must be one of {', '.join(PACKED_ATTENTION)}, "
+                          f"got {cfg.packed_attention!r}")
     validate_elastic(cfg.elastic)
     try:
         cfg.diloco.__post_init__()
@@ -276,15 +291,15 @@ class Trainer:
         if self.cfg.share_prefixes:
             trees = pack_prefix_trees(batch.input_ids_bt[rows], lengths, batch.group_index_b[rows].tolist(),
                                       self.cfg.pack_tokens)
-            logp, ent = self._logprobs(model, trees.input_ids_rl, trees.attention_mask_r1ll, self.cfg.temperature,
+            mask = packed_attention_mask(trees, model, self.cfg.packed_attention)
+            logp, ent = self._logprobs(model, trees.input_ids_rl, mask, self.cfg.temperature,
                                        with_entropy, position_ids=trees.position_ids_rl, parents_bt=trees.parents_rl,
                                        chunk_size=self.cfg.logprob_chunk_size, entropy_grad=entropy_grad)
             return unpack_trees(logp, trees, width), unpack_trees(ent, trees, width) if ent is not None else None
         if self.cfg.packing:
             packed = pack(batch.input_ids_bt[rows], lengths, self.cfg.pack_tokens)
-            # Varlen flash attention finds the boundaries in the position ids; SDPA/eager need the mask.
-            flash = _flash_attention(model)
-            logp, ent = self._logprobs(model, packed.input_ids_rl, None if flash else packed.attention_mask_r1ll,
+            mask = packed_attention_mask(packed, model, self.cfg.packed_attention)  # None for varlen flash
+            logp, ent = self._logprobs(model, packed.input_ids_rl, mask,
                                        self.cfg.temperature, with_entropy, position_ids=packed.position_ids_rl,
                                        chunk_size=self.cfg.logprob_chunk_size, entropy_grad=entropy_grad)
             return unpack(logp, packed, width), unpack(ent, packed, width) if ent is not None else None
