@@ -8,7 +8,8 @@
 #                                                # machine's torch/transformers), trl (tidal vs TRL on the GPU)
 #
 # Fill .whl/ first, on a machine with pip access: bash scripts/device_wheels.sh (reads scripts/device_wheels.txt).
-# Each stage has its own time limit, and one failing stage does not stop the next: the summary at the end
+# Each stage has its own time limit (TESTS_LIMIT, BENCH_LIMIT override two, in seconds), and one failing stage
+# does not stop the next: the summary at the end
 # says which passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +64,7 @@ subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,clocks.
 EOF
       ;;
     tests)
-      TIDAL_GPU_REPORT="$OUT_DIR/gpu_tests.jsonl" run_stage tests 330 \
+      TIDAL_GPU_REPORT="$OUT_DIR/gpu_tests.jsonl" run_stage tests "${TESTS_LIMIT:-330}" \
         "$PY" -m pytest -q -m gpu tests/gpu tests/models -p no:cacheprovider -rfEs \
         --junitxml="$OUT_DIR/gpu_tests.xml" ;;
     cpu)  # the CPU logic under this machine's torch and transformers versions
@@ -71,7 +72,7 @@ EOF
         tests/train/test_precision.py tests/train/test_packing.py tests/train/test_prefix_tree.py \
         tests/rollout/test_local_engine.py tests/models ;;
     bench)
-      run_stage bench 240 "$PY" -m tidal.cli bench gpu --out "$OUT_DIR" ;;
+      run_stage bench "${BENCH_LIMIT:-240}" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR" ;;
     trl)
       run_stage trl 240 "$PY" -m tidal.cli bench trl --out "$OUT_DIR" --set venv=current --set system.device=cuda \
         --set max_time_s=60 --set 'seeds=[0]' --set 'report_at=[30,60]' ;;
