@@ -65,7 +65,7 @@ EOF
       ;;
     tests)
       TIDAL_GPU_REPORT="$OUT_DIR/gpu_tests.jsonl" run_stage tests "${TESTS_LIMIT:-330}" \
-        "$PY" -m pytest -q -m gpu tests/gpu tests/models -p no:cacheprovider -rfEs \
+        "$PY" -m pytest -q -m gpu tests/models tests/gpu -p no:cacheprovider -rfEs \
         --junitxml="$OUT_DIR/gpu_tests.xml" ;;
     cpu)  # the CPU logic under this machine's torch and transformers versions
       run_stage cpu 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/train/test_trainer.py \
