@@ -574,7 +574,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
             result[name] = {"error": f"{type(e).__name__}: {e}"}
         result[name]["part_s"] = time.perf_counter() - start
         print(f"[bench gpu] part {name} done in {result[name]['part_s']:.1f} s: "
-              f"{result[name].get(HEADLINE[name], result[name].get('error'))}", flush=True)
+              f"{result[name].get(HEADLINE.get(name, 'trainer_mfu'), result[name].get('error'))}", flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

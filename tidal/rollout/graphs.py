@@ -25,7 +25,9 @@ with graphs every row is decoded (the step is cheap; sharing saved work at the t
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,7 +69,7 @@ class _Step:
     pos: torch.Tensor  # long [rows, 1]
     mask: torch.Tensor  # bool [rows, 1, 1, columns]
     t_index: torch.Tensor  # long [1]: the column this step writes
-    run: Callable[[], torch.Tensor]
+    cache: _BucketCache
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # the graph's logits [rows, V]
 
@@ -79,7 +81,9 @@ class StaticDecoder:
     def __init__(self, forward: Callable[..., torch.Tensor], slots, capture: bool):
         """``forward(input_ids, attention_mask, position_ids, cache) -> logits [rows, V]``: the model's decode
         forward (``SlotCache.use_static_decode`` builds it)."""
-        self.forward, self.slots = forward, slots
+        # A weak reference: the slot cache owns this decoder, and a cycle between them would leave an old engine's
+        # graphs to the garbage collector, which may free them in the middle of a later recording.
+        self.forward, self.slots = forward, weakref.proxy(slots)
         self.capture = capture and slots.device.type == "cuda"
         self._steps: dict[int, _Step] = {}
         self._generation = -1
@@ -106,28 +110,32 @@ class StaticDecoder:
         start[:n] = s.start[:n]
         step.mask.copy_(((cols >= start[:, None]) & (cols <= s.t))[:, None, None, :])
         if step.graph is None:
-            return step.run()[:n]
+            return self._run(step)[:n]
         step.graph.replay()
         return step.out[:n]
 
     def _new_step(self, rows: int) -> _Step:
         s = self.slots
+        t_index = torch.zeros(1, dtype=torch.long, device=s.device)
         step = _Step(tokens=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
                      pos=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
                      mask=torch.zeros(rows, 1, 1, s.columns, dtype=torch.bool, device=s.device),
-                     t_index=torch.zeros(1, dtype=torch.long, device=s.device), run=lambda: None)
-        cache = _BucketCache(s, rows, step.t_index)
-
-        step.run = lambda: self.forward(step.tokens, step.mask, step.pos, cache)
+                     t_index=t_index, cache=_BucketCache(s, rows, t_index))
         if self.capture and not self.failed:
             try:
                 self._record(step)
             except Exception as e:  # noqa: BLE001 (fall back to eager decoding, said once)
                 self.failed = True
+                if step.graph is not None:
+                    step.graph.reset()
                 step.graph = step.out = None
                 log.warning("CUDA graph recording failed (%s: %s); decoding without graphs", type(e).__name__, e)
         self._steps[rows] = step
         return step
+
+    def _run(self, step: _Step) -> torch.Tensor:
+        """The bucket's forward (no closures: nothing here may hold a cycle that keeps graphs alive)."""
+        return self.forward(step.tokens, step.mask, step.pos, step.cache)
 
     def _record(self, step: _Step) -> None:
         """Warm up on a side stream (as ``torch.cuda.graphs`` requires), then record. Warm-up and recording
@@ -139,12 +147,18 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                step.run()
+                self._run(step)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            step.out = step.run()
-        step.graph = graph
+        graph = step.graph = torch.cuda.CUDAGraph()  # kept on the step so a failed recording can be reset
+        # Collect first and keep the collector off while recording: a graph left in a reference cycle (an earlier
+        # engine's) freed mid-recording resets itself, which CUDA forbids during capture and which ruins it.
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):  # the warm-up's stream: its cuBLAS workspace
+                step.out = self._run(step)
+        finally:
+            gc.enable()
         self.num_recorded += 1
