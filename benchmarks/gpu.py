@@ -129,6 +129,9 @@ class Settings:
     """A key of ``MODELS``."""
     parts: list[str] = field(default_factory=lambda: ["train", "train_tf32", "generate", "rl_step"])
     """``train_tf32`` is ``train`` again with ``trainer.head_matmul=tf32`` (the LM head on tensor cores)."""
+    profile: bool = False
+    """Also run one trainer step and one engine ``generate`` under ``torch.profiler`` and keep the 20 costliest
+    operations of each (device and host time) under ``profile`` in the part's results: where the time goes."""
     head_matmul: str = "fp32"
     """``trainer.head_matmul`` of the ``train`` part (and the RL step)."""
     precision: str = "auto"
@@ -239,6 +242,23 @@ def timed(fn: Callable, device: torch.device):
     return out, time.perf_counter() - start
 
 
+def profile_table(fn: Callable, device: torch.device, top: int = 20) -> list[dict]:
+    """The ``top`` operations of one ``fn()`` by self device time (host time on a CPU), with call counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        rows.append({"op": e.key[:80], "calls": e.count, "self_device_ms": device_us / 1e3,
+                     "self_host_ms": e.self_cpu_time_total / 1e3})
+    key = "self_device_ms" if device.type == "cuda" else "self_host_ms"
+    return sorted(rows, key=lambda r: -r[key])[:top]
+
+
 def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5, per_sample: int = 10) -> float:
     """Median TFLOP/s of ``per_sample`` back-to-back n x n x n matmuls (2 n^3 FLOPs each), ``repeats`` samples."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
@@ -322,6 +342,7 @@ def part_train(s: Settings, base: torch.nn.Module, device: torch.device, peaks: 
             times.append(seconds)
     finally:
         hook.remove()
+    profiled = profile_table(lambda: trainer.step(batch), device) if s.profile else None
     micro_batches = len(pack_sequences(lengths, s.micro_batch_tokens))
     assert forwards[0] == micro_batches * s.train_steps, (
         f"{forwards[0] / s.train_steps} decoder forwards per step, {micro_batches} micro-batches: the step does "
@@ -345,6 +366,7 @@ def part_train(s: Settings, base: torch.nn.Module, device: torch.device, peaks: 
         "measured matmul (no datasheet peak for this device)", "trainer_mfu_vs_measured_matmul": achieved / measured,
         "autocast_dtype": str(trainer.autocast_dtype),
         "last_step_metrics": {k: v for k, v in metrics.items() if k.startswith("perf/")},
+        **({"profile": profiled} if profiled is not None else {}),
     }
 
 
@@ -364,8 +386,9 @@ def gen_requests(s: Settings, vocab: int) -> list:
     return requests
 
 
-def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) -> tuple[int, float]:
-    """(useful new tokens, seconds) of one timed ``LocalEngine.generate`` over every request, after a warm-up."""
+def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) -> tuple[int, float, list | None]:
+    """(useful new tokens, seconds) of one timed ``LocalEngine.generate`` over every request, after a warm-up,
+    and with ``profile`` the profiler's table of one more ``generate`` of the first batch."""
     from tidal.rollout.local import LocalEngine, SamplingConfig
 
     cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.gen_max_new_tokens, max_batch_size=s.gen_max_batch_size)
@@ -375,7 +398,8 @@ def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) ->
     trajs, seconds = timed(lambda: engine.generate(requests), device)
     useful = sum(len(t.token_ids) for t in trajs)
     assert useful == sum(r.max_new_tokens for r in requests), "the engine stopped a request before its budget"
-    return useful, seconds
+    profiled = profile_table(lambda: engine.generate(requests[: s.gen_max_batch_size]), device) if s.profile else None
+    return useful, seconds, profiled
 
 
 def hf_arm(model, requests, s: Settings, device: torch.device) -> tuple[int, int, float]:
@@ -410,7 +434,7 @@ def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peak
     dtype = resolve_dtype(s.engine_dtype, device, "engine_dtype")
     model = copy.deepcopy(base).to(device).eval()
     requests = gen_requests(s, model.config.vocab_size)
-    engine_tokens, engine_s = engine_arm(model, tiny.build_tokenizer(), requests, s, device)
+    engine_tokens, engine_s, profiled = engine_arm(model, tiny.build_tokenizer(), requests, s, device)
     model.to(dtype)
     hf_tokens, hf_computed, hf_s = hf_arm(model, requests, s, device)
     weight_bytes = matmul_params(model) * dtype.itemsize
@@ -425,6 +449,7 @@ def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peak
         "roofline_tokens_per_s": ceiling, "useful_tokens": engine_tokens, "hf_useful_tokens": hf_tokens,
         "hf_computed_tokens": hf_computed, "engine_s": engine_s, "hf_s": hf_s, "requests": len(requests),
         "decode_steps": len(steps), "weight_bytes": weight_bytes, "kv_bytes_per_token": kv, "dtype": str(dtype),
+        **({"profile": profiled} if profiled is not None else {}),
     }
 
 

@@ -72,7 +72,7 @@ EOF
         tests/train/test_precision.py tests/train/test_packing.py tests/train/test_prefix_tree.py \
         tests/rollout/test_local_engine.py tests/models ;;
     bench)
-      run_stage bench "${BENCH_LIMIT:-240}" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR" ;;
+      run_stage bench "${BENCH_LIMIT:-240}" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR" --set profile=true ;;
     trl)
       run_stage trl 240 "$PY" -m tidal.cli bench trl --out "$OUT_DIR" --set venv=current --set system.device=cuda \
         --set max_time_s=60 --set 'seeds=[0]' --set 'report_at=[30,60]' ;;

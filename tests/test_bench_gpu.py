@@ -115,3 +115,9 @@ def test_documented_commands_name_real_settings():
         for kv in sets:
             key, value = kv.split("=", 1)
             assert str(getattr(settings, key)).replace("'", "") == value, kv
+
+
+def test_profile_table_names_the_costliest_ops():
+    a = torch.randn(256, 256)
+    rows = gpu.profile_table(lambda: [a @ a for _ in range(3)], torch.device("cpu"), top=3)
+    assert len(rows) <= 3 and rows[0]["op"] in ("aten::mm", "aten::matmul") and rows[0]["calls"] >= 3

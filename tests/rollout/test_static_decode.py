@@ -74,3 +74,21 @@ def test_a_dropped_engine_frees_its_decode_steps_without_the_garbage_collector(s
         assert steps() is None, "the static decoder sits in a reference cycle"
     finally:
         gc.enable()
+
+
+def test_steps_dropped_on_reallocation_are_freed_at_once(small_model, tokenizer):
+    """When the buffers grow, the recorded steps are dropped; they must be freed by reference counting then and
+    there, not later by the collector (the device check saw a 0.5B engine's recording fail exactly so)."""
+    import gc
+    import weakref
+
+    engine, _ = _generate(small_model, tokenizer, "on", max_new_tokens=40, max_batch_size=5)
+    static = engine._slots.static
+    refs = [weakref.ref(step) for step in static._steps.values()]
+    assert refs
+    gc.disable()
+    try:
+        static._steps.clear()
+        assert all(r() is None for r in refs), "a decode step sits in a reference cycle"
+    finally:
+        gc.enable()
