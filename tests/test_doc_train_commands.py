@@ -1,4 +1,4 @@
-"""docs/agentic.md, docs/harness.md and docs/faults.md: every `tidal train` command in them names a recipe and only
+"""docs/agentic.md, docs/harness.md, docs/faults.md and docs/gpu.md: every `tidal train` command in them names a recipe and only
 config keys that exist, with values of the right type and a config that validates (the recipes
 themselves run in tests/system/test_agentic_run.py and tests/serve/test_harness_run.py and, to their
 targets, in the slow tests; the elastic command of faults.md in tests/system/test_elastic_run.py)."""
@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from tidal.config import apply_overrides
 from tidal.recipes import RECIPES
@@ -18,8 +19,12 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 @pytest.mark.parametrize("page, default_recipe, at_least", [("agentic.md", "agentic_quickstart", 3),
                                                             ("harness.md", "harness_quickstart", 3),
-                                                            ("faults.md", "quickstart", 2)])
-def test_every_train_command_parses(page, default_recipe, at_least):
+                                                            ("faults.md", "quickstart", 2),
+                                                            ("gpu.md", "quickstart", 4)])
+def test_every_train_command_parses(page, default_recipe, at_least, monkeypatch):
+    if page == "gpu.md":  # its commands name GPUs: validate them as on a machine with two
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     blocks = re.findall(r"```[a-z]*\n(.*?)```", (DOCS / page).read_text(), flags=re.S)
     commands = []
     for line in "\n".join(blocks).replace("\\\n", " ").splitlines():
