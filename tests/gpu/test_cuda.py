@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.system.test_controller import run, tiny_cfg
 from tests.train.test_precision import grads_of_step
 from tidal.algo.config import AlgoConfig
-from tidal.config import apply_overrides
 from tidal.optim import OptimConfig
 from tidal.recipes import RECIPES
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
-from tidal.system.run import prepare
 from tidal.train.batch import build_train_batch
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.types import Group, Prompt
@@ -130,33 +129,14 @@ def test_cuda_inflight_weight_update_device_to_device(small_model, tokenizer):
         assert torch.equal(value, sd[name]), name
 
 
-def _tiny_run(tmp_path, *extra):
-    sets = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
-            "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null", "sft.batch_size=16",
-            f"sft.cache_dir={tmp_path / 'cache'}", "reward.name=digit_match", "reward.num_workers=0",
-            "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=4", "max_steps=4",
-            "max_time_s=null", "target_accuracy=null", "eval_every=2", "num_eval=16", "checkpoint_every=2",
-            "optim.lr=1e-2", "system.mode=sync", "system.device=cuda", "log.progress=false",
-            "log.tensorboard=false", "log.report=false", *extra]
-    return apply_overrides(RECIPES.get("quickstart")(), sets)
-
-
 def test_cuda_resume_equals_uninterrupted(tmp_path):
     """4 steps in one go vs 2 steps, then ``--resume`` to 4, on CUDA: the same metrics and weights (within
     float noise: atomics in CUDA backward kernels may reorder additions)."""
-    def run(cfg, out, resume=False):
-        c = prepare(cfg, out, resume=resume)
-        try:
-            result = c.run()
-        finally:
-            c.tracker.close()
-            c.reward_pool.close()
-        return c, result
-
-    full, full_r = run(_tiny_run(tmp_path), tmp_path / "full")
+    cuda = ("system.mode=sync", "system.device=cuda")
+    full, full_r = run(tiny_cfg(tmp_path, *cuda), tmp_path / "full")
     assert full.trainer.device.type == "cuda"
-    run(_tiny_run(tmp_path, "max_steps=2"), tmp_path / "split")
-    resumed, _ = run(_tiny_run(tmp_path), tmp_path / "split", resume=True)
+    run(tiny_cfg(tmp_path, *cuda, "max_steps=2"), tmp_path / "split")
+    resumed, _ = run(tiny_cfg(tmp_path, *cuda), tmp_path / "split", resume=True)
     rows = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     for a, b in zip(rows, full_r.history):
