@@ -36,9 +36,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "tidal_packed"
 BLOCK_SIZE = 128
@@ -149,11 +147,19 @@ def use_packed_attention(model: torch.nn.Module) -> bool:
     without a mask (boundaries from the position ids). The name is not saved in ``config.json``, so
     a checkpoint loads without tidal."""
     if model.config._attn_implementation in ("sdpa", "eager"):
+        register()
         model.set_attn_implementation(NAME)
     return model.config._attn_implementation == NAME
 
 
-AttentionInterface.register(NAME, packed_attention_forward)
-# A 2-D padding mask (the engines' prefill) still becomes SDPA's 4-D mask; 4-D masks and BlockMasks
-# pass through transformers' mask preprocessing untouched.
-AttentionMaskInterface.register(NAME, sdpa_mask)
+@functools.cache
+def register() -> None:
+    """Register ``tidal_packed`` with transformers, once per process. Not at import: the registries live in
+    ``modeling_utils`` and ``masking_utils``, whose import costs 2-3 s that every ``tidal`` command would
+    pay. A 2-D padding mask (the engines' prefill) still becomes SDPA's 4-D mask; 4-D masks and BlockMasks
+    pass through transformers' mask preprocessing untouched."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, packed_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
