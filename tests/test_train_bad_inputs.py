@@ -92,6 +92,7 @@ BAD_VALUES = [  # a run that used to crash with a traceback, spin forever, or tr
     ("system.device=tpu", "system.device"),
     ("trainer.precision=fp16", "trainer.precision"),
     ("rollout.dtype=int8", "rollout.dtype"),
+    ("rollout.cuda_graphs=yes", "rollout.cuda_graphs"),
     # a GPU asked for on a machine without one: one line, not a CUDA traceback after the warm start
     *([("system.device=cuda", "system.device")] if not torch.cuda.is_available() else []),
 ]

@@ -92,3 +92,14 @@ def test_steps_dropped_on_reallocation_are_freed_at_once(small_model, tokenizer)
         assert all(r() is None for r in refs), "a decode step sits in a reference cycle"
     finally:
         gc.enable()
+
+
+def test_a_second_stream_at_the_same_time_gets_its_own_slot_cache(small_model, tokenizer):
+    """The engine keeps one static slot cache across calls (its graphs are recorded once); a ``stream`` that
+    starts while another runs on the same engine must not share it."""
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=6, cuda_graphs="on"))
+    first = engine._slot_cache()
+    second = engine._slot_cache()
+    assert first is engine._slots and second is not first and second.static is None
+    engine._slots_in_use = False
+    assert engine._slot_cache() is first

@@ -151,10 +151,9 @@ class LocalEngine:
         self.device = model_device(self.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
         self.model.to(self.dtype)
-        if cfg.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"rollout.cuda_graphs must be auto, on or off, got {cfg.cuda_graphs!r}")
         self._static_decode = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and self.device.type == "cuda")
         self._slots: SlotCache | None = None  # kept across calls with static decode: its graphs are recorded once
+        self._slots_in_use = False
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.seed = seed
@@ -257,11 +256,17 @@ class LocalEngine:
                 rows = self._sample_step(rows, slots, temperature, on_done)
         finally:
             self.generate_seconds += time.perf_counter() - start
+            if slots is self._slots:
+                self._slots_in_use = False
 
     def _slot_cache(self) -> SlotCache:
         """A fresh slot cache (it grows to fit: memory follows the live rows), or with static decode the
-        engine's own, emptied, whose recorded graphs stay valid (weights are updated in place)."""
-        if not self._static_decode:
+        engine's own, emptied, whose recorded graphs stay valid (weights are updated in place). A second
+        ``stream`` running at the same time on this engine gets a fresh one."""
+        with self._lock:
+            shared = self._static_decode and not self._slots_in_use
+            self._slots_in_use = self._slots_in_use or shared
+        if not shared:
             return SlotCache(self.model, self.cfg.max_batch_size)
         if self._slots is None:
             self._slots = SlotCache(self.model, self.cfg.max_batch_size)

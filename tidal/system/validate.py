@@ -282,6 +282,8 @@ def _check_device(cfg: RunConfig) -> None:
     device = resolve_device(cfg.system.device)
     resolve_dtype(cfg.trainer.precision, device, "trainer.precision")
     resolve_dtype(cfg.rollout.dtype, device, "rollout.dtype")
+    if cfg.rollout.cuda_graphs not in ("auto", "on", "off"):
+        raise ConfigError(f"rollout.cuda_graphs must be auto, on or off, got {cfg.rollout.cuda_graphs!r}")
     if device.type != "cpu" and cfg.trainer.data_parallel == "elastic":
         raise ConfigError(f"system.device={cfg.system.device} with trainer.data_parallel=elastic: elastic replicas "
                           "train on the CPU (gloo) for now; use system.device=cpu")
