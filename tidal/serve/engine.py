@@ -221,6 +221,7 @@ class HarnessEngine:
         exhausted = False
         timeout = self.cfg.episode_timeout_s
         while True:
+            server.bridge.check()  # the engine failed: stop the run rather than crash every episode
             room = self.cfg.max_concurrent_episodes - len(live)
             if room > 0 and not exhausted:
                 got = source(room, not live)
@@ -240,6 +241,7 @@ class HarnessEngine:
             except queue.Empty:
                 item = None
             while item is not None:
+                server.bridge.check()  # an agent that failed on a failed engine is not the agent's failure
                 episode_id, reward, error, seconds = item
                 if episode_id in live:  # else: already reported as hung; its late result is ignored
                     request, _ = live.pop(episode_id)
