@@ -193,3 +193,6 @@ def test_a_run_whose_agents_send_the_fuzz_trains_every_step(tmp_path):
     assert all(r["harness/finished"] >= 12 * r["step"] and r["harness/crashed"] == 0 for r in rows)
     assert all(r["agent/infra_failures"] == 0 and r["agent/turns_mean"] == 2.0 for r in rows)
     assert any(r.get("train/grad_norm", 0) > 0 for r in rows) and "eval/accuracy" in result.history[-1]
+    # the held-out episodes sent the fuzz to the evaluation server: every one of them still made both requests
+    evals = [r for r in result.history if "eval/turns_mean" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3] and all(r["eval/turns_mean"] == 2.0 for r in evals)
