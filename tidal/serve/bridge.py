@@ -107,7 +107,11 @@ class EngineBridge:
         if self._suspects:  # after an engine error: the next group runs alone
             if self._in_engine:
                 return []
-            return self._admit(self._suspects.popleft())
+            group = self._suspects.popleft()
+            if len(group) > n:  # at most n, as ``stream`` asks (an engine may have fewer slots now): the rest next
+                group, rest = group[:n], group[n:]
+                self._suspects.appendleft(rest)
+            return self._admit(group)
         out: list[GenRequest] = []
         try:
             if block:  # nothing is decoding: wait for work rather than spin
