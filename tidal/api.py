@@ -33,6 +33,12 @@ class GenRequest:
     thinking_close: tuple[int, ...] = ()
 
 
+class EngineFailed(RuntimeError):
+    """The rollout engine can no longer generate (the endpoint's engine failed: ``serve/bridge.py``). A run
+    stops on it with this one line and a non-zero exit, keeping its checkpoints and journal, instead of
+    training every later step on nothing."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates trajectories with per-token behaviour log-probs and policy versions.

@@ -117,6 +117,7 @@ def _terminate(signum, frame) -> None:
 
 def cmd_train(args) -> int:
     """Train a recipe (or a saved config.yaml); bad input is one line, Ctrl-C says how to resume (exit 130)."""
+    from tidal.api import EngineFailed
     from tidal.system.run import train
     from tidal.system.run_dir import interrupted_message, prepare_out_dir
     from tidal.system.validate import validate_run_config
@@ -142,6 +143,10 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt as e:
         print(interrupted_message(out, args.recipe), file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
+    except EngineFailed as e:  # checkpointed like Ctrl-C: one line naming the failure and how to go on
+        stopped = interrupted_message(out, args.recipe).replace("interrupted", "stopped", 1)
+        print("error: " + " ".join(str(e).split()) + "; " + stopped, file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:  # a bad value met late, an output that could not be written: one line
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2

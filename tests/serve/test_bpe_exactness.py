@@ -34,12 +34,12 @@ def test_continuation_uses_sampled_ids_where_retokenizing_would_merge_differentl
         messages = [{"role": "user", "content": "the sum of 12+34"}]
         sampled = []
         for observation in ("=46 then add 7", "=53"):
-            resp = client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+            resp = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
             sampled.append(resp.model_extra["tidal"]["token_ids"])
             assert not resp.model_extra["tidal"]["new_segment"] or len(sampled) == 1
             reply = resp.choices[0].message.model_dump(exclude_none=True)
             messages += [reply, {"role": "tool", "content": observation}]
-        resp = client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+        resp = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
         sampled.append(resp.model_extra["tidal"]["token_ids"])
         messages.append(resp.choices[0].message.model_dump(exclude_none=True))
         [traj] = server.finish("bpe", 1.0)

@@ -38,9 +38,9 @@ CANCELLED = threading.Event()
 def two_turn_agent(client, task):
     """Two chat turns with a tool message between them; reward 1 if the last reply holds a digit."""
     messages = [{"role": "user", "content": task.text}]
-    reply = client.chat.completions.create(model="m", messages=messages).choices[0].message
+    reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
     messages += [reply.model_dump(exclude_none=True), {"role": "tool", "content": "42"}]
-    reply = client.chat.completions.create(model="m", messages=messages).choices[0].message
+    reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
     return float(any(c.isdigit() for c in reply.content or ""))
 
 
@@ -48,9 +48,9 @@ async def async_two_turn_agent(client, task):
     """``two_turn_agent`` as an asyncio agent: an ``openai.AsyncOpenAI`` client, awaited calls."""
     assert isinstance(client, openai.AsyncOpenAI)
     messages = [{"role": "user", "content": task.text}]
-    reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+    reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
     messages += [reply.model_dump(exclude_none=True), {"role": "tool", "content": "42"}]
-    reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+    reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
     if task.meta.get("kind") == "hang":
         CANCELLED.clear()
         try:
@@ -68,7 +68,7 @@ REPLIES: dict[str, str] = {}
 
 def talking_agent(client, task):
     """An agent with no grading code: it asks once and returns nothing (``harness.reward=task``)."""
-    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": task.text}])
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.text}])
     REPLIES[task.text] = reply.choices[0].message.content or ""
 
 
@@ -77,7 +77,7 @@ def misbehaving_agent(client, task):
     kind = task.meta["kind"]
     if kind == "silent":
         return 1.0
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": task.text}])
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.text}])
     if kind == "crash":
         raise RuntimeError("the agent's own bug")
     if kind == "hang":

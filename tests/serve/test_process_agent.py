@@ -32,7 +32,7 @@ import openai
 task = json.loads(os.environ["TIDAL_TASK"])
 kind = task["meta"]["kind"]
 client = openai.OpenAI(max_retries=0)            # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
-reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["text"]}])
+reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task["text"]}])
 with open(os.environ["OUT"] + "/" + os.environ["TIDAL_EPISODE_ID"], "w") as f:
     json.dump({"base_url": os.environ["OPENAI_BASE_URL"], "task": task, "reply": reply.choices[0].message.content}, f)
 if kind == "exit":

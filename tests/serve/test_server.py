@@ -59,12 +59,12 @@ def test_multi_turn_episode_is_token_exact_and_trainer_logprobs_match(random_mod
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 7*6?"}]
         sampled = []
         for follow_up in ({"role": "tool", "content": "42", "tool_call_id": "x"}, {"role": "user", "content": "ok?"}):
-            resp = c.chat.completions.create(model="any", messages=messages, max_tokens=12)
+            resp = c.chat.completions.create(model="policy", messages=messages, max_tokens=12)
             extra = tidal_extra(resp)
             assert extra["segment"] == 0 and resp.usage.completion_tokens == len(extra["token_ids"])
             sampled.append(extra["token_ids"])
             messages += [resp.choices[0].message.model_dump(exclude_none=True), follow_up]
-        resp = c.chat.completions.create(model="any", messages=messages, max_tokens=12)
+        resp = c.chat.completions.create(model="policy", messages=messages, max_tokens=12)
         sampled.append(tidal_extra(resp)["token_ids"])
         [traj] = server.finish("ep-0", reward=1.0)
     finally:
@@ -100,7 +100,7 @@ def test_tool_call_round_trip(tool_model, chat_tok):
     try:
         c = client(server, "calc-1")
         messages = [{"role": "user", "content": QUESTION}]
-        resp = c.chat.completions.create(model="any", messages=messages, tools=tools)
+        resp = c.chat.completions.create(model="policy", messages=messages, tools=tools)
         choice = resp.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         [call] = choice.message.tool_calls
@@ -109,7 +109,7 @@ def test_tool_call_round_trip(tool_model, chat_tok):
         assert expression == "2+3"
         messages += [choice.message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))}]
-        resp = c.chat.completions.create(model="any", messages=messages, tools=tools)
+        resp = c.chat.completions.create(model="policy", messages=messages, tools=tools)
         assert resp.choices[0].message.content == "5" and resp.choices[0].finish_reason == "stop"
         assert not tidal_extra(resp)["new_segment"]
         [traj] = server.finish("calc-1", reward=1.0)
@@ -148,17 +148,17 @@ def test_streamed_tool_call_round_trip_is_the_same_episode(tool_model, chat_tok)
         c = client(server, "calc-stream")
         messages = [{"role": "user", "content": QUESTION}]
         message, finish, extra, usage = assemble(c.chat.completions.create(
-            model="any", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True}))
+            model="policy", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True}))
         assert finish == "tool_calls" and message["content"] is None and len(usage) == 1
         [call] = message["tool_calls"]
         assert json.loads(call["function"]["arguments"])["expression"] == "2+3"
         assert usage[0].completion_tokens == len(extra["token_ids"])
         messages += [message, {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
-        message, finish, extra, usage = assemble(c.chat.completions.create(model="any", messages=messages,
+        message, finish, extra, usage = assemble(c.chat.completions.create(model="policy", messages=messages,
                                                                             tools=tools, stream=True))
         assert (message["content"], finish, usage) == ("5", "stop", []) and not extra["new_segment"]
         [traj] = server.finish("calc-stream", reward=1.0)
-        streamed = list(client(server, "text-stream").completions.create(model="any", prompt="1+1=", max_tokens=3,
+        streamed = list(client(server, "text-stream").completions.create(model="policy", prompt="1+1=", max_tokens=3,
                                                                           stream=True))
     finally:
         server.stop()
@@ -173,10 +173,10 @@ def test_edited_history_starts_a_counted_segment(random_model, chat_tok):
     try:
         c = client(server, "ep-edit")
         messages = [{"role": "user", "content": "hi"}]
-        resp = c.chat.completions.create(model="any", messages=messages)
+        resp = c.chat.completions.create(model="policy", messages=messages)
         edited = messages + [{"role": "assistant", "content": resp.choices[0].message.content + " (edited)"},
                              {"role": "user", "content": "again"}]
-        resp2 = c.chat.completions.create(model="any", messages=edited)
+        resp2 = c.chat.completions.create(model="policy", messages=edited)
         assert tidal_extra(resp2)["new_segment"] and tidal_extra(resp2)["segment"] == 1
         assert server.stats()["harness/history_edits"] == 1
         trajs = server.finish("ep-edit", reward=0.5)
@@ -191,8 +191,8 @@ def test_completions_continue_from_recorded_ids(random_model, chat_tok):
     server = serve(random_model, chat_tok, max_new_tokens=6)
     try:
         c = client(server, "ep-cmpl")
-        first = c.completions.create(model="any", prompt="12+34")
-        second = c.completions.create(model="any", prompt="12+34" + first.choices[0].text + "=")
+        first = c.completions.create(model="policy", prompt="12+34")
+        second = c.completions.create(model="policy", prompt="12+34" + first.choices[0].text + "=")
         assert not tidal_extra(second)["new_segment"]
         [traj] = server.finish("ep-cmpl", reward=0.0)
     finally:
@@ -210,7 +210,7 @@ def test_concurrent_episodes_share_the_engine_and_sample_what_they_would_alone(r
         c = client(server, episode, cls=openai.AsyncOpenAI)
         messages = [{"role": "user", "content": f"task {episode}"}]
         for _ in range(2):
-            resp = await c.chat.completions.create(model="any", messages=messages, max_tokens=16)
+            resp = await c.chat.completions.create(model="policy", messages=messages, max_tokens=16)
             messages += [resp.choices[0].message.model_dump(exclude_none=True),
                          {"role": "tool", "content": "=1"}]
         await c.close()
@@ -244,18 +244,18 @@ def test_bad_requests_get_openai_error_bodies(random_model, chat_tok):
     try:
         c = client(server, "ep-bad")
         with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model="any", messages=[{"role": "wizard", "content": "hi"}])
+            c.chat.completions.create(model="policy", messages=[{"role": "wizard", "content": "hi"}])
         assert e.value.status_code == 400 and "messages.0.role" in e.value.message
         assert e.value.body["param"] == "messages.0.role" and e.value.body["type"] == "invalid_request_error"
         with pytest.raises(openai.BadRequestError, match="temperature must be the engine's"):
-            c.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], temperature=0.2)
+            c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], temperature=0.2)
         with pytest.raises(openai.BadRequestError, match="n must be 1"):
-            c.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=2)
+            c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], n=2)
         with pytest.raises(openai.BadRequestError, match="context"):
-            c.completions.create(model="any", prompt="x" * (CONTEXT + 5))
+            c.completions.create(model="policy", prompt="x" * (CONTEXT + 5))
         with pytest.raises(openai.NotFoundError):  # no episode in the path
             openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="k", max_retries=0).completions.create(
-                model="any", prompt="hi")
+                model="policy", prompt="hi")
     finally:
         server.stop()
 
@@ -267,9 +267,9 @@ def test_auth_is_required_when_a_key_is_set_and_generated_beyond_loopback(random
     server = serve(random_model, chat_tok, api_key="s3cret")
     try:
         with pytest.raises(openai.AuthenticationError) as e:
-            client(server, "ep-auth", key="wrong").completions.create(model="any", prompt="1+1")
+            client(server, "ep-auth", key="wrong").completions.create(model="policy", prompt="1+1")
         assert e.value.body["code"] == "invalid_api_key"
-        ok = client(server, "ep-auth", key="s3cret").completions.create(model="any", prompt="1+1")
+        ok = client(server, "ep-auth", key="s3cret").completions.create(model="policy", prompt="1+1")
         assert ok.choices[0].text is not None
     finally:
         server.stop()
@@ -279,13 +279,13 @@ def test_request_size_and_episode_limits(random_model, chat_tok):
     server = serve(random_model, chat_tok, max_request_bytes=2000, max_episodes=1)
     try:
         with pytest.raises(openai.APIStatusError) as e:
-            client(server, "a").completions.create(model="any", prompt="1" * 5000)
+            client(server, "a").completions.create(model="policy", prompt="1" * 5000)
         assert e.value.status_code == 413 and "max_request_bytes" in e.value.message
-        client(server, "a").completions.create(model="any", prompt="1+1")
+        client(server, "a").completions.create(model="policy", prompt="1+1")
         with pytest.raises(openai.RateLimitError, match="max_episodes=1"):
-            client(server, "b").completions.create(model="any", prompt="1+1")
+            client(server, "b").completions.create(model="policy", prompt="1+1")
         server.finish("a", 0.0)
-        client(server, "b").completions.create(model="any", prompt="1+1")
+        client(server, "b").completions.create(model="policy", prompt="1+1")
     finally:
         server.stop()
 
@@ -293,10 +293,10 @@ def test_request_size_and_episode_limits(random_model, chat_tok):
 def test_an_idle_episode_times_out_and_is_counted(random_model, chat_tok):
     server = serve(random_model, chat_tok, episode_timeout_s=0.3)
     try:
-        client(server, "hung").completions.create(model="any", prompt="1+1")
+        client(server, "hung").completions.create(model="policy", prompt="1+1")
 
         time.sleep(0.5)
-        client(server, "fresh").completions.create(model="any", prompt="1+1")
+        client(server, "fresh").completions.create(model="policy", prompt="1+1")
         assert server.stats()["harness/timed_out"] == 1
         with pytest.raises(KeyError, match="hung"):
             server.finish("hung", 1.0)
@@ -312,13 +312,13 @@ def test_run_episodes_groups_healthy_episodes_and_counts_crashed_and_hung(random
 
     def agent(client, task):  # written only against the openai client
         messages = [{"role": "user", "content": task.text}]
-        resp = client.chat.completions.create(model="any", messages=messages)
+        resp = client.chat.completions.create(model="policy", messages=messages)
         if task.uid == "crash":
             raise RuntimeError("the agent's own bug")
         if task.uid == "hang":
             release.wait(30)
         messages += [resp.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "=3"}]
-        resp = client.chat.completions.create(model="any", messages=messages)
+        resp = client.chat.completions.create(model="policy", messages=messages)
         return 1.0 if "3" in (resp.choices[0].message.content or "") else 0.0
 
     server = serve(random_model, chat_tok)

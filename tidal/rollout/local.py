@@ -181,13 +181,19 @@ class LocalEngine:
             self._pending = (dict(state_dict), version)
 
     def _apply_pending_update(self) -> bool:
+        """Load staged weights, if any. An update that fails stays staged, so it is raised again by the
+        next ``stream`` before any request rather than skipped (a caller that restarts ``stream`` after
+        an error, as the endpoint's bridge does, must never go on generating with the old weights)."""
         with self._lock:
-            pending, self._pending = self._pending, None
+            pending = self._pending
         if pending is None:
             return False
         state_dict, version = pending
         state_dict = dequantize_state_dict(state_dict, next(self.model.parameters()).dtype)  # fp8_block sync
         self.model.load_state_dict(state_dict)  # strict: a mismatched checkpoint must fail loudly
+        with self._lock:
+            if self._pending is pending:  # not replaced by a newer update meanwhile
+                self._pending = None
         self.version = version
         self._turn_kv.clear()  # computed with the old weights
         self.num_weight_updates += 1

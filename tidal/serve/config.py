@@ -16,7 +16,9 @@ class ServeConfig:
     port: int = 0
     """0 picks a free port (``server.port`` after ``start``)."""
     api_key: str | None = None
-    """Required as ``Authorization: Bearer KEY`` when set."""
+    """Required as ``Authorization: Bearer KEY`` when set. Without one the server answers only requests
+    whose ``Host`` is loopback (``localhost``, ``127.0.0.1``, ``[::1]``): a web page cannot reach it by DNS
+    rebinding. A harness run generates one when none is set (``HarnessConfig.serve``)."""
     max_request_bytes: int = 4 << 20
     """Largest request body (413 beyond it): a conversation is text; 4 MiB is ~1M tokens."""
     max_episodes: int | None = 1024
@@ -35,7 +37,9 @@ class ServeConfig:
     instead of reopening it; the oldest are forgotten beyond this (a long run's memory stays bounded).
     A request for a forgotten id opens a new, empty episode, which nobody finishes: the idle timeout
     drops it (counted in ``harness/timed_out``) and it never reaches training."""
-    model_name: str = "tidal-policy"
+    model_name: str = "policy"
+    """The one model served: a request naming another gets 404 ``model_not_found``, as from OpenAI. An agent
+    with a model name of its own is served by setting this to that name."""
 
 
 @dataclass
@@ -66,8 +70,10 @@ class HarnessConfig:
     """Seconds an agent may take for one episode; past it the episode is dropped (an infrastructure
     failure, left out of its group's baseline, counted in ``harness/hung``) and its thread abandoned."""
     serve: ServeConfig = field(default_factory=ServeConfig)
-    """The endpoint the agents talk to (loopback, no key by default). Its ``max_tokens`` (a turn's
-    length when the agent sets none) is replaced by ``rollout.max_new_tokens``."""
+    """The endpoint the agents talk to: loopback, with a key generated for the run unless ``api_key`` is
+    set (the agents' clients carry it; episode ids are predictable, so without one any local process could
+    add turns to a live episode). Its ``max_tokens`` (a turn's length when the agent sets none) is replaced
+    by ``rollout.max_new_tokens``."""
 
     @property
     def enabled(self) -> bool:

@@ -46,6 +46,7 @@ import inspect
 import itertools
 import math
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -126,7 +127,11 @@ class HarnessEngine:
         self.run_episode = run_episode
         self.cfg = cfg
         self.context_len = context_len
-        self.serve_cfg = dataclasses.replace(cfg.serve, max_tokens=max_tokens)
+        # A key per run unless one is set: the agents' clients carry it, and no other local process can
+        # add turns to a live episode (its id, ``<task uid>.<sample index>``, is predictable) or open
+        # episodes up to ``max_episodes``.
+        self.serve_cfg = dataclasses.replace(cfg.serve, max_tokens=max_tokens,
+                                             api_key=cfg.serve.api_key or "tidal-" + secrets.token_urlsafe(24))
         self._servers: dict[bool, HarnessServer] = {}
         self._clients: dict[bool, Any] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -154,7 +159,7 @@ class HarnessEngine:
         server = self._servers.get(False)
         if server is not None:
             s = server.stats()
-            for key in ("history_edits", "not_append_only", "timed_out", "max_in_flight"):
+            for key in ("history_edits", "not_append_only", "timed_out", "undelivered", "max_in_flight"):
                 out[f"harness/{key}"] = s.get(f"harness/{key}", 0.0)
             out["harness/requests"] = float(server.bridge.num_requests)
         return out
@@ -221,6 +226,7 @@ class HarnessEngine:
         exhausted = False
         timeout = self.cfg.episode_timeout_s
         while True:
+            server.bridge.check()  # the engine failed: stop the run rather than crash every episode
             room = self.cfg.max_concurrent_episodes - len(live)
             if room > 0 and not exhausted:
                 got = source(room, not live)
@@ -240,6 +246,7 @@ class HarnessEngine:
             except queue.Empty:
                 item = None
             while item is not None:
+                server.bridge.check()  # an agent that failed on a failed engine is not the agent's failure
                 episode_id, reward, error, seconds = item
                 if episode_id in live:  # else: already reported as hung; its late result is ignored
                     request, _ = live.pop(episode_id)

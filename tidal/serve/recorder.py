@@ -149,7 +149,7 @@ class EpisodeRecorder:
         self.max_closed_ids = max_closed_ids
         self.lock = threading.Lock()
         self.totals = {"episodes": 0, "finished": 0, "dropped": 0, "timed_out": 0, "history_edits": 0,
-                       "not_append_only": 0}
+                       "not_append_only": 0, "undelivered": 0}
 
     # ---- episode lifecycle ----------------------------------------------------------------------
     def open(self, episode_id: str, prompt: Prompt | None = None) -> Episode:
@@ -228,7 +228,7 @@ class EpisodeRecorder:
                                            [template_message(m) for m in messages[n:]])
             except NotAppendOnly:
                 ep.counts["not_append_only"] += 1
-                self.totals["not_append_only"] += 1
+                self._count("not_append_only")
                 break
             return self._plan(ep, seg, False, seg.context + ids, max_tokens, render=render, seen=seen)
         else:
@@ -238,6 +238,11 @@ class EpisodeRecorder:
         return self._plan(ep, seg, True, ids, max_tokens, render=render, seen=seen)
 
     def plan_completion(self, ep: Episode, prompt: str | list[int], max_tokens: int | None) -> Plan:
+        if isinstance(prompt, list):
+            vocab = len(self.tokenizer)
+            bad = next((i for i in prompt if not 0 <= i < vocab), None)
+            if bad is not None:  # the engine would index its embedding with it
+                raise ValueError(f"token id {bad} is not in the model's vocabulary (0 <= id < {vocab})")
         for seg in reversed(ep.segments):
             if seg.kind != "completion" or seg.turns == 0:
                 continue
@@ -259,10 +264,17 @@ class EpisodeRecorder:
     def _count_edit(self, ep: Episode) -> None:
         if ep.segments:  # the first segment of an episode is not an edit
             ep.counts["history_edits"] += 1
-            self.totals["history_edits"] += 1
+            self._count("history_edits")
+
+    def _count(self, key: str) -> None:
+        """One more in ``totals`` (turns of different episodes are planned on different threads)."""
+        with self.lock:
+            self.totals[key] += 1
 
     def _plan(self, ep: Episode, seg: Segment, is_new: bool, context: list[int], max_tokens: int | None,
               **kw: Any) -> Plan:
+        if not context:
+            raise ValueError("the prompt is empty: a turn is sampled after at least one token")
         budget = self.context_len - len(context)
         if budget < 1:
             raise ContextTooLong(f"the conversation is {len(context)} tokens, the model's context is "
@@ -299,6 +311,11 @@ class EpisodeRecorder:
             ep.segments.append(seg)
         ep.turns += 1
         ep.last_active = time.monotonic()
+
+    def discard(self) -> None:
+        """A generated turn whose client went away before receiving it: not recorded (the agent never saw
+        it, so it neither shaped the episode's reward nor is in the agent's next request), counted."""
+        self._count("undelivered")
 
     def _trajectory(self, ep: Episode, seg: Segment, reward: float) -> Trajectory:
         n = seg.sampled_end - seg.num_prompt

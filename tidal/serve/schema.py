@@ -1,7 +1,10 @@
 """The OpenAI wire format: request validation, error bodies, hermes tool calls, response objects.
 
-Requests are validated with pydantic; anything that would make the recorded behaviour log-probs
-wrong is refused with a 400 naming the parameter rather than silently ignored: the sampling
+Requests are validated with pydantic, messages to the field: an assistant's ``tool_calls`` need a
+``function`` object with a ``name`` (the chat template reads them), content parts must be text (a part
+the policy cannot read is refused, not dropped from the context), ``tools`` entries need a ``function``.
+Anything that would make the recorded behaviour log-probs wrong is refused with a 400 naming the
+parameter rather than silently ignored: the sampling
 temperature and top-p are the engine's (the trainer scores tokens at the same temperature), ``n``
 is 1 (one sample per turn; a group is several episodes), and ``stop`` is not served yet. Unknown
 fields are ignored, as OpenAI-compatible servers commonly do. ``stream=true`` is answered with
@@ -20,7 +23,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tidal.envs.tool_calls import CallFormat, Malformed, ToolCall
 
@@ -37,13 +40,55 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's tool call, as OpenAI sends it (the chat template reads ``function``)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    """A tool in the request's ``tools``, as OpenAI's schema has it (templates read ``function.name``)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: ToolFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        """Content parts are served only as text (the policy reads text); anything else is refused,
+        never silently dropped from the context the turn is sampled after."""
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("content parts must be {\"type\": \"text\", \"text\": <string>} "
+                                     "(only text is served)")
+        return content
 
 
 class _Sampling(BaseModel):
@@ -61,7 +106,7 @@ class _Sampling(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tidal.api import RolloutEngine, Task, Tracker
+from tidal.api import EngineFailed, RolloutEngine, Task, Tracker
 from tidal.config import ConfigError
 from tidal.distill.teacher import TeacherScorer, distill_metrics
 from tidal.inspector.record import SampleRecorder
@@ -386,7 +386,7 @@ class Controller:
                 stop = self._run_sync(bar)
             else:
                 stop = self._run_async(bar)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, EngineFailed):  # stopped: keep what trained (a failed engine stops the run too)
             if self.trainer.version == self.state.version + 1:  # the step trained, then was stopped: it counts
                 self.state.step, self.state.version = self.state.step + 1, self.trainer.version
                 self.state.next_group = self._cursor
@@ -553,12 +553,12 @@ class Controller:
 
 
 def _take(buffer: RolloutBuffer, index: int) -> Group:
-    """Group ``index`` from the buffer; a config error met by the generator or scorer thread is raised
-    as itself (one line at the command line), not wrapped in BufferClosed."""
+    """Group ``index`` from the buffer; a config error or failed engine met by the generator or scorer
+    thread is raised as itself (one line at the command line), not wrapped in BufferClosed."""
     try:
         return buffer.take(index, 1)[0]
     except BufferClosed as e:
-        if isinstance(e.__cause__, ConfigError):
+        if isinstance(e.__cause__, (ConfigError, EngineFailed)):
             raise e.__cause__ from None
         raise
 
