@@ -114,6 +114,10 @@ ERRORS = [
     ("score-unknown-param", ["score", "--reward", "math", "--set", "foo=1"], "valid: mode, formats"),
     ("score-unknown-reward", ["score", "--reward", "maths"], "did you mean 'math'"),
     ("score-bad-workers", ["score", "--reward", "math", "--workers", "-1"], "--workers must be >= 0"),
+    ("score-nan-timeout", ["score", "--reward", "math", "--timeout", "nan"], "--timeout a finite number > 0"),
+    ("score-nan-param", ["score", "--reward", "compose", "--set", "floor=.nan"], "floor: nan is not a finite number"),
+    ("distill-nan-temperature", ["distill", "traces", "--set", "traces.temperature=nan", "--out", "{o}/d"],
+     "traces.temperature: nan is not a finite number"),  # was accepted, and NaN written into the JSON
     ("simulate-steps-0", ["simulate", "--set", "steps=0", "--plot", "none", "--out", "{o}/s"], "steps=0"),
     ("simulate-devices-0", ["simulate", "--set", "layout.devices=0", "--plot", "none", "--out", "{o}/s"],
      "layout.devices=0"),
@@ -139,6 +143,9 @@ ERRORS = [
     ("train-unknown-key", ["train", "quickstart", "--set", "rollout.max_stalenes=2", "--out", "{o}/t"],
      "rollout.max_staleness"),
     ("train-wrong-type", ["train", "quickstart", "--set", "optim.lr=abc", "--out", "{o}/t"], "optim.lr"),
+    ("train-nan-mixture-weight", ["train", "quickstart", "--out", "{o}/t", "--set", "curriculum.mixture=[{name: a, "
+                                  "task: {name: addition}, weight: .nan}, {name: b, task: {name: addition}}]"],
+     "curriculum.mixture[0].weight: nan is not a finite number"),  # routed every draw to one task
 ]
 SKIPPED_AND_COUNTED = [
     ("curate-malformed-among-good", [C, "dedup", "--in", "{d}/mixed.jsonl", "--out", OUT], None,

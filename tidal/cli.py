@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import signal
 import sys
@@ -395,8 +396,9 @@ def cmd_score(args) -> int:
 
     params = apply_overrides({}, args.set)
     cfg = RewardConfig(name=args.reward, params=params, num_workers=args.workers, timeout_s=args.timeout)
-    if cfg.num_workers < 0 or cfg.timeout_s <= 0:
-        raise ConfigError(f"--workers must be >= 0 and --timeout > 0 (got {cfg.num_workers}, {cfg.timeout_s})")
+    if cfg.num_workers < 0 or not 0 < cfg.timeout_s < math.inf:  # argparse's float() takes "nan" and "inf"
+        raise ConfigError(f"--workers must be >= 0 and --timeout a finite number > 0 (got {cfg.num_workers}, "
+                          f"{cfg.timeout_s})")
     pool = RewardPool(build_reward(cfg.name, cfg.params), cfg)
     # Undecodable bytes become U+FFFD instead of ending the stream; output is ASCII JSON (any locale).
     source = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace") if hasattr(
