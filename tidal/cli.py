@@ -102,6 +102,18 @@ def _train_config(recipe: str, overrides: list[str], saved: Path | None = None):
     return apply_overrides(cfg, overrides)
 
 
+def _refuse_run_data(out: str | None, run_dirs: list[str]) -> None:
+    """``--out`` is none of the run files a command reads (``tidal report A B --out A/metrics.jsonl`` used to
+    replace A's metrics with HTML): one line naming both."""
+    from tidal.data.io import refuse_overwrite
+    from tidal.utils.runs import RUN_DATA
+
+    if out is not None:
+        for d in run_dirs:
+            for name in RUN_DATA:
+                refuse_overwrite(out, {"the input": Path(d) / name})
+
+
 def _default_out(recipe: str) -> str:
     path = Path(recipe)
     name = path.stem if path.suffix in (".yaml", ".yml") else recipe
@@ -130,6 +142,10 @@ def cmd_train(args) -> int:
     # checkpoint, one line saying how to resume; exit 143 (128 + SIGTERM), as if the signal had ended it.
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        if Path(args.recipe).is_file() and not args.resume:  # with --resume it is the run's own config.yaml
+            from tidal.data.io import refuse_overwrite
+
+            refuse_overwrite(out / "config.yaml", {"the config": args.recipe})  # the run writes its config there
         saved = out / "config.yaml" if args.resume and (out / "config.yaml").is_file() else None
         cfg = _train_config(args.recipe, args.set, saved)
         validate_run_config(cfg)  # before --overwrite deletes anything
@@ -311,6 +327,7 @@ def cmd_report(args) -> int:
     from tidal.utils.report import write_report
     from tidal.utils.report_compare import write_comparison
 
+    _refuse_run_data(args.out, args.run_dirs)
     if len(args.run_dirs) == 1 and args.out is None:
         print(write_report(args.run_dirs[0]))
     else:
@@ -323,6 +340,9 @@ def cmd_inspect(args) -> int:
     """Write the rollout inspector of one or more runs (docs/inspect.md); with --serve, serve it on loopback."""
     from tidal.inspector.page import write_inspector
 
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0-65535 (0: any free port), got {args.port}")
+    _refuse_run_data(args.out, args.run_dirs)
     out = write_inspector(args.run_dirs, args.out)
     print(out)
     if not args.serve:
