@@ -130,9 +130,8 @@ def _terminate(signum, frame) -> None:
 
 def cmd_train(args) -> int:
     """Train a recipe (or a saved config.yaml); bad input is one line, Ctrl-C says how to resume (exit 130)."""
-    from tidal.system.run import train
+    from tidal.system.run import check_inputs, train
     from tidal.system.run_dir import interrupted_message, prepare_out_dir
-    from tidal.system.validate import validate_run_config
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP or DiLoCo (elastic is refused there)
         from tidal.system.data_parallel import train
@@ -148,14 +147,14 @@ def cmd_train(args) -> int:
             refuse_overwrite(out / "config.yaml", {"the config": args.recipe})  # the run writes its config there
         saved = out / "config.yaml" if args.resume and (out / "config.yaml").is_file() else None
         cfg = _train_config(args.recipe, args.set, saved)
-        validate_run_config(cfg)  # before --overwrite deletes anything
+        task = check_inputs(cfg)  # every input the run reads, before --overwrite deletes anything (every rank)
         if cfg.trainer.data_parallel == "elastic" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tidal.system.elastic_run import train  # this process leads replica processes it starts
         if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 owns the directory
             note = prepare_out_dir(out, args.resume, args.overwrite)
             if note:
                 print(note, file=sys.stderr)
-        result = train(cfg, out, resume=args.resume)
+        result = train(cfg, out, resume=args.resume, task=task)
     except KeyboardInterrupt as e:
         print(interrupted_message(out, args.recipe), file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
