@@ -219,9 +219,9 @@ def overhead(s: Settings) -> dict:
 
 
 def _elastic(s: Settings, root: Path, kill: bool) -> dict:
-    from torchft.coordination import LighthouseServer
+    from tidal.train.diloco import start_lighthouse
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
+    lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse.address()}
     outs = [root / f"{'kill' if kill else 'clean'}_{r}.json" for r in (0, 1)]
     logs = [o.with_suffix(".log") for o in outs]

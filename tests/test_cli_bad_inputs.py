@@ -62,6 +62,13 @@ def inputs(tmp_path_factory, tokenizer):
     (d / "run_bad_yaml" / "config.yaml").write_text("optim:\n  lr: [0.1\n")
     (d / "junk_model").mkdir()
     (d / "junk_model" / "config.json").write_text("{not json")
+    for name in ("run_a", "run_b"):  # a run's data: what report and inspect read
+        (d / name).mkdir()
+        (d / name / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+        (d / name / "config.yaml").write_text("max_steps: 1\n")
+        (d / name / "samples.jsonl").write_text("")
+    (d / "my_config").mkdir()
+    (d / "my_config" / "config.yaml").write_text("# my settings, commented\nmax_steps: 1\n")
     return d
 
 
@@ -114,6 +121,10 @@ ERRORS = [
     ("score-unknown-param", ["score", "--reward", "math", "--set", "foo=1"], "valid: mode, formats"),
     ("score-unknown-reward", ["score", "--reward", "maths"], "did you mean 'math'"),
     ("score-bad-workers", ["score", "--reward", "math", "--workers", "-1"], "--workers must be >= 0"),
+    ("score-nan-timeout", ["score", "--reward", "math", "--timeout", "nan"], "--timeout a finite number > 0"),
+    ("score-nan-param", ["score", "--reward", "compose", "--set", "floor=.nan"], "floor: nan is not a finite number"),
+    ("distill-nan-temperature", ["distill", "traces", "--set", "traces.temperature=nan", "--out", "{o}/d"],
+     "traces.temperature: nan is not a finite number"),  # was accepted, and NaN written into the JSON
     ("simulate-steps-0", ["simulate", "--set", "steps=0", "--plot", "none", "--out", "{o}/s"], "steps=0"),
     ("simulate-devices-0", ["simulate", "--set", "layout.devices=0", "--plot", "none", "--out", "{o}/s"],
      "layout.devices=0"),
@@ -136,9 +147,26 @@ ERRORS = [
     pytest.param(["eval", "{d}/model", "--set", "rollout.engine=vllm"], "pip install 'tidal[vllm]'",
                  marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed"),
                  id="eval-vllm-not-installed"),
+    ("report-out-is-metrics", ["report", "{d}/run_a", "{d}/run_b", "--out", "{d}/run_a/metrics.jsonl"],
+     "--out {d}/run_a/metrics.jsonl is the same file as the input {d}/run_a/metrics.jsonl"),  # was replaced by HTML
+    ("report-out-is-config", ["report", "{d}/run_a", "--out", "{d}/run_a/./config.yaml"],
+     "is the same file as the input {d}/run_a/config.yaml"),
+    ("inspect-out-is-samples", ["inspect", "{d}/run_a", "--out", "{d}/run_a/samples.jsonl"],
+     "is the same file as the input {d}/run_a/samples.jsonl"),
+    ("inspect-port-too-high", ["inspect", "{d}/run_a", "--serve", "--port", "70000", "--out", "{o}/i.html"],
+     "--port must be in 0-65535 (0: any free port), got 70000"),  # was an OverflowError traceback
+    ("inspect-port-negative", ["inspect", "{d}/run_a", "--serve", "--port", "-1", "--out", "{o}/i.html"],
+     "--port must be in 0-65535"),
+    ("train-out-holds-its-config", ["train", "{d}/my_config/config.yaml", "--out", "{d}/my_config"],
+     "--out {d}/my_config/config.yaml is the same file as the config {d}/my_config/config.yaml"),
+    ("train-out-holds-its-config-overwrite", ["train", "{d}/my_config/config.yaml", "--out", "{d}/my_config",
+                                              "--overwrite"], "is the same file as the config"),
     ("train-unknown-key", ["train", "quickstart", "--set", "rollout.max_stalenes=2", "--out", "{o}/t"],
      "rollout.max_staleness"),
     ("train-wrong-type", ["train", "quickstart", "--set", "optim.lr=abc", "--out", "{o}/t"], "optim.lr"),
+    ("train-nan-mixture-weight", ["train", "quickstart", "--out", "{o}/t", "--set", "curriculum.mixture=[{name: a, "
+                                  "task: {name: addition}, weight: .nan}, {name: b, task: {name: addition}}]"],
+     "curriculum.mixture[0].weight: nan is not a finite number"),  # routed every draw to one task
 ]
 SKIPPED_AND_COUNTED = [
     ("curate-malformed-among-good", [C, "dedup", "--in", "{d}/mixed.jsonl", "--out", OUT], None,

@@ -28,6 +28,29 @@ def test_bad_values_are_clear_errors(item, match):
         apply_overrides(RunConfig(), [item])
 
 
+@pytest.mark.parametrize("item, match", [
+    ("optim.lr=.nan", r"^optim.lr: nan is not a finite number"),
+    ("optim.lr=nan", r"^optim.lr: nan is not a finite number"),  # a string, coerced to the float field
+    ("optim.lr=1e999", r"^optim.lr: inf is not a finite number"),
+    ("algo.mis_high=.inf", r"^algo.mis_high: inf is not a finite number"),  # no range rule in validate.py
+    ("max_time_s=-.inf", r"^max_time_s: -inf is not a finite number"),
+    ("optim.betas=[0.9, .nan]", r"^optim.betas\[1\]: nan"),
+    ("curriculum.mixture=[{name: a, task: {}, weight: [[0, 1], [5, .nan]]}]",
+     r"^curriculum.mixture\[0\].weight\[1\]\[1\]: nan"),
+    ("reward.params.scale=.inf", r"^reward.params.scale: inf"),  # a free-form mapping's sub-key
+])
+def test_a_non_finite_number_is_refused_naming_the_key(item, match):
+    """NaN passes every range check (each comparison is false), so it is refused where values are read."""
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(RunConfig(), [item])
+
+
+def test_a_non_finite_number_in_a_yaml_config_is_refused(tmp_path):
+    (tmp_path / "c.yaml").write_text("rollout:\n  temperature: .nan\n")
+    with pytest.raises(ConfigError, match=r"^rollout.temperature: nan is not a finite number"):
+        load_yaml_into(RunConfig(), tmp_path / "c.yaml")
+
+
 def test_yaml_round_trip(tmp_path):
     cfg = apply_overrides(RECIPES.get("quickstart")(), ["optim.lr=5e-4", "rollout.stop=[z]"])
     save_yaml(cfg, tmp_path / "c.yaml")

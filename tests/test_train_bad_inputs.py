@@ -2,8 +2,9 @@
 
 A bad value or an unusable ``--out`` is a non-zero exit, exactly one ``error:`` line on stderr naming the
 key or path, no traceback, and nothing written. A directory holding a previous run is never overwritten
-by accident. Ctrl-C is one line naming the checkpoint and the exact command that resumes it (exit
-130); ``kill -9`` leaves no helper process behind, and the resumed run logs each step once. A checkpoint
+by accident, and ``--overwrite`` deletes it only once every input of the new run has been checked.
+Ctrl-C is one line naming the checkpoint and the exact command that resumes it (exit 130); ``kill -9``
+leaves no helper process behind, and the resumed run logs each step once. A checkpoint
 that cannot be written (a full disk) is one line, and leaves a directory that ``--overwrite`` restarts.
 Every run is the tiny model for a few steps, so each case takes seconds.
 """
@@ -12,6 +13,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +107,19 @@ def test_a_bad_value_is_one_line_naming_the_key_before_any_work(tmp_path, overri
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists(), "it did work before failing"
 
 
+@pytest.mark.parametrize("sets,message", [
+    (['rollout.thinking.close=""'], "encodes to no tokens"),  # was an AssertionError traceback, after files
+    (["rollout.thinking.close=", "rollout.thinking.budgets=[2]"], "encodes to no tokens"),
+    (["rollout.thinking.close=</THINK>", "rollout.thinking.budgets=[2]"],  # was forced as <pad> tokens, silently
+     "has characters the tokenizer cannot encode: ['H', 'I', 'K', 'N', 'T']"),
+    (["rollout.thinking.close=</THINK>", "rollout.thinking.eval_budget=4"], "cannot encode"),
+], ids=["empty", "empty-with-budget", "unknown-characters", "unknown-characters-eval-budget"])
+def test_a_thinking_close_the_model_cannot_write_is_one_line_before_any_work(tmp_path, sets, message):
+    proc = _train(tmp_path / "run", [], tmp_path / "cache", *sets)
+    assert _one_error_line(proc, message).startswith("error: rollout.thinking.close=")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists(), "it did work before failing"
+
+
 @pytest.mark.parametrize("where,message", [
     ("a_file", "is a file, not a directory"),  # FileExistsError
     ("/sys/tidal-test-run", "cannot write a run there"),  # a read-only place (OSError)
@@ -115,6 +130,45 @@ def test_an_unusable_out_is_one_line(tmp_path, where, message):
     out = tmp_path / where if not where.startswith("/") else Path(where)
     _one_error_line(_train(out, [], tmp_path / "cache"), message)
     assert (tmp_path / "a_file").read_text() == "a user's file"
+
+
+def _rows(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+JSONL = ("task.name=jsonl", "task.eval_fraction=0.25")
+OVERWRITE_BAD_INPUTS = [  # (id, overrides with {d}: a scratch directory, what the error line names)
+    ("task-path-missing", [*JSONL, "task.path={d}/nope.jsonl"], "task.path='{d}/nope.jsonl': no .jsonl"),
+    ("task-path-empty", [*JSONL, "task.path={d}/empty.jsonl"], "empty.jsonl): no rows"),
+    ("task-row-not-in-vocabulary", [*JSONL, "task.path={d}/accents.jsonl", "model.path=null"],
+     "characters the tokenizer cannot encode"),
+    ("task-no-warm-start-solution", [*JSONL, "task.path={d}/no_solution.jsonl"], "task.fields.solution"),
+    ("harness-function-missing", ["harness.function={d}/nope.py:run_episode"], "harness.function="),
+    ("thinking-close-unknown-tokens", ["rollout.thinking.close=</THINK>", "rollout.thinking.budgets=[2]"],
+     "rollout.thinking.close"),
+    ("reward-unknown-parameter", ["reward.params.nope=1"], "reward 'digit_match' takes no parameters"),
+    ("env-unknown-parameter", ["env.name=calculator", "env.params.nope=1"], "env.params for 'calculator'"),
+]
+
+
+@pytest.mark.parametrize("sets,message", [pytest.param(*c[1:], id=c[0]) for c in OVERWRITE_BAD_INPUTS])
+def test_overwrite_deletes_nothing_when_an_input_is_bad(tmp_path, cache, sets, message):
+    """Every input the run reads is checked before --overwrite deletes the previous run: these inputs used
+    to be met only after it had been deleted."""
+    (tmp_path / "empty.jsonl").write_text("")
+    _rows(tmp_path / "accents.jsonl", [{"prompt": f"caf\u00e9 {i}", "answer": "1"} for i in range(8)])
+    _rows(tmp_path / "no_solution.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)])
+    out = tmp_path / "run"
+    shutil.copytree(cache / "warm", out)  # a finished run: metrics, checkpoint, config, samples
+    before = _files(out)
+    proc = _train(out, ["--overwrite"], cache, *(s.replace("{d}", str(tmp_path)) for s in sets))
+    _one_error_line(proc, message.replace("{d}", str(tmp_path)))
+    assert _files(out) == before, "the previous run was changed"
 
 
 def test_resume_and_overwrite_together_are_refused(tmp_path):

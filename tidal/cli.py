@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import signal
 import sys
@@ -101,6 +102,18 @@ def _train_config(recipe: str, overrides: list[str], saved: Path | None = None):
     return apply_overrides(cfg, overrides)
 
 
+def _refuse_run_data(out: str | None, run_dirs: list[str]) -> None:
+    """``--out`` is none of the run files a command reads (``tidal report A B --out A/metrics.jsonl`` used to
+    replace A's metrics with HTML): one line naming both."""
+    from tidal.data.io import refuse_overwrite
+    from tidal.utils.runs import RUN_DATA
+
+    if out is not None:
+        for d in run_dirs:
+            for name in RUN_DATA:
+                refuse_overwrite(out, {"the input": Path(d) / name})
+
+
 def _default_out(recipe: str) -> str:
     path = Path(recipe)
     name = path.stem if path.suffix in (".yaml", ".yml") else recipe
@@ -118,9 +131,8 @@ def _terminate(signum, frame) -> None:
 def cmd_train(args) -> int:
     """Train a recipe (or a saved config.yaml); bad input is one line, Ctrl-C says how to resume (exit 130)."""
     from tidal.api import EngineFailed
-    from tidal.system.run import train
+    from tidal.system.run import check_inputs, train
     from tidal.system.run_dir import interrupted_message, prepare_out_dir
-    from tidal.system.validate import validate_run_config
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP or DiLoCo (elastic is refused there)
         from tidal.system.data_parallel import train
@@ -130,16 +142,20 @@ def cmd_train(args) -> int:
     # checkpoint, one line saying how to resume; exit 143 (128 + SIGTERM), as if the signal had ended it.
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        if Path(args.recipe).is_file() and not args.resume:  # with --resume it is the run's own config.yaml
+            from tidal.data.io import refuse_overwrite
+
+            refuse_overwrite(out / "config.yaml", {"the config": args.recipe})  # the run writes its config there
         saved = out / "config.yaml" if args.resume and (out / "config.yaml").is_file() else None
         cfg = _train_config(args.recipe, args.set, saved)
-        validate_run_config(cfg)  # before --overwrite deletes anything
+        task = check_inputs(cfg)  # every input the run reads, before --overwrite deletes anything (every rank)
         if cfg.trainer.data_parallel == "elastic" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tidal.system.elastic_run import train  # this process leads replica processes it starts
         if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 owns the directory
             note = prepare_out_dir(out, args.resume, args.overwrite)
             if note:
                 print(note, file=sys.stderr)
-        result = train(cfg, out, resume=args.resume)
+        result = train(cfg, out, resume=args.resume, task=task)
     except KeyboardInterrupt as e:
         print(interrupted_message(out, args.recipe), file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
@@ -315,6 +331,7 @@ def cmd_report(args) -> int:
     from tidal.utils.report import write_report
     from tidal.utils.report_compare import write_comparison
 
+    _refuse_run_data(args.out, args.run_dirs)
     if len(args.run_dirs) == 1 and args.out is None:
         print(write_report(args.run_dirs[0]))
     else:
@@ -327,6 +344,9 @@ def cmd_inspect(args) -> int:
     """Write the rollout inspector of one or more runs (docs/inspect.md); with --serve, serve it on loopback."""
     from tidal.inspector.page import write_inspector
 
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0-65535 (0: any free port), got {args.port}")
+    _refuse_run_data(args.out, args.run_dirs)
     out = write_inspector(args.run_dirs, args.out)
     print(out)
     if not args.serve:
@@ -400,8 +420,9 @@ def cmd_score(args) -> int:
 
     params = apply_overrides({}, args.set)
     cfg = RewardConfig(name=args.reward, params=params, num_workers=args.workers, timeout_s=args.timeout)
-    if cfg.num_workers < 0 or cfg.timeout_s <= 0:
-        raise ConfigError(f"--workers must be >= 0 and --timeout > 0 (got {cfg.num_workers}, {cfg.timeout_s})")
+    if cfg.num_workers < 0 or not 0 < cfg.timeout_s < math.inf:  # argparse's float() takes "nan" and "inf"
+        raise ConfigError(f"--workers must be >= 0 and --timeout a finite number > 0 (got {cfg.num_workers}, "
+                          f"{cfg.timeout_s})")
     pool = RewardPool(build_reward(cfg.name, cfg.params), cfg)
     # Undecodable bytes become U+FFFD instead of ending the stream; output is ASCII JSON (any locale).
     source = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace") if hasattr(

@@ -3,13 +3,16 @@
 Each component owns a small dataclass next to its code (``RolloutConfig`` in ``rollout/``,
 ``AlgoConfig`` in ``algo/`` ...); a run config nests them. Overrides are parsed with YAML (so
 ``0.2`` is a float, ``[a, b]`` a list, ``null`` None) and then checked against the field's type.
-An unknown key is an error naming the key and its closest matches.
+An unknown key is an error naming the key and its closest matches. Every number set this way (from
+``--set`` or a YAML config, inside lists and mappings too) must be finite: NaN passes every range
+check (each comparison with it is false) and then silently poisons whatever reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -88,6 +91,18 @@ def _coerce(key: str, raw: Any, hint: Any) -> Any:
     return raw
 
 
+def _check_finite(key: str, value: Any) -> None:
+    """A ConfigError naming the first nan or +-inf in ``value`` by its path (``a.b[1].weight``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value} is not a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(f"{key}.{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(f"{key}[{i}]", v)
+
+
 def set_key(cfg: Any, key: str, raw_value: Any) -> None:
     """Set ``cfg.a.b = value`` for ``key='a.b'``, checking the key exists and the value's type."""
     parts = key.split(".")
@@ -99,6 +114,7 @@ def set_key(cfg: Any, key: str, raw_value: Any) -> None:
                 node = node.setdefault(name, {})
                 if not isinstance(node, dict):
                     raise ConfigError(f"{key!r}: {name!r} is not a mapping")
+            _check_finite(key, raw_value)
             node[last] = raw_value
             return
         names = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
@@ -111,7 +127,9 @@ def set_key(cfg: Any, key: str, raw_value: Any) -> None:
             value = getattr(node, part)
             if dataclasses.is_dataclass(value):
                 raise ConfigError(f"{key!r} is a section; set one of its keys, e.g. {key}.{_all_keys(value)[0]}")
-            setattr(node, part, _coerce(key, raw_value, hints[part]))
+            value = _coerce(key, raw_value, hints[part])
+            _check_finite(key, value)
+            setattr(node, part, value)
         else:
             node = getattr(node, part)
 

@@ -34,6 +34,7 @@ def _cfg(*sets):
     (["trainer.elastic.wait_ready_s=-1"], "trainer.elastic.wait_ready_s"),
     (["trainer.elastic.max_restarts=-1"], "trainer.elastic.max_restarts"),
     (["trainer.elastic.fault_step=0"], "trainer.elastic.fault_step"),
+    (["trainer.elastic.host="], "trainer.elastic.host"),
     (["algo.advantage=gae"], "algo.advantage=gae"),
     (["sdc.replay_every=10"], "sdc.replay_every=10"),
     (["sdc.record=false", "sdc.rollback=false"], "sdc.record=False, sdc.rollback=False"),

@@ -36,7 +36,10 @@ def test_normalised_weights_ramp():
     ([{"name": "a", "task": {"name": "addition"}, "wieght": 1}], r"mixture\[0\]: unknown keys \['wieght'\]"),
     ([{"name": "a", "task": {"max_operandd": 9}}], r"mixture\[0\]\.task: unknown config key 'max_operandd'"),
     ([{"name": "a", "task": {}}, {"name": "a", "task": {}}], r"mixture\[1\]\.name='a': two components"),
-    ([{"name": "a", "task": {}, "weight": -1}], r"mixture\[0\]\.weight: the weight must be a number >= 0"),
+    ([{"name": "a", "task": {}, "weight": -1}], r"mixture\[0\]\.weight: the weight must be a finite number >= 0"),
+    ([{"name": "a", "task": {}, "weight": float("nan")}], r"mixture\[0\]\.weight: the weight must be a finite "
+                                                          "number >= 0, got nan"),  # routed every draw to one task
+    ([{"name": "a", "task": {}, "weight": [[0, float("inf")]]}], r"mixture\[0\]\.weight: \[0\] weight must be"),
     ([{"name": "a", "task": {}, "weight": [[0, 1], [0, 2]]}], "two points at the same step"),
     ([{"name": "a/b", "task": {}}], "without '/'"),
     ([{"name": "a", "task": {}, "reward": {"nam": "x"}}], r"mixture\[0\]\.reward: expected"),

@@ -92,7 +92,7 @@ def _worker(role: str, tmp: Path) -> None:
 
 @pytest.mark.slow  # three Python processes start (~30 s each on a loaded 2-core machine)
 def test_a_replica_dies_mid_step_the_other_continues_and_a_replacement_heals_and_rejoins(tmp_path):
-    from torchft.coordination import LighthouseServer
+    from tidal.train.diloco import start_lighthouse
 
     torch.manual_seed(0)
     tok = tiny.build_tokenizer()
@@ -103,7 +103,7 @@ def test_a_replica_dies_mid_step_the_other_continues_and_a_replacement_heals_and
     for batch in _batches(tok)[: STEPS - 1]:
         reference.step(batch)
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
+    lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
     root = str(Path(__file__).resolve().parents[2])  # this checkout's tidal, whatever is installed
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse.address(),
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
@@ -143,6 +143,73 @@ def test_a_replica_dies_mid_step_the_other_continues_and_a_replacement_heals_and
     moved = max(float((ref[k] - init[k]).abs().max()) for k in ref)
     diff = max(float((final0[k] - ref[k]).abs().max()) for k in ref)
     assert moved > 1e-2 and diff < 1e-3 * moved, f"elastic run off the 1-process run by {diff} (moved {moved})"
+
+
+def _listening() -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on (Linux /proc)."""
+    import ipaddress
+
+    mine = {os.readlink(f"/proc/self/fd/{fd}")[8:-1] for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")}
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in mine:  # state LISTEN, this process's socket inode
+                ip, port = f[1].split(":")
+                raw = bytes.fromhex(ip)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+                out.append((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return out
+
+
+def _one_replica_listens(host: str) -> tuple[set, list[str]]:
+    """The lighthouse and one replica on ``host``, through a quorum and an all-reduce: (the listeners they
+    opened, the addresses they hand to peers)."""
+    from tidal.train.diloco import start_lighthouse
+    from tidal.train.elastic_dp import ElasticDP, replica_manager
+
+    before = set(_listening())
+    lighthouse = start_lighthouse(min_replicas=1, host=host)
+    try:
+        dp = ElasticDP(None)
+        trainer = _trainer(tiny.build_model(MODEL, tiny.build_tokenizer()), dp)
+        with replica_manager(trainer, lighthouse.address(), "replica0", timeout_s=5.0, host=host) as manager:
+            dp.manager = manager
+            manager.start_quorum()
+            manager.allreduce(torch.ones(2)).wait()
+            opened = set(_listening()) - before
+            return opened, [lighthouse.address(), manager._manager.address(),
+                            manager._checkpoint_transport.metadata()]
+    finally:
+        lighthouse.shutdown()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="lists sockets through /proc")
+def test_by_default_every_torchft_listener_is_on_loopback(caplog):
+    """trainer.data_parallel=elastic used to open the lighthouse (``[::]:0``), each replica's manager server,
+    TCP store and checkpoint server (which serves the policy's weights and optimizer state) on every
+    interface. The defaults bind them to loopback, and every address handed to a peer names it."""
+    import ipaddress
+
+    from tidal.train.elastic_dp import ElasticConfig
+
+    host = ElasticConfig().host
+    opened, addresses = _one_replica_listens(host)
+    assert len(opened) >= 4, opened  # lighthouse, manager server, store, checkpoint server (and gloo)
+    assert all(ipaddress.ip_address(a).is_loopback for a, _ in opened), opened
+    assert all(a.startswith(f"http://{host}:") for a in addresses), addresses
+    assert "beyond loopback" not in caplog.text
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="lists sockets through /proc")
+def test_a_wider_host_is_used_and_warned_about(caplog):
+    import socket
+
+    opened, addresses = _one_replica_listens("0.0.0.0")  # trainer.elastic.host=0.0.0.0: every interface
+    assert len(opened) >= 4 and {a for a, _ in opened} >= {"0.0.0.0"}, opened
+    assert all(a.startswith(f"http://{socket.gethostname()}:") for a in addresses), addresses
+    assert "torchft listens on 0.0.0.0 (trainer.elastic.host), beyond loopback" in caplog.text
 
 
 def test_disagreeing_ranks_by_hand():

@@ -42,18 +42,22 @@ from tidal.models import tiny
 from tidal.system.run import base_model_path
 
 SECTIONS = {"traces": TracesConfig, "logits": LogitsConfig, "student": StudentConfig, "teacher": TeacherConfig}
+_Sections = dataclasses.make_dataclass("_Sections", [(name, cls, dataclasses.field(default_factory=cls))
+                                                      for name, cls in SECTIONS.items()])
+"""The sections as one config, so an override's errors name its whole key (``traces.temperature``)."""
 
 
 def resolve(base_cfg, overrides: list[str]) -> tuple[object, dict]:
     """(run config, {section: config}) from a recipe's run config and ``--set`` overrides."""
-    sections = {name: cls() for name, cls in SECTIONS.items()}
+    holder = _Sections()
     rest = []
     for item in overrides:
-        head, dot, tail = item.partition(".")
-        if dot and head in sections:
-            apply_overrides(sections[head], [tail])
+        head, dot, _ = item.partition(".")
+        if dot and head in SECTIONS:
+            apply_overrides(holder, [item])
         else:
             rest.append(item)
+    sections = {name: getattr(holder, name) for name in SECTIONS}
     for obj in sections.values():
         if hasattr(obj, "__post_init__"):
             obj.__post_init__()  # overrides bypass __init__: validate, naming the key

@@ -23,6 +23,15 @@ def sampling_key(seed: int, request: GenRequest) -> int:
     return stable_hash(seed, request.prompt.uid, request.sample_index, request.turn)
 
 
+def unknown_ids(tokenizer) -> set[int]:
+    """The ids a character outside the vocabulary encodes to: the unknown token, and the pad token when it
+    is not EOS (the tiny tokenizer's unknown token is <pad>)."""
+    unknown = {tokenizer.unk_token_id} if tokenizer.unk_token_id is not None else set()
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        unknown.add(tokenizer.pad_token_id)
+    return unknown
+
+
 def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context: int, max_new_tokens: int,
                       chunk: int = 1024) -> int:
     """Raise a ConfigError naming the first prompt the model cannot answer, before any work is done.
@@ -33,9 +42,7 @@ def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context:
     for its whole length), or when it holds characters the tokenizer cannot encode (a word-level or
     character tokenizer maps them to its unknown token; the tiny model's maps them to <pad>, silently
     changing the prompt). Returns the number of prompts checked."""
-    unknown = {tokenizer.unk_token_id} if tokenizer.unk_token_id is not None else set()
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        unknown.add(tokenizer.pad_token_id)  # the tiny tokenizer's unknown token is <pad>
+    unknown = unknown_ids(tokenizer)
     budget = context - max_new_tokens - 1  # the BOS that ``prompt_ids`` prepends
     if budget < 1:
         raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "

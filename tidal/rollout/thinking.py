@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tidal.api import GenRequest
+from tidal.config import ConfigError
+from tidal.rollout.requests import unknown_ids
 from tidal.utils.seeding import stable_hash
 
 
@@ -48,7 +50,13 @@ class ThinkingConfig:
     """``tidal eval``: also report held-out accuracy at each of these budgets (the accuracy-vs-budget
     curve)."""
     close: str = "</think>"
-    """The text that closes the thinking section; its tokens are what the engine forces."""
+    """The text that closes the thinking section; its tokens are what the engine forces. It must encode
+    to at least one token, and (when a budget is set) only to tokens of the model's vocabulary."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any request gets a budget (training or evaluation): only then is ``close`` forced."""
+        return bool(self.budgets or self.eval_budget is not None or self.eval_budgets)
 
 
 def open_close_prefix(tokens: Sequence[int], close: tuple[int, ...]) -> int:
@@ -62,8 +70,18 @@ def open_close_prefix(tokens: Sequence[int], close: tuple[int, ...]) -> int:
 
 
 def close_ids(tokenizer, cfg: ThinkingConfig) -> tuple[int, ...]:
+    """The token ids of ``cfg.close``; a ConfigError naming the key when there are none, or, with a budget
+    set, when a character of it is not in the vocabulary (it encodes to the unknown token, the tiny
+    tokenizer's <pad>, and forcing would write that instead of the close)."""
     ids = tuple(tokenizer(cfg.close, add_special_tokens=False).input_ids)
-    assert ids, f"rollout.thinking.close={cfg.close!r} encodes to no tokens"
+    if not ids:
+        raise ConfigError(f"rollout.thinking.close={cfg.close!r} encodes to no tokens: give the text that closes "
+                          "the thinking section, e.g. </think>")
+    unknown = unknown_ids(tokenizer)
+    if cfg.enabled and unknown.intersection(ids):
+        bad = sorted({c for c in cfg.close if unknown.intersection(tokenizer(c, add_special_tokens=False).input_ids)})
+        raise ConfigError(f"rollout.thinking.close={cfg.close!r} has characters the tokenizer cannot encode: {bad} "
+                          f"(forcing would write {tokenizer.convert_ids_to_tokens(min(unknown))} instead)")
     return ids
 
 

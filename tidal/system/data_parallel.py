@@ -47,8 +47,9 @@ from tidal.utils.device import resolve_device
 from tidal.utils.seeding import seed_everything
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult | None:
-    """``run.train`` on every rank of a torchrun launch. Rank 0 returns the run's result, the others None."""
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, task=None) -> RunResult | None:
+    """``run.train`` on every rank of a torchrun launch. Rank 0 returns the run's result, the others None.
+    ``task``: rank 0's, as for ``run.prepare``."""
     if cfg.trainer.data_parallel == "elastic":  # before the process group: every rank says it, none waits
         raise ConfigError("trainer.data_parallel=elastic starts and restarts its own replica processes: run "
                           "`tidal train` without torchrun (trainer.elastic.replicas sets how many)")
@@ -59,7 +60,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
     try:
         cfg = dp.broadcast(cfg)  # one config for every rank: rank 0's
         if dp.rank == 0:
-            return _lead(cfg, Path(out_dir), resume, dp)
+            return _lead(cfg, Path(out_dir), resume, dp, task)
         _follow(cfg, dp)
         return None
     finally:
@@ -86,9 +87,9 @@ def _trainer(cfg: RunConfig, model: torch.nn.Module, ref_model: torch.nn.Module 
     return trainer
 
 
-def _lead(cfg: RunConfig, out_dir: Path, resume: bool, dp: DataParallel) -> RunResult:
+def _lead(cfg: RunConfig, out_dir: Path, resume: bool, dp: DataParallel, task) -> RunResult:
     try:
-        controller = run_lib.prepare(cfg, out_dir, resume)
+        controller = run_lib.prepare(cfg, out_dir, resume, task=task)
         if controller.sdc is not None:  # SDC recording and replay are 1-process only (sdc_guard.py)
             controller.sdc.close()
             controller.sdc = None

@@ -25,8 +25,9 @@ from tidal.train.elastic_replica import ReplicaSpec
 from tidal.train.replica_group import quiet_torchft
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResult:
-    """``run.train`` with an elastic data-parallel trainer (see the module docstring)."""
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, task=None) -> RunResult:
+    """``run.train`` with an elastic data-parallel trainer (see the module docstring). ``task``: as for
+    ``run.prepare``."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("trainer.data_parallel=elastic starts and restarts its own replica processes: run "
                           "`tidal train` without torchrun (trainer.elastic.replicas sets how many)")
@@ -36,7 +37,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False) -> RunResul
     except ImportError:
         raise ConfigError("trainer.data_parallel=elastic needs torchft: pip install -e '.[diloco]'") from None
     out_dir = Path(out_dir)
-    controller = run_lib.prepare(cfg, out_dir, resume)
+    controller = run_lib.prepare(cfg, out_dir, resume, task=task)
     try:
         if controller.sdc is not None:  # 1-process recording and replay (sdc_guard.py); replicas check each other
             controller.sdc.close()

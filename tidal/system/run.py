@@ -1,8 +1,11 @@
 """Wire a RunConfig into a ready Controller: base model, engines, rewards, trainer, trackers.
 
-``prepare`` is what ``tidal train`` calls; it writes ``config.yaml`` next to the metrics, warm-starts
-(or loads) the base model, and, with ``resume=True``, restores the latest checkpoint so the run
-continues exactly where it stopped (reusing the scored groups in ``journal.jsonl``).
+``check_inputs`` reads and checks everything the run reads that needs no run directory (the config, the
+task's rows, the harness agent, ...): ``tidal train`` calls it before ``--overwrite`` deletes the previous
+run, so a bad input is one line that leaves that run as it was. ``prepare`` then writes ``config.yaml``
+next to the metrics, warm-starts (or loads) the base model, and, with ``resume=True``, restores the
+latest checkpoint so the run continues exactly where it stopped (reusing the scored groups in
+``journal.jsonl``).
 
 ``system.backend`` picks where rollouts and rewards run: in this process (``local``) or on Ray
 actors (``ray``). The evaluation engine and the trainer stay in this process either way.
@@ -32,6 +35,7 @@ from tidal.rollout import ENGINES
 from tidal.rollout.episodes import EpisodeEngine
 from tidal.rollout.local import LocalEngine
 from tidal.rollout.requests import check_prompts_fit
+from tidal.rollout.thinking import close_ids
 from tidal.system.config import RolloutConfig, RunConfig
 from tidal.system.controller import Controller, RunResult
 from tidal.system.curriculum import build_task, run_reward
@@ -40,25 +44,24 @@ from tidal.system.journal import GroupJournal
 from tidal.system.sdc_guard import SDCGuard, SilentDataCorruption, rollback
 from tidal.system.validate import validate_run_config
 from tidal.train.checkpoint import TrainingState, latest_checkpoint
+from tidal.train.sft import validate as validate_sft
 from tidal.train.sft import warm_start
 from tidal.train.trainer import Trainer
 from tidal.utils.metrics import JsonlTracker, MlflowTracker, MultiTracker, TensorBoardTracker, WandbTracker
 from tidal.utils.seeding import seed_everything
 
 
+def run_tokenizer(cfg: RunConfig):
+    """The tokenizer of the run's model: ``model.path``'s, or the tiny model's."""
+    return tiny.load_tokenizer(Path(cfg.model.path)) if cfg.model.path else tiny.tokenizer_for(cfg.model)
+
+
 def check_task_fits(cfg: RunConfig, task, max_train: int = 200_000) -> None:
     """Every eval prompt and the first ``max_train`` training prompts fit the model (its context, its
     vocabulary), checked before the warm start so a bad row is one line, not an out-of-memory crash."""
-    if cfg.model.path:
-        from transformers import AutoConfig
-
-        tokenizer = tiny.load_tokenizer(Path(cfg.model.path))
-        context = getattr(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True),
-                          "max_position_embeddings", None)
-        if context is None:
-            return
-    else:
-        tokenizer, context = tiny.tokenizer_for(cfg.model), cfg.model.max_position_embeddings
+    tokenizer, context = run_tokenizer(cfg), model_context(cfg)
+    if context is None:
+        return
 
     def label(split: str, i: int, p) -> str:
         return f"task {cfg.task.name}, {split} prompt {i} ({p.text[:30]!r}{'...' if len(p.text) > 30 else ''})"
@@ -76,6 +79,27 @@ def model_context(cfg: RunConfig) -> int | None:
     from transformers import AutoConfig
 
     return getattr(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True), "max_position_embeddings", None)
+
+
+def check_inputs(cfg: RunConfig):
+    """Check what the run reads, before anything is written (or deleted by ``--overwrite``), and return
+    the task. A bad input is one ConfigError naming it: the config's values, the task's rows
+    (``task.path``), a prompt that does not fit the model, a thinking close its vocabulary cannot write,
+    a task the warm start cannot train on, the reward, the rollout engine's name, the environment and the
+    harness agent. Checks that need the run directory (``--resume``'s checkpoint) stay in ``prepare``."""
+    validate_run_config(cfg)
+    task = build_task(cfg)
+    check_task_fits(cfg, task)
+    close_ids(run_tokenizer(cfg), cfg.rollout.thinking)
+    if not cfg.model.path:  # the warm start trains the base on the task's reference responses
+        validate_sft(cfg.sft)
+        task.sft_example(task.train_prompt(0))
+    build_reward(*run_reward(cfg))
+    ENGINES.get(cfg.rollout.engine)
+    env_factory(cfg)
+    if cfg.harness.enabled:
+        harness_function(cfg)
+    return task
 
 
 def env_factory(cfg: RunConfig):
@@ -185,9 +209,11 @@ def _rollout_model(cfg: RunConfig, trainer: Trainer):
     return model
 
 
-def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None) -> Controller:
-    """The ready controller. ``faults``: ``train/faults.py`` bit flips to inject (tests, ``tidal bench faults``)."""
-    validate_run_config(cfg)  # a value the run cannot use fails before any work, naming the key
+def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None, task=None) -> Controller:
+    """The ready controller. ``task``: what ``check_inputs(cfg)`` returned (None: check the inputs here).
+    ``faults``: ``train/faults.py`` bit flips to inject (tests, ``tidal bench faults``)."""
+    if task is None:
+        task = check_inputs(cfg)  # a bad input fails before any work, naming it
     out_dir = Path(out_dir)
     ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
     if resume and ckpt is None:
@@ -196,10 +222,6 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     out_dir.mkdir(parents=True, exist_ok=True)
     config_lib.save_yaml(cfg, out_dir / "config.yaml")
     seed_everything(cfg.seed)
-    task = build_task(cfg)
-    check_task_fits(cfg, task)
-    if cfg.harness.enabled:
-        harness_function(cfg)  # a bad harness.function or command fails here, before the warm start
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base
@@ -278,15 +300,17 @@ def write_pages(out_dir: str | Path) -> None:
     write_report(out_dir)
 
 
-def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None) -> RunResult:
+def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None, task=None) -> RunResult:
     """Run RL to completion; always closes trackers and the reward pool, then writes the report. If the
     run itself failed (a full disk, Ctrl-C), that error is the one raised, not a later one from closing.
+    ``task``: what ``check_inputs(cfg)`` returned, if the caller checked the inputs already.
 
     Silent data corruption found by the SDC guard (``sdc_guard.py``) rolls the run back to the last
     verified checkpoint (or the base model) and continues, at most ``sdc.max_rollbacks`` times."""
     rollbacks = 0
     while True:
-        controller = prepare(cfg, out_dir, resume, faults=faults)
+        controller = prepare(cfg, out_dir, resume, faults=faults, task=task)
+        task = None  # a rollback builds the run again from its config
         failed, again = True, False
         try:
             result = controller.run()

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tidal.config import ConfigError
 from tidal.train.checkpoint import latest_checkpoint
+from tidal.utils.runs import RUN_DATA
 
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "journal.jsonl", "checkpoints", "tensorboard", "report.html",
-               "samples.jsonl", "inspect.html")
+RUN_OUTPUTS = (*RUN_DATA, "report.html", "inspect.html")
 """Everything ``tidal train`` writes into its directory (what ``--overwrite`` removes; nothing else is touched)."""
 
 

@@ -5,7 +5,7 @@ so a group size of 0, 1 or -1, an empty ``optim.betas`` or a negative temperatur
 minutes later as a ZeroDivisionError, an IndexError, a run that trained nothing and exited 0, or a
 generator that could never admit a group and spun forever. Every rule here is a plain range check
 on one key (or two keys that must agree); checks that need the task or the tokenizer (prompt length
-against the model's context, characters outside the vocabulary) run in ``run.check_task_fits``.
+against the model's context, characters outside the vocabulary) run in ``run.check_inputs``.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _check_curriculum(cfg: RunConfig) -> None:
     for key, budgets in (("budgets", t.budgets), ("eval_budgets", t.eval_budgets)):
         if not all(NONNEG(b) for b in budgets):
             raise ConfigError(f"rollout.thinking.{key} must be integers >= 0, got {budgets!r}")
-    if (t.budgets or t.eval_budget is not None or t.eval_budgets) and r.engine != "local":
+    if t.enabled and r.engine != "local":
         raise ConfigError(f"rollout.thinking needs rollout.engine=local (got {r.engine!r}): only the local engine "
                           "forces the close of the thinking section (rollout/thinking.py says what vLLM would need)")
 

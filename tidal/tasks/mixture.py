@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -95,8 +96,8 @@ def parse_components(items: Sequence[Any], seed: int, default_reward: dict[str, 
 def weight_points(weight: Any, where: str) -> list[tuple[int, float]]:
     """A weight (number, or ``[[step, weight], ...]``) as sorted ``(step, weight)`` points."""
     def number(v: Any, what: str) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ConfigError(f"{where}: {what} must be a number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:  # nan fails too
+            raise ConfigError(f"{where}: {what} must be a finite number >= 0, got {v!r}")
         return float(v)
 
     if not isinstance(weight, (list, tuple)):

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.train.replica_group import quiet_torchft, replica_group
+from tidal.train.replica_group import LOOPBACK, Lighthouse, quiet_torchft, replica_group
 
 
 @dataclass
@@ -196,16 +196,15 @@ class _ParamBag(torch.nn.Module):
 
 
 # ---- torchft runtime -------------------------------------------------------------------------------
-def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 60_000, heartbeat_timeout_ms: int = 5000):
-    """A torchft lighthouse in this process (``torchft_lighthouse`` is the standalone binary; the defaults
-    are its own). A quorum waits up to ``join_timeout_ms`` for every worker that still heartbeats, so a
-    worker a few steps behind is not left out of a round; a dead one stops heartbeating and is dropped
-    after ``heartbeat_timeout_ms``."""
+def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 60_000, heartbeat_timeout_ms: int = 5000,
+                     host: str = LOOPBACK) -> Lighthouse:
+    """A torchft lighthouse in this process, listening on ``host`` (``torchft_lighthouse`` is the standalone
+    binary; the defaults are its own). A quorum waits up to ``join_timeout_ms`` for every worker that still
+    heartbeats, so a worker a few steps behind is not left out of a round; a dead one stops heartbeating and
+    is dropped after ``heartbeat_timeout_ms``."""
     quiet_torchft()
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                            heartbeat_timeout_ms=heartbeat_timeout_ms)
+    return Lighthouse(host, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                      heartbeat_timeout_ms=heartbeat_timeout_ms)
 
 
 @dataclass

@@ -154,9 +154,9 @@ class DiLoCoTrainer:
     def skip_step(self) -> None:
         self.trainer.skip_step()
 
-    def state_dict_for_engine(self, quant: str = "none") -> dict[str, torch.Tensor]:
+    def state_dict_for_engine(self, quant: str = "none", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Rank 0's current replica for the rollout engine (the other ranks have no engine: empty dict)."""
-        return self.trainer.state_dict_for_engine(quant) if self.dp.rank == 0 else {}
+        return self.trainer.state_dict_for_engine(quant, dtype) if self.dp.rank == 0 else {}
 
     def save_checkpoint(self, *args, **kwargs):
         return self.trainer.save_checkpoint(*args, **kwargs)

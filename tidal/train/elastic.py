@@ -25,9 +25,9 @@ the cost of a death is the heartbeat timeout plus the failed step (``tidal bench
 This module is the training loop of one replica on the supervised objective (``train/sft.py``'s
 answer-only loss on a task; accuracy = every answer token the argmax, which is greedy decoding's answer):
 
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 2000 &
-    TORCHFT_LIGHTHOUSE=http://localhost:29510 REPLICA=0 python -m tidal.train.elastic --set steps=200 &
-    TORCHFT_LIGHTHOUSE=http://localhost:29510 REPLICA=1 python -m tidal.train.elastic --set steps=200 &
+    torchft_lighthouse --bind 127.0.0.1:29510 --min_replicas 1 --join_timeout_ms 2000 &
+    TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA=0 python -m tidal.train.elastic --set steps=200 &
+    TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA=1 python -m tidal.train.elastic --set steps=200 &
 
 The RL ``Trainer`` itself runs the same scheme in ``train/elastic_dp.py`` (every algorithm's loss, the
 trainer's global denominators); what is not elastic yet is the torchrun launch of the RL controller's

@@ -43,7 +43,7 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.train.distributed import split_groups
-from tidal.train.replica_group import replica_group
+from tidal.train.replica_group import LOOPBACK, replica_group
 from tidal.train.sdc import MASK64, state_checksums
 from tidal.types import TrainBatch
 
@@ -83,6 +83,12 @@ class ElasticConfig:
     """Fault injection (tests, measurements): replica 1's first process exits (``os._exit``) inside the
     forward of this training step (numbered as in metrics.jsonl; if that step trains nothing, of the next one that
     does); its restarted process does not."""
+    host: str = LOOPBACK
+    """The address torchft's servers listen on: the lighthouse, and each replica's manager server, TCP store,
+    gloo connections and checkpoint server (from which a healing replica fetches a live one's weights and
+    optimizer state). Loopback by default: the replicas are this machine's processes. Another address
+    (``0.0.0.0``: every interface) lets anything that reaches those ports, unauthenticated, join the quorum or
+    read the policy; the leader logs a warning (docs/faults.md)."""
 
 
 def validate_elastic(cfg: ElasticConfig) -> None:
@@ -93,7 +99,9 @@ def validate_elastic(cfg: ElasticConfig) -> None:
              ("join_timeout_s", lambda v: isinstance(v, (int, float)) and v > 0, "> 0 seconds"),
              ("wait_ready_s", lambda v: isinstance(v, (int, float)) and v >= 0, ">= 0 seconds"),
              ("max_restarts", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-             ("fault_step", lambda v: v is None or (isinstance(v, int) and v >= 1), "an integer >= 1 (or null)")]
+             ("fault_step", lambda v: v is None or (isinstance(v, int) and v >= 1), "an integer >= 1 (or null)"),
+             ("host", lambda v: isinstance(v, str) and v.strip() == v != "", "an address to listen on (127.0.0.1: "
+              "loopback; 0.0.0.0: every interface)")]
     for key, ok, requirement in rules:
         value = getattr(cfg, key)
         if isinstance(value, bool) or not ok(value):
@@ -203,14 +211,14 @@ def load_trainer_state(trainer, state: dict) -> None:
 @contextmanager
 def replica_manager(trainer, lighthouse_addr: str, replica_id: str, timeout_s: float = 10.0,
                     min_replicas: int = 1, quorum_timeout_s: float = 60.0, init_sync: bool = True,
-                    load_state: Callable[[dict], None] | None = None) -> Iterator[object]:
+                    load_state: Callable[[dict], None] | None = None, host: str = LOOPBACK) -> Iterator[object]:
     """A torchft Manager for one trainer replica (a replica group of one process) that heals from a peer.
     ``timeout_s``: a dead peer's all-reduce fails after at most this. ``init_sync=False`` when every replica
     starts from the same state (no copy at step 0: only a replica that is behind heals). ``load_state``: how a
-    heal loads the peer's state (default ``load_trainer_state``)."""
+    heal loads the peer's state (default ``load_trainer_state``). ``host``: where its servers listen."""
     load = load_state or (lambda sd: load_trainer_state(trainer, sd))
     with replica_group(lambda: trainer_state(trainer), load, lighthouse_addr, replica_id, timeout_s,
-                       quorum_timeout_s, min_replicas, init_sync=init_sync) as manager:
+                       quorum_timeout_s, min_replicas, init_sync=init_sync, host=host) as manager:
         yield manager
 
 

@@ -203,7 +203,7 @@ def elastic_leader(single: Trainer, spec: ReplicaSpec, start: Start | None = Non
     ``spec.lighthouse`` is filled in here."""
     cfg = single.cfg.elastic
     lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=int(cfg.join_timeout_s * 1000),
-                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, host=cfg.host)
     try:
         dp = ElasticDP(None)
         trainer = Trainer(single.model, single.algo, single.optim_cfg, single.cfg, ref_model=single.ref_model, dp=dp)
@@ -211,7 +211,7 @@ def elastic_leader(single: Trainer, spec: ReplicaSpec, start: Start | None = Non
         trainer.scheduler.load_state_dict(single.scheduler.state_dict())
         trainer.version = single.version
         with replica_manager(trainer, lighthouse.address(), "replica0", timeout_s=cfg.timeout_s,
-                             quorum_timeout_s=cfg.join_timeout_s + 60.0, init_sync=False) as manager:
+                             quorum_timeout_s=cfg.join_timeout_s + 60.0, init_sync=False, host=cfg.host) as manager:
             dp.manager = manager
             spec = dataclasses.replace(spec, lighthouse=lighthouse.address())
             leader = ElasticLeader(trainer, manager, cfg, start or spawn_replica(spec, cfg.fault_step))

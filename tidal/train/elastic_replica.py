@@ -107,7 +107,7 @@ def replica_main(conn, spec: ReplicaSpec, index: int, generation: int, fault_ste
     cfg = spec.trainer.elastic
     # init_sync=False: every replica starts from the leader's base or checkpoint; only one that is behind heals
     with replica_manager(trainer, spec.lighthouse, f"replica{index}", cfg.timeout_s, quorum_timeout_s=DEFAULT_TIMEOUT_S,
-                         init_sync=False, load_state=heal) as manager:
+                         init_sync=False, load_state=heal, host=cfg.host) as manager:
         dp.manager = manager
         elastic = ElasticTrainer(trainer, manager, check_replicas=cfg.check_replicas)
         time.sleep(5 * HEARTBEAT_INTERVAL_S)  # a quorum waits only for replicas the lighthouse has heard from

@@ -1,4 +1,5 @@
-"""Several runs side by side: a short name for each, and which config keys differ between them.
+"""Several runs side by side: a short name for each, and which config keys differ between them; which
+files in a run directory are its data.
 
 An ablation is two runs, and its meaning is their config diff. Each run's ``config.yaml`` is flattened
 to dotted keys (``rollout.max_staleness``), the way ``--set`` names them; a key is in the diff when its
@@ -14,6 +15,9 @@ from typing import Any
 import yaml
 
 MISSING = "(missing)"
+RUN_DATA = ("config.yaml", "metrics.jsonl", "journal.jsonl", "checkpoints", "tensorboard", "samples.jsonl")
+"""The files ``tidal train`` writes into its directory that hold the run's data (its pages, ``report.html``
+and ``inspect.html``, are made from them): no command's ``--out`` may replace one."""
 
 
 def run_names(run_dirs: Sequence[str | Path]) -> list[str]:
