@@ -85,6 +85,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import json
 import random
 import statistics
 import time
@@ -600,6 +601,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         result[name]["part_s"] = time.perf_counter() - start
         print(f"[bench gpu] part {name} done in {result[name]['part_s']:.1f} s: "
               f"{result[name].get(HEADLINE.get(name, 'trainer_mfu'), result[name].get('error'))}", flush=True)
+        # A borrowed machine's time limit can stop the bench mid-part: what is done so far stays on disk.
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        (out_dir.parent / "gpu_partial.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

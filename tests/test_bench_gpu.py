@@ -84,6 +84,8 @@ def test_the_whole_benchmark_on_a_toy_size(tmp_path):
     assert [r["part"] for r in result["table"]].count("rl_step") == 4
     assert bench.format_table(result["table"])
     json.dumps(result)  # the harness writes it as JSON
+    partial = json.loads((tmp_path / "gpu_partial.json").read_text())  # kept after each part, for a timed-out run
+    assert partial["rl_step"]["rl_steps"][0]["samples"] == 6
 
 
 def test_a_failing_part_keeps_the_others(tmp_path, monkeypatch):
