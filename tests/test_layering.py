@@ -10,7 +10,7 @@ LAYER = {
     "api": 1,
     "algo": 2, "rewards": 2, "envs": 2, "tasks": 2, "optim": 2, "models": 2,
     "rollout": 3, "train": 3, "data": 3,  # data: its RL blocks sample with the rollout engine
-    "system": 4, "sim": 4, "serve": 4, "distill": 4,  # serve: the OpenAI endpoint; distill: teacher data, students
+    "system": 4, "sim": 4, "serve": 4, "distill": 4, "stages": 4,  # serve: the OpenAI endpoint; distill: teacher data, students
     "bench": 5, "cli": 5, "recipes": 5,
 }
 NO_TORCH = {"rewards", "envs"}  # reward workers must start fast and never pay for torch

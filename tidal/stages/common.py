@@ -1,0 +1,209 @@
+"""What every supervised stage shares: the model it starts from, its data order, its run directory.
+
+A stage starts from ``model.path`` (a Hugging Face directory: a base, or the previous stage's ``model/``)
+or, without one, builds the tiny model with the chat tokenizer (``models/tiny.py``). It writes what
+``tidal train`` writes (``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_<k>/`` through
+``train/checkpoint.py``, ``--resume``/``--overwrite`` through ``system/run_dir.py``) and, at the end,
+``model/``: a ``save_pretrained`` directory the next stage and RL take as ``model.path``.
+
+The data order is a function of (seed, step): step k takes the k-th ``batch_size`` slice of the
+concatenation of per-epoch permutations, so a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tidal.config import ConfigError, save_yaml
+from tidal.models import tiny
+from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE
+from tidal.system.run_dir import prepare_out_dir
+from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+@dataclass
+class DataConfig:
+    """Where a stage's rows come from."""
+
+    path: str = ""
+    """Training rows: ``.jsonl``, ``.parquet`` or a ``save_to_disk`` directory."""
+    eval_path: str = ""
+    """Held-out rows in the same format; empty: the last ``eval_fraction`` of ``path`` (after a seeded shuffle)."""
+    eval_fraction: float = 0.05
+    """Held-out share when ``eval_path`` is empty (at least one row)."""
+    split: str = "train"
+    """The split of a saved ``DatasetDict`` (``eval_path`` then reads its own ``split``: ``test`` if present)."""
+    max_length: int = 128
+    """Tokens per row; longer rows are cut (the tiny model's context is 128)."""
+    chat_template: str = ""
+    """A Jinja file replacing the tokenizer's chat template (one with ``{% generation %}`` marks assistant
+    tokens; ``chat_data.GENERATION_CHAT_TEMPLATE`` is ChatML's). The tiny model gets ChatML's."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup, then constant (TRL's ``TrainingArguments`` defaults where not stated)."""
+
+    lr: float = 2e-5
+    """TRL SFTConfig/DPOConfig default (transformers' is 5e-5); a tiny model from scratch wants ~1e-3."""
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    """``max_grad_norm`` of transformers' TrainingArguments."""
+
+
+@dataclass
+class RunConfig:
+    """The loop around a stage's loss."""
+
+    steps: int = 100
+    batch_size: int = 16
+    """Rows per optimizer step (a preference row is one pair)."""
+    eval_every: int = 50
+    """Steps between held-out evaluations (and after the last step)."""
+    save_every: int = 50
+    """Steps between checkpoints (and after the last step)."""
+    keep: int = 2
+    seed: int = 0
+    threads: int = 0
+    """torch threads on CPU; 0 leaves torch's default."""
+
+
+def validate_common(data: DataConfig, optim: OptimConfig, run: RunConfig) -> None:
+    if not data.path:
+        raise ConfigError("data.path is required (a .jsonl, .parquet or save_to_disk directory)")
+    if not 0 < data.eval_fraction < 1 and not data.eval_path:
+        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
+    for key, value in (("steps", run.steps), ("batch_size", run.batch_size), ("eval_every", run.eval_every),
+                       ("save_every", run.save_every), ("data.max_length", data.max_length)):
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if not optim.lr > 0:
+        raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")
+
+
+def load_policy(model_cfg: tiny.ModelConfig, data: DataConfig):
+    """(model, tokenizer): ``model.path`` or the tiny model with the chat tokenizer, with the chat
+    template ``data.chat_template`` names, or ChatML with generation marks where there is none."""
+    if model_cfg.path:
+        model, tokenizer = tiny.load(model_cfg.path)
+    else:
+        model_cfg.tokenizer = "chat"
+        tokenizer = tiny.build_chat_tokenizer()
+        model = tiny.build_model(model_cfg, tokenizer)
+        tokenizer.chat_template = GENERATION_CHAT_TEMPLATE
+    if data.chat_template:
+        tokenizer.chat_template = Path(data.chat_template).read_text()
+    elif not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = GENERATION_CHAT_TEMPLATE
+    return model, tokenizer
+
+
+def split_rows(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held out): a seeded shuffle, the last ``fraction`` (at least one row) held out."""
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    num_eval = max(1, int(round(fraction * len(examples))))
+    if num_eval >= len(examples):
+        raise ConfigError(f"{len(examples)} rows cannot be split into train and held out: give data.eval_path")
+    return [examples[i] for i in order[:-num_eval]], [examples[i] for i in order[-num_eval:]]
+
+
+def batch_indices(num_rows: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Rows of step ``step``: the step-th slice of the concatenated per-epoch permutations."""
+    out, start = [], step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), num_rows)
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        out += perm[offset: offset + batch_size - len(out)]
+    return out
+
+
+def chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i: i + size]
+
+
+StepFn = Callable[[torch.nn.Module, list], tuple[torch.Tensor, dict[str, float]]]
+EvalFn = Callable[[torch.nn.Module], dict[str, float]]
+
+
+def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: list, step_fn: StepFn,
+              eval_fn: EvalFn, out: str | Path, resume: bool = False, overwrite: bool = False,
+              log: Callable[[str], None] = print) -> dict:
+    """Train ``model`` with ``step_fn`` (loss, metrics of a batch of rows) for ``cfg.run.steps`` steps,
+    evaluating with ``eval_fn`` and checkpointing as ``cfg.run`` says; write ``out/model``; return the
+    last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``, ``RunConfig``)."""
+    out = Path(out)
+    note = prepare_out_dir(out, resume, overwrite)
+    if note:
+        log(note)
+    if overwrite and (out / "model").exists():
+        shutil.rmtree(out / "model")
+    save_yaml(cfg, out / "config.yaml")
+    run, optim = cfg.run, cfg.optim
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (optim.warmup_steps + 1)))
+    start = 0
+    metrics_path = out / "metrics.jsonl"
+    if resume:
+        ckpt = latest_checkpoint(out / "checkpoints")
+        if ckpt is None:
+            raise ConfigError(f"--resume: {out} has no checkpoint")
+        start = load_checkpoint(ckpt, model, opt, sched).step
+        lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+        metrics_path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start))
+        log(f"{name}: resumed from {ckpt} (step {start})")
+    model.train()
+    last: dict = {}
+    t0, tokens = time.perf_counter(), 0
+    for step in range(start, run.steps):
+        rows = [train_rows[i] for i in batch_indices(len(train_rows), run.batch_size, run.seed, step)]
+        loss, metrics = step_fn(model, rows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        opt.step()
+        sched.step()
+        tokens += int(metrics.pop("num_tokens", 0))
+        done = step + 1
+        row = {"step": done, "train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm),
+               **{f"train/{k}": v for k, v in metrics.items()},
+               "perf/tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}
+        if done % run.eval_every == 0 or done == run.steps:
+            model.eval()
+            with torch.no_grad():
+                row.update({f"eval/{k}": v for k, v in eval_fn(model).items()})
+            model.train()
+            log(f"{name} step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()
+                                                   if k.startswith(("train/loss", "eval/"))))
+        if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
+            raise FloatingPointError(f"{name} step {done}: a non-finite metric {row}")
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        last = row
+        if done % run.save_every == 0 or done == run.steps:
+            save_checkpoint(out / "checkpoints", model, tokenizer, opt, sched,
+                            TrainingState(step=done, version=done, next_group=0, extra={}), keep=run.keep)
+    export(model, tokenizer, out / "model")
+    return last
+
+
+def export(model: torch.nn.Module, tokenizer, path: Path) -> None:
+    """The stage's result as a Hugging Face directory (weights, config, tokenizer with its chat template)."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)

@@ -1,0 +1,156 @@
+"""DPO and its relatives on preference rows: ``prompt``, ``chosen``, ``rejected``.
+
+The reference log-probabilities are computed once per row, batched and packed, before the first policy
+step, then the reference is gone: by default it is the starting policy itself (TRL's default when no
+``ref_model`` is given), so no second model is ever held; ``ref_path`` names another model, loaded for
+that pass and freed before training. They are saved with the run (``reference_logps.pt``) so ``--resume``
+never recomputes them from a model that has since moved. Reference-free losses (SimPO) skip the pass.
+
+Each step packs the chosen and rejected sequences of ``batch_size`` pairs together (``train/packing.py``),
+sums each completion's token log-probs, and averages the chosen loss (``dpo_losses.py``) over pairs.
+Held out: the loss and the preference accuracy (the share of pairs whose implicit margin is > 0).
+
+    tidal dpo --set data.path=pairs.jsonl --set model.path=runs/sft/model --out runs/dpo
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tidal.config import ConfigError
+from tidal.models import tiny
+from tidal.stages.chat_data import PairExample, SFTExample, encode_pair, load_examples
+from tidal.stages.common import (
+    DataConfig,
+    OptimConfig,
+    RunConfig,
+    chunks,
+    load_policy,
+    run_stage,
+    split_rows,
+    validate_common,
+)
+from tidal.stages.dpo_losses import PREFERENCE_LOSSES, REFERENCE_FREE, implicit_margin
+from tidal.stages.sft import masks, packed_logprobs
+
+
+@dataclass
+class DPOStageConfig:
+    """``tidal dpo``: preference optimization (sigmoid | ipo | hinge | simpo)."""
+
+    model: tiny.ModelConfig = field(default_factory=tiny.ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    """lr 1e-6: TRL DPOConfig's default (DPO's paper used 1e-6 too, sec. B)."""
+    run: RunConfig = field(default_factory=lambda: RunConfig(batch_size=8))
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO) | ipo | hinge (SLiC) | simpo (reference-free); ``dpo_losses.py`` cites each."""
+    beta: float = 0.1
+    """DPO's KL strength (Rafailov et al. 2023 use 0.1; TRL's default). SimPO's paper uses 2.0-2.5."""
+    gamma: float = 0.5
+    """SimPO's target margin (TRL CPOConfig's ``simpo_gamma`` default; the paper's gamma/beta ~0.5)."""
+    ref_path: str = ""
+    """The reference model; empty: the starting policy (``model.path``)."""
+    ref_batch_size: int = 32
+    """Pairs per batched reference pass."""
+    pack_length: int = 0
+    """Tokens per packed row; 0: ``data.max_length``."""
+
+
+def validate(cfg: DPOStageConfig) -> None:
+    validate_common(cfg.data, cfg.optim, cfg.run)
+    PREFERENCE_LOSSES.get(cfg.loss_type)  # an unknown name lists the registered ones
+    if not cfg.beta > 0:
+        raise ConfigError(f"beta must be > 0, got {cfg.beta}")
+
+
+def sequence_logps(model, pairs: list[PairExample], pack_length: int) -> tuple[torch.Tensor, ...]:
+    """(pc, pr, nc, nr) [B] each: summed completion log-probs of chosen and rejected, and their token counts;
+    all 2B sequences in one packed forward."""
+    seqs = [SFTExample(p.chosen_ids, p.chosen_mask) for p in pairs] + \
+           [SFTExample(p.rejected_ids, p.rejected_mask) for p in pairs]
+    logp_bt = packed_logprobs(model, [s.ids for s in seqs], pack_length)
+    mask_bt = masks(seqs, logp_bt.shape[1]).to(logp_bt.device)
+    sums, counts = (logp_bt * mask_bt).sum(1), mask_bt.sum(1)
+    n = len(pairs)
+    return sums[:n], sums[n:], counts[:n], counts[n:]
+
+
+@torch.no_grad()
+def reference_logps(model, pairs: list[PairExample], batch_size: int, pack_length: int) -> torch.Tensor:
+    """[N, 2] (chosen, rejected) summed completion log-probs under ``model``, ``batch_size`` pairs a pass."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for part in chunks(pairs, batch_size):
+        pc, pr, _, _ = sequence_logps(model, part, pack_length)
+        out.append(torch.stack([pc, pr], 1).cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros((0, 2))
+
+
+def pair_loss(cfg: DPOStageConfig, model, rows: list[tuple[PairExample, torch.Tensor]], pack_length: int):
+    """(mean loss over pairs, metrics) of ``rows``: (pair, its reference log-probs [2])."""
+    pairs = [p for p, _ in rows]
+    pc, pr, nc, nr = sequence_logps(model, pairs, pack_length)
+    ref = torch.stack([r for _, r in rows]).to(pc.device)
+    rc, rr = ref[:, 0], ref[:, 1]
+    loss_b = PREFERENCE_LOSSES.get(cfg.loss_type)(pc, pr, rc, rr, nc, nr, cfg.beta, cfg.gamma)
+    margin = implicit_margin(cfg.loss_type, pc, pr, rc, rr, nc, nr).detach()
+    metrics = {"pref_acc": float((margin > 0).float().mean()), "margin": float(margin.mean()),
+               "num_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)}
+    return loss_b.mean(), metrics
+
+
+def with_reference(cfg: DPOStageConfig, policy, train_pairs, held_pairs, out: Path, resume: bool, log=print):
+    """Attach reference log-probs to every pair: from ``out/reference_logps.pt`` on resume, else one
+    batched pass of the reference (zeros for reference-free losses, which never read them)."""
+    cache = out / "reference_logps.pt"
+    pack_length = cfg.pack_length or cfg.data.max_length
+    if resume and cache.exists():
+        saved = torch.load(cache)
+        ref_train, ref_held = saved["train"], saved["held"]
+    elif cfg.loss_type in REFERENCE_FREE:
+        ref_train, ref_held = torch.zeros((len(train_pairs), 2)), torch.zeros((len(held_pairs), 2))
+    else:
+        ref_model = policy if not cfg.ref_path else tiny.load(cfg.ref_path)[0]
+        ref_train = reference_logps(ref_model, train_pairs, cfg.ref_batch_size, pack_length)
+        ref_held = reference_logps(ref_model, held_pairs, cfg.ref_batch_size, pack_length)
+        del ref_model
+        log(f"dpo: reference log-probs of {len(train_pairs)} + {len(held_pairs)} pairs computed")
+    if len(ref_train) != len(train_pairs) or len(ref_held) != len(held_pairs):
+        raise ConfigError(f"{cache} holds reference log-probs of other data; start again with --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"train": ref_train, "held": ref_held}, cache)
+    return list(zip(train_pairs, ref_train)), list(zip(held_pairs, ref_held))
+
+
+def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
+    validate(cfg)
+    model, tokenizer = load_policy(cfg.model, cfg.data)
+    pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
+    log(line)
+    if cfg.data.eval_path:
+        held, line = load_examples(cfg.data.eval_path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
+        log(line)
+    else:
+        pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
+    if overwrite:
+        (Path(out) / "reference_logps.pt").unlink(missing_ok=True)
+    rows, held_rows = with_reference(cfg, model, pairs, held, Path(out), resume, log)
+    pack_length = cfg.pack_length or cfg.data.max_length
+
+    def step_fn(model, batch):
+        return pair_loss(cfg, model, batch, pack_length)
+
+    def eval_fn(model):
+        losses, accs, n = 0.0, 0.0, 0
+        for part in chunks(held_rows, cfg.ref_batch_size):
+            loss, m = pair_loss(cfg, model, part, pack_length)
+            losses, accs, n = losses + float(loss) * len(part), accs + m["pref_acc"] * len(part), n + len(part)
+        return {"loss": losses / n, "pref_acc": accs / n}
+
+    return run_stage("dpo", cfg, model, tokenizer, rows, step_fn, eval_fn, out, resume, overwrite, log)
