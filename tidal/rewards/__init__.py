@@ -80,4 +80,5 @@ from tidal.rewards import language as _language  # noqa: E402,F401
 from tidal.rewards import length as _length  # noqa: E402,F401
 from tidal.rewards import math as _math  # noqa: E402,F401
 from tidal.rewards import reasoning_gym as _reasoning_gym  # noqa: E402,F401
+from tidal.rewards import rm as _rm  # noqa: E402,F401  (torch only inside its worker)
 from tidal.rewards import route as _route  # noqa: E402,F401

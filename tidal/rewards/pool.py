@@ -77,7 +77,10 @@ def _init_worker(parent_pid: int) -> None:
 
 
 def _warm_up(fn: Callable) -> None:
-    """Runs in each worker once: unpickling ``fn`` imports its module."""
+    """Runs in each worker once: unpickling ``fn`` imports its module; a reward with ``warm_up()`` (a model
+    to load) does it here, before any deadline counts."""
+    if hasattr(fn, "warm_up"):
+        fn.warm_up()
 
 
 def _score_one(fn: Callable, response: str, prompt: Prompt) -> tuple[float, dict[str, Any]]:
@@ -91,6 +94,12 @@ def _score_one(fn: Callable, response: str, prompt: Prompt) -> tuple[float, dict
 def _score_many(fn: Callable, items: list[tuple[str, Prompt]]) -> tuple[list[tuple[float, dict[str, Any]]], float]:
     """A chunk of items in one task (one round trip, one unpickling of ``fn``), and its duration."""
     start = time.perf_counter()
+    if hasattr(fn, "score_batch"):  # a model-based reward: one batched forward for the chunk
+        try:
+            out = [(float(r), dict(d)) for r, d in fn.score_batch(items)]
+        except Exception as e:
+            out = [(0.0, {"error": f"{type(e).__name__}: {e}"})] * len(items)
+        return out, time.perf_counter() - start
     return [_score_one(fn, r, p) for r, p in items], time.perf_counter() - start
 
 
@@ -142,7 +151,7 @@ class RewardPool:
         re-scored item by item, so each item still gets exactly the per-item limit."""
         results: list[tuple[float, dict[str, Any]] | None] = [None] * len(items)
         if self.cfg.num_workers == 0:
-            return [self._count(_score_one(self.fn, r, p)) for r, p in items]
+            return [self._count(result) for result in _score_many(self.fn, list(items))[0]]
         size = self._chunk_size(len(items))
         chunks = [list(range(i, min(i + size, len(items)))) for i in range(0, len(items), size)]
         pool = self._pool()

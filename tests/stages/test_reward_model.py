@@ -1,0 +1,77 @@
+"""Reward model: packed training rewards equal the scorer's padded ones; ``reward.name=rm`` scores in a worker."""
+
+import pytest
+import torch
+
+from tidal.config import ConfigError, apply_overrides
+from tidal.models import tiny
+from tidal.models.reward_model import RewardModelScorer, from_policy, last_token_rewards
+from tidal.rewards import build_reward
+from tidal.rewards.pool import RewardConfig, RewardPool
+from tidal.stages import reward_model, synthetic
+from tidal.stages.chat_data import encode_pair
+from tidal.stages.sft import padded
+from tidal.types import Prompt
+
+from .conftest import SMALL
+
+
+def test_packed_rewards_equal_padded(chat_tok):
+    rm = from_policy(tiny.build_model(tiny.ModelConfig(**SMALL), chat_tok)).eval()
+    torch.nn.init.normal_(rm.score.weight)
+    pairs = [encode_pair(chat_tok, {"prompt": p, "chosen": c, "rejected": r}, 64)
+             for p, c, r in (("what is 1+2?", "3", "4"), ("hi", "hello", "no"), ("x", "yy", "zzz"))]
+    with torch.no_grad():
+        rc, rr = reward_model.pair_rewards(rm, pairs, pack_length=64)
+        seqs = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+        ids, lengths = padded(seqs)
+        want = last_token_rewards(rm, ids, lengths)
+    assert torch.allclose(torch.cat([rc, rr]), want, atol=1e-5), (rc, rr, want)
+    assert float(want.std()) > 0  # the check could fail: rewards differ by sequence
+
+
+def test_from_policy_keeps_the_backbone(chat_tok):
+    policy = tiny.build_model(tiny.ModelConfig(**SMALL), chat_tok)
+    rm = from_policy(policy)
+    assert torch.equal(rm.model.embed_tokens.weight, policy.model.embed_tokens.weight)
+    assert rm.score.weight.shape == (1, SMALL["hidden_size"])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    files = synthetic.build(root / "dom", num_sft=20, num_pairs=60, num_eval=10)
+    sets = [f"data.path={files['pairs']}", "run.steps=2", "run.eval_every=2", "run.save_every=2", "optim.lr=1e-3",
+            "run.threads=1", "data.max_length=40"] + [f"model.{k}={v}" for k, v in SMALL.items()]
+    last = reward_model.train(apply_overrides(reward_model.RMStageConfig(), sets), str(root / "run"),
+                              log=lambda s: None)
+    return root / "run" / "model", last
+
+
+def test_rm_run_exports_a_scorable_model(trained):
+    path, last = trained
+    assert 0 <= last["eval/accuracy"] <= 1
+    scorer = RewardModelScorer(path, batch_size=2)
+    one = scorer.score([("what is 2+3?", "5")])
+    many = scorer.score([("what is 2+3?", "5"), ("what is 2+3?", "a much longer answer"), ("q", "7")])
+    assert abs(one[0] - many[0]) < 1e-5  # batching (padding) does not change a score
+
+
+def test_reward_rm_scores_in_a_worker(trained):
+    path, _ = trained
+    items = [("5", Prompt("a", "what is 2+3?", "5")), ("6", Prompt("b", "what is 2+3?", "5")),
+             ("12", Prompt("c", "what is 9+3?", "12"))]
+    fn = build_reward("rm", {"path": str(path), "scale": 2.0, "shift": 1.0})
+    want = RewardModelScorer(path).score([(p.text, r) for r, p in items])
+    pool = RewardPool(fn, RewardConfig(name="rm", num_workers=1, timeout_s=60))
+    try:
+        got = pool.score(items)
+    finally:
+        pool.close()
+    assert [d["rm_score"] for _, d in got] == pytest.approx(want, abs=1e-5)
+    assert [r for r, _ in got] == pytest.approx([2 * w + 1 for w in want], abs=1e-5)
+
+
+def test_rm_without_a_path_is_one_line():
+    with pytest.raises(ConfigError, match="needs params.path"):
+        build_reward("rm", {})

@@ -1,0 +1,100 @@
+"""Reward-model training: Bradley-Terry on preference rows, a scalar head on the policy's architecture.
+
+The model is ``models/reward_model.from_policy(model.path)``: the policy's backbone with a new one-output
+head. Each step packs the chosen and rejected chats of ``batch_size`` pairs (``train/packing.py``), reads
+the head at each sequence's last token and minimizes ``rm_loss.bradley_terry_loss``. Held out: the loss
+and the accuracy (the share of pairs with r_chosen > r_rejected). ``model/`` is a Hugging Face
+sequence-classification directory; ``reward.name=rm`` with ``reward.params.path`` set to it scores RL
+samples (``rewards/rm.py``).
+
+    tidal rm --set data.path=pairs.jsonl --set model.path=runs/sft/model --out runs/rm
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.models import tiny
+from tidal.models.reward_model import from_policy
+from tidal.stages.chat_data import PairExample, encode_pair, load_examples
+from tidal.stages.common import (
+    DataConfig,
+    OptimConfig,
+    RunConfig,
+    chunks,
+    load_policy,
+    run_stage,
+    split_rows,
+    validate_common,
+)
+from tidal.stages.rm_loss import bradley_terry_loss
+from tidal.stages.sft import padded
+from tidal.train.packing import pack, packed_attention_mask
+
+
+@dataclass
+class RMStageConfig:
+    """``tidal rm``: a Bradley-Terry reward model."""
+
+    model: tiny.ModelConfig = field(default_factory=tiny.ModelConfig)
+    """``model.path``: the policy whose architecture and backbone the reward model takes."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    """lr 1e-4: TRL RewardConfig's default."""
+    run: RunConfig = field(default_factory=lambda: RunConfig(batch_size=8))
+    center: float = 0.0
+    """Weight of mean((r_c + r_r)^2) (TRL's ``center_rewards_coefficient``; Eisenstein et al. 2023 use 0.01)."""
+    pack_length: int = 0
+    """Tokens per packed row; 0: ``data.max_length``."""
+
+
+def packed_rewards(rm: torch.nn.Module, seqs: list[list[int]], pack_length: int) -> torch.Tensor:
+    """[N] rewards of ``seqs``, all in one packed forward: the head at each sequence's last token."""
+    ids_bt, lengths = padded(seqs)
+    layout = pack(ids_bt, lengths, max(pack_length, ids_bt.shape[1]))
+    device = next(rm.parameters()).device
+    hidden_rlh = getattr(rm, rm.base_model_prefix)(
+        input_ids=layout.input_ids_rl.to(device), attention_mask=packed_attention_mask(layout, rm, "auto"),
+        position_ids=layout.position_ids_rl.to(device), use_cache=False).last_hidden_state
+    rows = torch.tensor([r for r, _, _ in layout.where], device=device)
+    last = torch.tensor([s + n - 1 for _, s, n in layout.where], device=device)
+    return rm.score(hidden_rlh[rows, last]).squeeze(-1).float()
+
+
+def pair_rewards(rm, pairs: list[PairExample], pack_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r = packed_rewards(rm, [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs], pack_length)
+    return r[: len(pairs)], r[len(pairs):]
+
+
+def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
+    validate_common(cfg.data, cfg.optim, cfg.run)
+    policy, tokenizer = load_policy(cfg.model, cfg.data)
+    rm = from_policy(policy)
+    del policy
+    pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
+    log(line)
+    if cfg.data.eval_path:
+        held, line = load_examples(cfg.data.eval_path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
+        log(line)
+    else:
+        pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
+    pack_length = cfg.pack_length or cfg.data.max_length
+
+    def step_fn(model, batch):
+        rc, rr = pair_rewards(model, batch, pack_length)
+        diff = (rc - rr).detach()
+        return bradley_terry_loss(rc, rr, center=cfg.center), {
+            "accuracy": float((diff > 0).float().mean()), "margin": float(diff.mean()),
+            "num_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in batch)}
+
+    def eval_fn(model):
+        loss, acc, n = 0.0, 0.0, 0
+        for part in chunks(held, 64):
+            rc, rr = pair_rewards(model, part, pack_length)
+            loss += float(bradley_terry_loss(rc, rr, center=cfg.center)) * len(part)
+            acc, n = acc + float((rc > rr).float().sum()), n + len(part)
+        return {"loss": loss / n, "accuracy": acc / n}
+
+    return run_stage("rm", cfg, rm, tokenizer, pairs, step_fn, eval_fn, out, resume, overwrite, log)
