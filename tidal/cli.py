@@ -10,6 +10,7 @@
     tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
     tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
     tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]
+    tidal sft|dpo|rm [CONFIG.yaml] [--set key=value ...] [--out DIR] [--resume | --overwrite]  (docs/stages.md)
 """
 
 from __future__ import annotations
@@ -579,6 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int, default=1, help="reward worker processes (0: score inline)")
     sp.add_argument("--timeout", type=float, default=10.0, help="per-row limit in seconds (reward 0, counted)")
     sp.set_defaults(fn=cmd_score)
+
+    from tidal.stages.cli import add_parsers
+
+    add_parsers(sub)  # sft, dpo, rm
     return p
 
 

@@ -46,13 +46,13 @@ def test_pair_completion_follows_the_generation_prompt(chat_tok):
 
 
 def test_bad_rows_are_counted_and_named(chat_tok, tmp_path):
-    rows = [CHAT, {"messages": [{"role": "user", "content": "only a question"}]}, {"text": "no chat"}, CHAT]
+    rows = [CHAT, {"messages": [{"role": "user", "content": "only a question"}]}, {"question": "no chat"}, CHAT]
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{torn\n")
     good, line = load_examples(str(path), encode_sft, chat_tok, 100)
     assert len(good) == 2
-    assert line == (f"{path}: 2 rows, 3 skipped: 'no assistant turn' x1 (rows 1); \"needs 'messages' or "
-                    "'prompt'/'completion', has ['text']\" x1 (rows 2); 'line 5 is not JSON' x1 (rows 4)")
+    assert line == (f"{path}: 2 rows, 3 skipped: 'no assistant turn' x1 (rows 1); \"needs 'messages', "
+                    "'prompt'/'completion' or 'text', has ['question']\" x1 (rows 2); 'line 5 is not JSON' x1 (rows 4)")
 
 
 def test_bad_pairs_are_named(chat_tok):
@@ -93,3 +93,25 @@ def test_jsonl_parquet_and_saved_dataset_read_the_same(tmp_path):
     assert read_rows(tmp_path / "dict", split="train") == want
     with pytest.raises(DataError, match="not 'test'"):
         read_rows(tmp_path / "dict", split="test")
+
+
+def test_plain_template_prompts_the_model_as_rl_does():
+    from tidal.rollout.requests import prompt_ids
+    from tidal.stages.chat_data import PLAIN_TEMPLATE
+    from tidal.types import Prompt
+
+    tok = tiny.build_tokenizer()
+    tok.chat_template = PLAIN_TEMPLATE
+    ex = encode_sft(tok, {"prompt": "what is 2+3?", "completion": "5"}, 100)
+    rl_prompt = list(prompt_ids(tok, Prompt("u", "what is 2+3?", "5")))
+    assert ex.ids == rl_prompt + [tok.convert_tokens_to_ids("5"), tok.eos_token_id]
+    assert ex.mask == [0] * len(rl_prompt) + [1, 1]
+    pair = encode_pair(tok, {"prompt": "what is 2+3?", "chosen": "5", "rejected": "6"}, 100)
+    assert pair.chosen_ids[: len(rl_prompt)] == rl_prompt and sum(pair.chosen_mask) == 2
+
+
+def test_text_rows_train_on_every_token():
+    tok = tiny.build_tokenizer()
+    ex = encode_sft(tok, {"text": "1+2=3"}, 100)
+    assert ex.ids[0] == tok.bos_token_id and ex.ids[-1] == tok.eos_token_id and len(ex.ids) == 7
+    assert ex.mask == [1] * 7

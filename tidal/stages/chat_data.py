@@ -3,7 +3,8 @@
 Rows come from JSONL, Parquet or a Hugging Face dataset saved with ``save_to_disk`` (``read_rows``).
 
 SFT rows: ``messages`` (a chat) or ``prompt``/``completion`` (strings, wrapped as one user turn and one
-assistant turn, or message lists, concatenated). The loss mask is the template's own assistant mask:
+assistant turn, or message lists, concatenated), or ``text`` (domain-adaptive pre-training: BOS + text + EOS,
+every token in the loss, as TRL's language-modeling rows). The loss mask is the template's own assistant mask:
 ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks the tokens its ``{% generation %}``
 blocks render, the same call TRL's ``assistant_only_loss`` makes (``sft_trainer.py``, tokenize_fn). Pieces
 are never tokenized separately and glued: the template decides where a turn starts and ends.
@@ -33,6 +34,14 @@ GENERATION_CHAT_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
     "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# The plain rendering single-turn RL uses (``rollout/requests.prompt_ids``: BOS + the prompt's text; the model
+# answers and ends with EOS), as a chat template: a model trained with it is prompted by RL exactly as it
+# was trained. For base models and the tiny model's character tokenizer (no chat markers).
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 
 
 class DataError(ValueError):
@@ -111,7 +120,7 @@ def sft_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
         return _as_messages(row["messages"], "user")
     if "prompt" in row and "completion" in row:
         return _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
-    raise ValueError(f"needs 'messages' or 'prompt'/'completion', has {sorted(row)}")
+    raise ValueError(f"needs 'messages', 'prompt'/'completion' or 'text', has {sorted(row)}")
 
 
 def _template(tokenizer, messages, **kwargs) -> dict[str, list[int]]:
@@ -123,6 +132,12 @@ def encode_sft(tokenizer, row: dict[str, Any], max_length: int) -> SFTExample:
     """Ids and assistant mask of one SFT row (``ValueError`` with the reason for a bad row)."""
     if "__bad__" in row:
         raise ValueError(row["__bad__"])
+    if isinstance(row.get("text"), str) and "messages" not in row:  # raw text (DAPT): every token counts
+        ids = tokenizer(row["text"], add_special_tokens=False).input_ids
+        ids = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None) + ids + [tokenizer.eos_token_id]
+        if len(ids) < 2:
+            raise ValueError("empty text")
+        return SFTExample(ids[:max_length], [1] * min(len(ids), max_length))
     messages = sft_messages(row)
     if not any(m.get("role") == "assistant" for m in messages):
         raise ValueError("no assistant turn")

@@ -24,7 +24,7 @@ import torch
 
 from tidal.config import ConfigError, save_yaml
 from tidal.models import tiny
-from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE
+from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE
 from tidal.system.run_dir import prepare_out_dir
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -45,7 +45,7 @@ class DataConfig:
     """Tokens per row; longer rows are cut (the tiny model's context is 128)."""
     chat_template: str = ""
     """A Jinja file replacing the tokenizer's chat template (one with ``{% generation %}`` marks assistant
-    tokens; ``chat_data.GENERATION_CHAT_TEMPLATE`` is ChatML's). The tiny model gets ChatML's."""
+    tokens; ``chat_data.GENERATION_CHAT_TEMPLATE`` is ChatML's)."""
 
 
 @dataclass
@@ -92,15 +92,15 @@ def validate_common(data: DataConfig, optim: OptimConfig, run: RunConfig) -> Non
 
 
 def load_policy(model_cfg: tiny.ModelConfig, data: DataConfig):
-    """(model, tokenizer): ``model.path`` or the tiny model with the chat tokenizer, with the chat
-    template ``data.chat_template`` names, or ChatML with generation marks where there is none."""
+    """(model, tokenizer): ``model.path`` or the tiny model (``model.tokenizer`` char: ``PLAIN_TEMPLATE``,
+    RL's plain prompts; chat: ChatML with generation marks), with the chat template ``data.chat_template``
+    names, or ChatML with generation marks where the tokenizer has none."""
     if model_cfg.path:
         model, tokenizer = tiny.load(model_cfg.path)
     else:
-        model_cfg.tokenizer = "chat"
-        tokenizer = tiny.build_chat_tokenizer()
+        tokenizer = tiny.tokenizer_for(model_cfg)
         model = tiny.build_model(model_cfg, tokenizer)
-        tokenizer.chat_template = GENERATION_CHAT_TEMPLATE
+        tokenizer.chat_template = GENERATION_CHAT_TEMPLATE if model_cfg.tokenizer == "chat" else PLAIN_TEMPLATE
     if data.chat_template:
         tokenizer.chat_template = Path(data.chat_template).read_text()
     elif not getattr(tokenizer, "chat_template", None):
@@ -136,18 +136,25 @@ StepFn = Callable[[torch.nn.Module, list], tuple[torch.Tensor, dict[str, float]]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
 
-def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: list, step_fn: StepFn,
-              eval_fn: EvalFn, out: str | Path, resume: bool = False, overwrite: bool = False,
-              log: Callable[[str], None] = print) -> dict:
-    """Train ``model`` with ``step_fn`` (loss, metrics of a batch of rows) for ``cfg.run.steps`` steps,
-    evaluating with ``eval_fn`` and checkpointing as ``cfg.run`` says; write ``out/model``; return the
-    last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``, ``RunConfig``)."""
+def open_run(out: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None] = print) -> None:
+    """Check ``out`` can take the run before any work (``system/run_dir.py``: ``--resume`` continues it,
+    ``--overwrite`` deletes the previous run's files, and its ``model/``)."""
     out = Path(out)
     note = prepare_out_dir(out, resume, overwrite)
     if note:
         log(note)
-    if overwrite and (out / "model").exists():
-        shutil.rmtree(out / "model")
+    if overwrite:
+        shutil.rmtree(out / "model", ignore_errors=True)
+        (out / "reference_logps.pt").unlink(missing_ok=True)
+
+
+def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: list, step_fn: StepFn,
+              eval_fn: EvalFn, out: str | Path, resume: bool = False, overwrite: bool = False,
+              log: Callable[[str], None] = print) -> dict:
+    """After ``open_run``: train ``model`` with ``step_fn`` (loss, metrics of a batch of rows) for ``cfg.run.steps`` steps,
+    evaluating with ``eval_fn`` and checkpointing as ``cfg.run`` says; write ``out/model``; return the
+    last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``, ``RunConfig``)."""
+    out = Path(out)
     save_yaml(cfg, out / "config.yaml")
     run, optim = cfg.run, cfg.optim
     if run.threads:

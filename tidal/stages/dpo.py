@@ -29,6 +29,7 @@ from tidal.stages.common import (
     RunConfig,
     chunks,
     load_policy,
+    open_run,
     run_stage,
     split_rows,
     validate_common,
@@ -130,6 +131,7 @@ def with_reference(cfg: DPOStageConfig, policy, train_pairs, held_pairs, out: Pa
 
 def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate(cfg)
+    open_run(out, resume, overwrite, log)
     model, tokenizer = load_policy(cfg.model, cfg.data)
     pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
     log(line)
@@ -138,8 +140,6 @@ def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool =
         log(line)
     else:
         pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
-    if overwrite:
-        (Path(out) / "reference_logps.pt").unlink(missing_ok=True)
     rows, held_rows = with_reference(cfg, model, pairs, held, Path(out), resume, log)
     pack_length = cfg.pack_length or cfg.data.max_length
 

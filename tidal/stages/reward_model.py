@@ -25,6 +25,7 @@ from tidal.stages.common import (
     RunConfig,
     chunks,
     load_policy,
+    open_run,
     run_stage,
     split_rows,
     validate_common,
@@ -70,6 +71,7 @@ def pair_rewards(rm, pairs: list[PairExample], pack_length: int) -> tuple[torch.
 
 def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate_common(cfg.data, cfg.optim, cfg.run)
+    open_run(out, resume, overwrite, log)
     policy, tokenizer = load_policy(cfg.model, cfg.data)
     rm = from_policy(policy)
     del policy

@@ -27,6 +27,7 @@ from tidal.stages.common import (
     RunConfig,
     chunks,
     load_policy,
+    open_run,
     run_stage,
     split_rows,
     validate_common,
@@ -84,6 +85,7 @@ def nll_sum(model, examples: list[SFTExample], pack_length: int, attention: str 
 
 def train(cfg: SFTStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate_common(cfg.data, cfg.optim, cfg.run)
+    open_run(out, resume, overwrite, log)
     model, tokenizer = load_policy(cfg.model, cfg.data)
     rows, line = load_examples(cfg.data.path, encode_sft, tokenizer, cfg.data.max_length, cfg.data.split)
     log(line)
