@@ -6,7 +6,11 @@ Every stage gets the data it needs from one generator, with held-out questions n
 - SFT chats (``sft.jsonl``, ``{"messages"}``): ``what is a+b?`` -> ``c``.
 - Preference pairs (``pairs.jsonl``, ``{"prompt", "chosen", "rejected"}``): the right sum against a near
   miss (off by 1 to 10, or digits swapped), the mistakes a partly trained model makes.
-- RL / held-out questions (``eval.jsonl``, ``{"prompt", "answer"}``): disjoint from all of the above.
+- RL questions (``rl.jsonl``, ``{"prompt", "answer"}``, for ``task.name=jsonl`` and ``exact_match``).
+- Held out, on questions no stage trains on: ``eval.jsonl`` (greedy accuracy), ``pairs_eval.jsonl``
+  (preference accuracy), ``corpus_eval.jsonl`` (the corpus's per-token loss).
+
+    python -m tidal.stages.synthetic --out runs/stages/domain
 
 Numbers are 0..``max_operand``; the tiny chat tokenizer spells every character of it.
 """
@@ -42,15 +46,42 @@ def build(out: str | Path, num_sft: int = 2000, num_pairs: int = 2000, num_eval:
     def draw(n):
         return [train[rng.randrange(len(train))] for _ in range(n)]
 
-    files = {name: out / f"{name}.jsonl" for name in ("corpus", "sft", "pairs", "eval")}
-    lines = [f"{a}+{b}={a + b}" for a, b in train]
-    corpus = [{"text": "\n".join(lines[i: i + 8])} for i in range(0, len(lines), 8)]
-    sft = [{"messages": [{"role": "user", "content": question(a, b)},
-                         {"role": "assistant", "content": str(a + b)}]} for a, b in draw(num_sft)]
-    prefs = []
-    for a, b in draw(num_pairs):
-        prefs.append({"prompt": question(a, b), "chosen": str(a + b), "rejected": str(near_miss(a + b, rng))})
-    evals = [{"prompt": question(a, b), "answer": str(a + b)} for a, b in held]
-    for name, rows in (("corpus", corpus), ("sft", sft), ("pairs", prefs), ("eval", evals)):
-        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = ("corpus", "sft", "pairs", "rl", "eval", "corpus_eval", "pairs_eval")
+    files = {name: out / f"{name}.jsonl" for name in names}
+
+    def corpus(pairs_ab):
+        lines = [f"{a}+{b}={a + b}" for a, b in pairs_ab]
+        return [{"text": "\n".join(lines[i: i + 8])} for i in range(0, len(lines), 8)]
+
+    def prefs(pairs_ab):
+        return [{"prompt": question(a, b), "chosen": str(a + b), "rejected": str(near_miss(a + b, rng))}
+                for a, b in pairs_ab]
+
+    rows = {
+        "corpus": corpus(train),
+        "sft": [{"messages": [{"role": "user", "content": question(a, b)},
+                              {"role": "assistant", "content": str(a + b)}]} for a, b in draw(num_sft)],
+        "pairs": prefs(draw(num_pairs)),
+        "rl": [{"prompt": question(a, b), "answer": str(a + b)} for a, b in train],
+        "eval": [{"prompt": question(a, b), "answer": str(a + b)} for a, b in held],
+        "corpus_eval": corpus(held),
+        "pairs_eval": prefs(held),
+    }
+    for name in names:
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
     return files
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tidal.stages.synthetic", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name, path in build(args.out, seed=args.seed).items():
+        print(f"{name:12s} {path}")
+
+
+if __name__ == "__main__":
+    main()
