@@ -31,9 +31,19 @@ def commands(out: str) -> list[tuple[str, list[str]]]:
         ("dpo", ["dpo", "--set", f"model.path={out}/sft/model", "--set", f"data.path={d}/pairs.jsonl",
                  "--set", "optim.lr=1e-4", "--set", "beta=0.1", "--set", "run.batch_size=16",
                  "--set", "run.steps=100", "--set", "run.threads=1", "--out", f"{out}/dpo"]),
+        ("rm", ["rm", "--set", f"model.path={out}/sft/model", "--set", f"data.path={d}/pairs.jsonl",
+                "--set", f"data.eval_path={d}/pairs_eval.jsonl", "--set", "optim.lr=1e-3", "--set", "run.steps=100",
+                "--set", "run.threads=1", "--out", f"{out}/rm"]),
         ("rl", ["train", "stages_rl", "--set", f"model.path={out}/dpo/model", "--set", f"task.path={d}/rl.jsonl",
                 "--set", f"task.eval_path={d}/eval.jsonl", "--set", "system.num_threads=1", "--out", f"{out}/rl"]),
     ]
+
+
+def rl_with_rm(out: str) -> list[str]:
+    """The RL stage scored by the trained reward model instead of the verifier (``reward.name=rm``)."""
+    return ["train", "stages_rl", "--set", f"model.path={out}/dpo/model", "--set", f"task.path={out}/domain/rl.jsonl",
+            "--set", f"task.eval_path={out}/domain/eval.jsonl", "--set", "reward.name=rm",
+            "--set", f"reward.params.path={out}/rm/model", "--set", "system.num_threads=1", "--out", f"{out}/rl_rm"]
 
 
 def model_dirs(out: str) -> dict[str, Path]:
@@ -67,6 +77,8 @@ def run(out: str, extra: dict[str, list[str]] | None = None) -> dict:
     table = {"base": held_out_checks(base, f"{out}/domain")}
     for stage, path in model_dirs(out).items():
         table[stage] = held_out_checks(path, f"{out}/domain")
+    rm_metrics = [json.loads(line) for line in (Path(out) / "rm" / "metrics.jsonl").read_text().splitlines()]
+    table["rm"] = {"eval_accuracy": [m for m in rm_metrics if "eval/accuracy" in m][-1]["eval/accuracy"]}
     Path(out, "table.json").write_text(json.dumps(table, indent=2))
     return table
 
@@ -74,6 +86,9 @@ def run(out: str, extra: dict[str, list[str]] | None = None) -> dict:
 def markdown(table: dict) -> str:
     lines = ["| stage | held-out accuracy | preference accuracy | corpus NLL |", "|---|---|---|---|"]
     for stage, m in table.items():
+        if stage == "rm":
+            lines.append(f"| rm (reward model) | held-out pair accuracy {m['eval_accuracy']:.3f} | | |")
+            continue
         lines.append(f"| {stage} | {m['accuracy']:.3f} | {m['pref_acc']:.3f} | {m['corpus_nll']:.3f} |")
     return "\n".join(lines)
 
