@@ -150,10 +150,12 @@ def open_run(out: str | Path, resume: bool, overwrite: bool, log: Callable[[str]
 
 def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: list, step_fn: StepFn,
               eval_fn: EvalFn, out: str | Path, resume: bool = False, overwrite: bool = False,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print, clock_start: float | None = None) -> dict:
     """After ``open_run``: train ``model`` with ``step_fn`` (loss, metrics of a batch of rows) for ``cfg.run.steps`` steps,
     evaluating with ``eval_fn`` and checkpointing as ``cfg.run`` says; write ``out/model``; return the
-    last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``, ``RunConfig``)."""
+    last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``, ``RunConfig``). ``perf/wall_s`` counts
+    from ``clock_start`` (a stage's work before the loop, e.g. DPO's reference pass), ``perf/train_s`` is
+    that less the evaluations."""
     out = Path(out)
     save_yaml(cfg, out / "config.yaml")
     run, optim = cfg.run, cfg.optim
@@ -173,7 +175,8 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
         log(f"{name}: resumed from {ckpt} (step {start})")
     model.train()
     last: dict = {}
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, eval_s = time.perf_counter(), 0, 0.0
+    clock_start = t0 if clock_start is None else clock_start
     for step in range(start, run.steps):
         rows = [train_rows[i] for i in batch_indices(len(train_rows), run.batch_size, run.seed, step)]
         loss, metrics = step_fn(model, rows)
@@ -186,14 +189,18 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
         done = step + 1
         row = {"step": done, "train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm),
                **{f"train/{k}": v for k, v in metrics.items()},
-               "perf/tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}
+               "perf/tokens_per_s": tokens / max(time.perf_counter() - t0 - eval_s, 1e-9)}
         if done % run.eval_every == 0 or done == run.steps:
+            t_eval = time.perf_counter()
             model.eval()
             with torch.no_grad():
                 row.update({f"eval/{k}": v for k, v in eval_fn(model).items()})
             model.train()
+            eval_s += time.perf_counter() - t_eval
             log(f"{name} step {done}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()
                                                    if k.startswith(("train/loss", "eval/"))))
+        row["perf/wall_s"] = time.perf_counter() - clock_start
+        row["perf/train_s"] = row["perf/wall_s"] - eval_s
         if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
             raise FloatingPointError(f"{name} step {done}: a non-finite metric {row}")
         with open(metrics_path, "a") as f:

@@ -15,6 +15,7 @@ Held out: the loss and the preference accuracy (the share of pairs whose implici
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,7 @@ def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool =
         log(line)
     else:
         pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
+    clock_start = time.perf_counter()  # the reference pass is part of the stage's time
     rows, held_rows = with_reference(cfg, model, pairs, held, Path(out), resume, log)
     pack_length = cfg.pack_length or cfg.data.max_length
 
@@ -153,4 +155,4 @@ def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool =
             losses, accs, n = losses + float(loss) * len(part), accs + m["pref_acc"] * len(part), n + len(part)
         return {"loss": losses / n, "pref_acc": accs / n}
 
-    return run_stage("dpo", cfg, model, tokenizer, rows, step_fn, eval_fn, out, resume, overwrite, log)
+    return run_stage("dpo", cfg, model, tokenizer, rows, step_fn, eval_fn, out, resume, overwrite, log, clock_start)
