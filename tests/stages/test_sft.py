@@ -9,7 +9,7 @@ from tidal.config import apply_overrides
 from tidal.models import tiny
 from tidal.stages import sft, synthetic
 from tidal.stages.chat_data import encode_sft
-from tidal.system.run_dir import RunDirError
+from tidal.stages.common import StageDirError
 
 from .conftest import SMALL
 
@@ -63,7 +63,7 @@ def test_export_is_a_model_path_with_its_template(domain, tmp_path):
     sft.train(_cfg(domain["sft"], **{"run.steps": 1}), str(tmp_path / "r"), log=lambda s: None)
     model, tok = tiny.load(tmp_path / "r" / "model")
     assert "{% generation %}" in tok.chat_template
-    with pytest.raises(RunDirError, match="--resume"):
+    with pytest.raises(StageDirError, match="--resume"):
         sft.train(_cfg(domain["sft"], **{"run.steps": 1}), str(tmp_path / "r"), log=lambda s: None)
     # the next stage starts from it
     sft.train(_cfg(domain["sft"], **{"run.steps": 1, "model.path": str(tmp_path / "r" / "model")}),

@@ -3,7 +3,7 @@
 A stage starts from ``model.path`` (a Hugging Face directory: a base, or the previous stage's ``model/``)
 or, without one, builds the tiny model with the chat tokenizer (``models/tiny.py``). It writes what
 ``tidal train`` writes (``config.yaml``, ``metrics.jsonl``, ``checkpoints/step_<k>/`` through
-``train/checkpoint.py``, ``--resume``/``--overwrite`` through ``system/run_dir.py``) and, at the end,
+``train/checkpoint.py``, ``--resume``/``--overwrite`` with ``tidal train``'s rules) and, at the end,
 ``model/``: a ``save_pretrained`` directory the next stage and RL take as ``model.path``.
 
 The data order is a function of (seed, step): step k takes the k-th ``batch_size`` slice of the
@@ -25,7 +25,6 @@ import torch
 from tidal.config import ConfigError, save_yaml
 from tidal.models import tiny
 from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE
-from tidal.system.run_dir import prepare_out_dir
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 
 
@@ -136,16 +135,39 @@ StepFn = Callable[[torch.nn.Module, list], tuple[torch.Tensor, dict[str, float]]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
 
+STAGE_OUTPUTS = ("config.yaml", "metrics.jsonl", "checkpoints", "model", "reference_logps.pt")
+"""Everything a stage writes into its directory (what ``--overwrite`` removes; nothing else is touched)."""
+
+
+class StageDirError(ConfigError):
+    """``--out`` cannot take this run (one line on the command line)."""
+
+
 def open_run(out: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None] = print) -> None:
-    """Check ``out`` can take the run before any work (``system/run_dir.py``: ``--resume`` continues it,
-    ``--overwrite`` deletes the previous run's files, and its ``model/``)."""
+    """Check ``out`` can take the run before any work, with ``tidal train``'s rules: ``--resume`` continues
+    the run there, ``--overwrite`` deletes the previous run's files, and a previous run is never silently
+    mixed with a new one."""
     out = Path(out)
-    note = prepare_out_dir(out, resume, overwrite)
-    if note:
-        log(note)
-    if overwrite:
-        shutil.rmtree(out / "model", ignore_errors=True)
-        (out / "reference_logps.pt").unlink(missing_ok=True)
+    if resume and overwrite:
+        raise StageDirError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
+    if out.exists() and not out.is_dir():
+        raise StageDirError(f"--out {out} is a file, not a directory")
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if resume:
+        if ckpt is None:
+            raise StageDirError(f"--resume: {out} holds no checkpoint to continue from")
+        return
+    found = [name for name in ("metrics.jsonl", "model") if (out / name).exists()]
+    found += [f"checkpoints/{ckpt.name}"] if ckpt is not None else []
+    if found and not overwrite:
+        raise StageDirError(f"{out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+                            "--overwrite to delete it and start again, or choose another --out")
+    removed = [name for name in STAGE_OUTPUTS if (out / name).exists()]
+    for name in removed:
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    if removed:
+        log(f"--overwrite: deleted the previous run's {', '.join(removed)} from {out}")
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: list, step_fn: StepFn,
