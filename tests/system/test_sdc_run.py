@@ -2,6 +2,7 @@
 to the last verified checkpoint and ends with exactly the fault-free run's weights."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -129,6 +130,8 @@ def test_worker_mismatch_by_hand():
     logp = torch.tensor([[0.0, -1.1, -1.7], [0.0, -0.5, 8.0]])
     gaps = worker_mismatch(groups, batch, logp, version=3)
     assert gaps[0] == pytest.approx(0.2) and gaps[1] == pytest.approx(0.5)  # worker 1's stale token left out
+    batch.behav_logp_bt[:, 0] = -math.inf  # padding (the prompt column) may hold -inf: the gaps do not change
+    assert worker_mismatch(groups, batch, logp, version=3) == gaps
 
 
 @pytest.mark.parametrize("setting, match", [("sdc.replay_every=-1", "sdc.replay_every must be >= 0"),

@@ -314,8 +314,9 @@ def worker_mismatch(groups: list[Group], batch: TrainBatch, logp_bt: torch.Tenso
     for row, gi in enumerate(batch.group_index_b.tolist()):
         first_row.setdefault(gi, row)
     logp_bt = logp_bt.to(batch.behav_logp_bt.device)  # the trainer's device; the batch as the controller built it
-    gap_bt = (logp_bt - batch.behav_logp_bt).abs() * batch.loss_mask_bt * (batch.versions_bt == version)
     fresh_bt = batch.loss_mask_bt * (batch.versions_bt == version)
+    # a selection, not a product: a padded log-prob may be -inf, and 0 * inf would make the worker's sum NaN
+    gap_bt = torch.where(fresh_bt > 0, (logp_bt - batch.behav_logp_bt).abs(), 0.0) * fresh_bt
     sums: dict[Any, list[float]] = {}
     for gi, row in first_row.items():
         for j, t in enumerate(groups[gi].trajectories):
