@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from tidal.algo import (
+    ADVANTAGES,
     CORRECTIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     advantage_metrics,
     distill_advantage,
     entropy_loss,
+    high_entropy_mask,
     kl_loss,
     kl_reward_penalty,
     kl_reward_penalty_tokens,
@@ -159,8 +161,9 @@ def test_kl_estimators_ignore_non_finite_padding(name, padding):
 
 @pytest.mark.parametrize("padding", PADDINGS)
 def test_the_other_masked_functions_ignore_non_finite_padding(padding):
-    """Entropy bonus, value loss, GAE, explained variance, distillation advantage, covariance, the masked
-    mean, sequence log-ratio and advantage metrics: all the other users of a response mask in algo/."""
+    """Entropy bonus and high-entropy mask, value loss, GAE, explained variance, REINFORCE++'s token-level
+    returns, distillation advantage, covariance, the masked mean, sequence log-ratio and advantage metrics:
+    all the other users of a response mask in algo/."""
     results = []
     for inputs in _both(3, padding, grad=("x", "logp")):
         out = {}
@@ -170,6 +173,9 @@ def test_the_other_masked_functions_ignore_non_finite_padding(padding):
         rewards = torch.tensor([1.0, 0.0, 1.0, 0.5])
         out["gae"] = gae(rewards, inputs["old"], MASK)
         out["explained_var"] = explained_variance(inputs["old"], inputs["ref"], MASK)
+        out["top_entropy"] = high_entropy_mask(inputs["x"].detach(), MASK, top_entropy_frac=0.5)
+        out["rpp_token"] = ADVANTAGES["reinforce_pp_token"](rewards, torch.tensor([0, 0, 1, 1]), mask_bt=MASK,
+                                                             kl_penalty_bt=inputs["w"], gamma=0.9)
         out["distill"] = distill_advantage(torch.ones(B), inputs["ref"], inputs["old"], MASK, distill_reward_coef=0.5)
         out["distill_bt"] = distill_advantage(inputs["adv"], inputs["ref"], inputs["old"], MASK)
         out["cov"] = token_covariance(inputs["logp"], inputs["adv"], MASK)
