@@ -132,7 +132,8 @@ def test_each_row_shows_its_responses_and_their_rewards(browser, inspector_runs,
         chips = tr.find_elements(By.CSS_SELECTOR, "td.responses-cell .resp")
         assert len(chips) == len(rec["samples"])
         for chip, s in zip(chips, rec["samples"]):
-            assert chip.find_element(By.CSS_SELECTOR, ".resp-text").get_attribute("textContent") == response_preview(s["text"])
+            text = chip.find_element(By.CSS_SELECTOR, ".resp-text").get_attribute("textContent")
+            assert text == response_preview(s["text"])
             assert chip.get_attribute("title") == s["text"]
             shown = chip.find_element(By.CSS_SELECTOR, ".resp-reward").get_attribute("textContent")
             assert float(shown) == pytest.approx(round(s["reward"], 4), abs=1e-9)

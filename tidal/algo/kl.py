@@ -80,8 +80,8 @@ def kl_loss(
     """kl_coef * aggregate(k(logp, ref_logp)) as a loss term; defaults are GRPO's (k3, 0.04).
     ``behav_logp_bt`` (the log-probs the tokens were sampled with) reaches estimators that take
     ``old_logp_bt`` (``k3_is``). Padding (mask 0) may hold -inf or NaN in any input: the inputs are
-    selected (``zero_outside``) before the estimator runs, so neither the value nor a gradient sees it. Returns the scalar and ``algo/kl`` (the token mean of k, whatever the
-    aggregation)."""
+    selected (``zero_outside``) before the estimator runs, so neither the value nor a gradient sees it.
+    Returns the scalar and ``algo/kl`` (the token mean of k, whatever the aggregation)."""
     logp_bt, ref_logp_bt, behav_logp_bt = (zero_outside(x, mask_bt) for x in (logp_bt, ref_logp_bt, behav_logp_bt))
     estimator = bind(KL_ESTIMATORS[kl_estimator], old_logp_bt=behav_logp_bt)
     k_bt = estimator(logp_bt, ref_logp_bt.detach())

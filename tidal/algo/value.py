@@ -132,7 +132,8 @@ def value_loss(
     (tokens where the clipped error was the larger, so the clip was active), ``critic/values_mean``."""
     # padding (mask 0) may hold anything, NaN included: select before any arithmetic, or 0 * NaN reaches the gradient
     values_bt = zero_outside(values_bt, mask_bt)
-    old_values_bt, returns_bt = zero_outside(old_values_bt, mask_bt).detach(), zero_outside(returns_bt, mask_bt).detach()
+    old_values_bt = zero_outside(old_values_bt, mask_bt).detach()
+    returns_bt = zero_outside(returns_bt, mask_bt).detach()
     err_bt = (values_bt - returns_bt) ** 2
     clipped_bt = err_bt
     if value_clip is not None:
