@@ -97,7 +97,8 @@ def main(job_path: str, out_path: str) -> None:
     history = trainer.state.log_history
     eval_s = sum(h.get("eval_runtime", 0.0) for h in history)
     num_tokens = max((h.get("num_tokens", 0) for h in history), default=0)
-    result = {"train_s": wall - eval_s, "wall_s": wall, "eval_s": eval_s, "ref_s": ref_s, "train_runtime": out.metrics["train_runtime"],
+    result = {"train_s": wall - eval_s, "wall_s": wall, "eval_s": eval_s, "ref_s": ref_s,
+              "train_runtime": out.metrics["train_runtime"],
               "num_tokens": num_tokens, "rows": job["steps"] * job["batch_size"], "curve": curve}
     Path(out_path).write_text(json.dumps(result))
 

@@ -119,7 +119,7 @@ def rm_parity() -> dict:
     for center in (None, 0.01):
         leaf = rewards.clone().requires_grad_(True)
         fake = _fake(args=SimpleNamespace(center_rewards_coefficient=center))
-        loss = RewardTrainer.compute_loss(fake, lambda **kw: SimpleNamespace(logits=leaf),
+        loss = RewardTrainer.compute_loss(fake, lambda leaf=leaf, **kw: SimpleNamespace(logits=leaf),
                                           {"input_ids": torch.zeros((8, 3)), "attention_mask": torch.ones((8, 3))})
         loss.backward()
         mine = rewards.clone().requires_grad_(True)
@@ -182,7 +182,8 @@ def main(argv=None) -> dict:
     for beta, gamma in ((2.0, 0.5), (2.5, 1.4)):
         tl, tg = trl_simpo(beta, gamma, logp, mask)
         ml, mg = tidal_pref("simpo", beta, gamma, logp, mask, ref)
-        result[f"simpo_beta_{beta}"] = {"loss": ml, "loss_diff": abs(tl - ml), "grad_diff": float((tg - mg).abs().max())}
+        result[f"simpo_beta_{beta}"] = {"loss": ml, "loss_diff": abs(tl - ml),
+                                        "grad_diff": float((tg - mg).abs().max())}
     result.update(rm_parity())
     result.update(mask_parity())
     text = json.dumps(result, indent=1)

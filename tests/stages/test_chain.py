@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 from tidal import cli
-from tidal.recipes import stages_chain
+from tidal.cli import stages_chain
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "stages.md"
 SHORT = {"dapt": ["run.steps=2"], "sft": ["run.steps=2"], "dpo": ["run.steps=2"], "rm": ["run.steps=2"],

@@ -22,7 +22,8 @@ def domain(tmp_path_factory):
 def _cfg(data, **extra):
     sets = [f"data.path={data}", "run.steps=3", "run.save_every=2", "run.eval_every=3", "run.batch_size=8",
             "optim.lr=1e-3", "run.threads=1", "data.max_length=40", "ref_batch_size=16"]
-    sets += [f"model.{k}={v}" for k, v in SMALL.items()] + ["model.tokenizer=chat"] + [f"{k}={v}" for k, v in extra.items()]
+    sets += [f"model.{k}={v}" for k, v in SMALL.items()] + ["model.tokenizer=chat"]
+    sets += [f"{k}={v}" for k, v in extra.items()]
     return apply_overrides(dpo.DPOStageConfig(), sets)
 
 

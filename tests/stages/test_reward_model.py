@@ -42,7 +42,8 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("rm")
     files = synthetic.build(root / "dom", num_sft=20, num_pairs=60, num_eval=10)
     sets = [f"data.path={files['pairs']}", "run.steps=2", "run.eval_every=2", "run.save_every=2", "optim.lr=1e-3",
-            "run.threads=1", "data.max_length=40", "model.tokenizer=chat"] + [f"model.{k}={v}" for k, v in SMALL.items()]
+            "run.threads=1", "data.max_length=40", "model.tokenizer=chat"]
+    sets += [f"model.{k}={v}" for k, v in SMALL.items()]
     last = reward_model.train(apply_overrides(reward_model.RMStageConfig(), sets), str(root / "run"),
                               log=lambda s: None)
     return root / "run" / "model", last

@@ -34,7 +34,8 @@ def test_packed_loss_equals_padded_loss(chat_tok):
 def _cfg(data, **extra):
     sets = [f"data.path={data}", "run.steps=4", "run.save_every=2", "run.eval_every=2", "run.batch_size=8",
             "optim.lr=1e-3", "run.threads=1", "data.max_length=40", "pack_length=80"]
-    sets += [f"model.{k}={v}" for k, v in SMALL.items()] + ["model.tokenizer=chat"] + [f"{k}={v}" for k, v in extra.items()]
+    sets += [f"model.{k}={v}" for k, v in SMALL.items()] + ["model.tokenizer=chat"]
+    sets += [f"{k}={v}" for k, v in extra.items()]
     return apply_overrides(sft.SFTStageConfig(), sets)
 
 

@@ -38,7 +38,8 @@ def last_token_rewards(rm: torch.nn.Module, input_ids_bt: torch.Tensor, lengths_
     device = next(rm.parameters()).device
     ids = input_ids_bt.to(device)
     attn = (torch.arange(ids.shape[1], device=device)[None] < torch.tensor(lengths_b, device=device)[:, None]).long()
-    hidden_bth = getattr(rm, rm.base_model_prefix)(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    backbone = getattr(rm, rm.base_model_prefix)
+    hidden_bth = backbone(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
     last = hidden_bth[torch.arange(len(lengths_b), device=device), torch.tensor(lengths_b, device=device) - 1]
     return rm.score(last).squeeze(-1).float()
 

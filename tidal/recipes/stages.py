@@ -1,4 +1,4 @@
-"""The RL end of the stage chain (``recipes/stages_chain.py``, docs/stages.md)."""
+"""The RL end of the stage chain (``cli/stages_chain.py``, docs/stages.md)."""
 
 from __future__ import annotations
 

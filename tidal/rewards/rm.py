@@ -41,7 +41,8 @@ class RewardModelReward:
 
     def __post_init__(self):
         if not self.path:
-            raise ConfigError("reward 'rm' needs params.path: a reward model directory (tidal rm ... --out DIR: DIR/model)")
+            raise ConfigError("reward 'rm' needs params.path: a reward model directory "
+                              "(tidal rm ... --out DIR: DIR/model)")
 
     def _scorer(self):
         key = (self.path, self.batch_size, self.max_length)

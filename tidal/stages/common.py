@@ -173,11 +173,11 @@ def open_run(out: str | Path, resume: bool, overwrite: bool, log: Callable[[str]
 def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: list, step_fn: StepFn,
               eval_fn: EvalFn, out: str | Path, resume: bool = False, overwrite: bool = False,
               log: Callable[[str], None] = print, clock_start: float | None = None) -> dict:
-    """After ``open_run``: train ``model`` with ``step_fn`` (loss, metrics of a batch of rows) for ``cfg.run.steps`` steps,
-    evaluating with ``eval_fn`` and checkpointing as ``cfg.run`` says; write ``out/model``; return the
-    last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``, ``RunConfig``). ``perf/wall_s`` counts
-    from ``clock_start`` (a stage's work before the loop, e.g. DPO's reference pass), ``perf/train_s`` is
-    that less the evaluations."""
+    """After ``open_run``: train ``model`` with ``step_fn`` (loss, metrics of a batch of rows) for
+    ``cfg.run.steps`` steps, evaluating with ``eval_fn`` and checkpointing as ``cfg.run`` says; write
+    ``out/model``; return the last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``,
+    ``RunConfig``). ``perf/wall_s`` counts from ``clock_start`` (a stage's work before the loop, e.g. DPO's
+    reference pass), ``perf/train_s`` is that less the evaluations."""
     out = Path(out)
     save_yaml(cfg, out / "config.yaml")
     run, optim = cfg.run, cfg.optim
