@@ -7,6 +7,7 @@
     tidal report DIR [DIR ...] [--out FILE]
     tidal inspect DIR [DIR ...] [--out FILE] [--serve [--port N]]
     tidal quantize MODEL_OR_RUN_DIR OUT_DIR [--layout compressed-tensors|fp8]
+    tidal export RUN_OR_CHECKPOINT --out DIR [--merge]
     tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
     tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
     tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]
@@ -326,6 +327,19 @@ def cmd_quantize(args) -> int:
 
 
 @_one_line_errors
+def cmd_export(args) -> int:
+    """A run's latest checkpoint (or a checkpoint) as LoRA adapters, a merged model, or full weights."""
+    from tidal.models.export import export
+    from tidal.train.checkpoint import latest_checkpoint
+
+    src = Path(args.run)
+    if (src / "checkpoints").exists():
+        src = latest_checkpoint(src / "checkpoints") or src
+    print(json.dumps(export(src, args.out, merge=args.merge)))
+    return 0
+
+
+@_one_line_errors
 def cmd_report(args) -> int:
     """One run: (re)write its report.html. Several: one comparison report (their panels overlaid, config diff)."""
     from tidal.utils.report import write_report
@@ -557,6 +571,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--layout", choices=["compressed-tensors", "fp8"], default="compressed-tensors",
                     help="compressed-tensors (weight_scale) or DeepSeek-V3's native fp8 (weight_scale_inv)")
     sp.set_defaults(fn=cmd_quantize)
+
+    sp = sub.add_parser("export", help="write a run's policy: LoRA adapters (PEFT layout) or, with --merge, a merged "
+                        "Hugging Face model directory (docs/lora.md)")
+    sp.add_argument("run", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    sp.add_argument("--out", required=True, help="output directory (new or empty)")
+    sp.add_argument("--merge", action="store_true", help="merge the adapters into the base (a plain HF model)")
+    sp.set_defaults(fn=cmd_export)
 
     sp = sub.add_parser("report", help="(re)write report.html for a run directory; several: compare them")
     sp.add_argument("run_dirs", nargs="+", metavar="run_dir")

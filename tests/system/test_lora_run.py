@@ -80,3 +80,35 @@ def test_combinations_lora_cannot_serve_are_one_config_error(tmp_path, override,
     with pytest.raises(ConfigError, match=keys.replace(".", r"\.")) as e:
         check_inputs(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_export_adapters_and_merged_model_give_the_trained_policy(tmp_path):
+    """`tidal export RUN`: PEFT loads the adapters onto the base; `--merge`: a plain HF directory that
+    AutoModelForCausalLM loads with the trained policy's log-probs, and that model.path accepts."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tidal.cli import main
+
+    c, _ = run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=2", *LORA), tmp_path / "run")
+    ids = torch.randint(3, 40, (3, 9))
+    want = token_logprobs(c.trainer.model, ids, None)[0].detach()
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "adapters")]) == 0
+    assert main(["export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir() if "token" not in p.name) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(lora.base_of(tmp_path / "adapters"), local_files_only=True)
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapters"))
+    torch.testing.assert_close(token_logprobs(peft_model, ids, None)[0], want, atol=0, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    torch.testing.assert_close(token_logprobs(merged, ids, None)[0], want, atol=1e-5, rtol=0)
+    next_stage = tiny_cfg(tmp_path, "system.mode=sync", "max_steps=1", f"model.path={tmp_path / 'merged'}")
+    c2, result = run(next_stage, tmp_path / "next")
+    assert result.base_accuracy is not None
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "merged")]) == 2  # never mixed into
+
+
+def test_a_lora_checkpoint_does_not_resume_a_full_run(tmp_path):
+    run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=2", *LORA), tmp_path / "run")
+    with pytest.raises(RuntimeError, match="holds LoRA adapters but the run trains the whole model"):
+        run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=3"), tmp_path / "run", resume=True)
