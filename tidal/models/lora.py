@@ -146,11 +146,19 @@ def _lora_layers(model: torch.nn.Module):
             yield name[len(prefix):] if name.startswith(prefix) else name, module
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from an FSDP2 shard (a DTensor: collective, every rank must call it), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def adapter_update(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """A detached copy of the adapters (the module docstring's layout), ``dtype`` the engine's."""
+    """A detached copy of the adapters (the module docstring's layout), ``dtype`` the engine's. Sharded with
+    FSDP2, each adapter is gathered whole (collective: every rank calls it, in the same order)."""
     out: dict[str, torch.Tensor] = {}
     for name, layer in _lora_layers(model):
-        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        a, b = _full(layer.lora_A["default"].weight), _full(layer.lora_B["default"].weight)
         out[name + _A] = a.detach().to(dtype=dtype or a.dtype, copy=True)
         out[name + _B] = b.detach().to(dtype=dtype or b.dtype, copy=True)
         out[name + _SCALE] = torch.tensor(float(layer.scaling["default"]), dtype=torch.float32)
@@ -219,12 +227,22 @@ def apply_update(model: torch.nn.Module, base: dict[str, torch.Tensor], update) 
         weight.copy_((w0.float() + scale * (b @ a)).to(weight.dtype))
 
 
-def save_adapters(model: torch.nn.Module, directory: str | Path) -> None:
+def save_adapters(model: torch.nn.Module, directory: str | Path, state_dict: dict | None = None) -> None:
     """PEFT's layout: ``adapter_config.json`` + ``adapter_model.safetensors`` (embeddings never saved:
-    they are not adapted, and PEFT's ``auto`` would look the base up on the Hub)."""
-    model.save_pretrained(directory, safe_serialization=True, save_embedding_layers=False)
+    they are not adapted, and PEFT's ``auto`` would look the base up on the Hub). ``state_dict``: the
+    model's full state dict when it is sharded (gathered on rank 0), as ``model.state_dict()`` names it."""
+    model.save_pretrained(directory, safe_serialization=True, save_embedding_layers=False, state_dict=state_dict)
     readme = Path(directory) / "README.md"  # PEFT's model-card stub: not part of the adapters
     readme.unlink(missing_ok=True)
+
+
+def read_adapters(directory: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapters under the PEFT model's own parameter names (PEFT saves them without the
+    adapter's name: ``...q_proj.lora_A.weight`` is the model's ``...q_proj.lora_A.default.weight``)."""
+    from safetensors.torch import load_file
+
+    return {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v
+            for k, v in load_file(Path(directory) / ADAPTER_WEIGHTS).items()}
 
 
 def load_adapters(model: torch.nn.Module, directory: str | Path) -> None:
@@ -286,10 +304,10 @@ def check_run(cfg) -> None:
         raise ConfigError(f"model.lora with system.backend={cfg.system.backend}: Ray rollout workers take full weights "
                           "only for now; use system.backend=local")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.trainer.data_parallel == "elastic" or world > 1:
-        raise ConfigError(f"model.lora with data parallel training (trainer.data_parallel={cfg.trainer.data_parallel}, "
-                          f"WORLD_SIZE={world}): FSDP2, DiLoCo and elastic replicas do not shard or sync PEFT "
-                          "adapters yet; train LoRA in one process")
+    if cfg.trainer.data_parallel == "elastic" or (world > 1 and cfg.trainer.data_parallel != "fsdp"):
+        raise ConfigError(f"model.lora with trainer.data_parallel={cfg.trainer.data_parallel}: DiLoCo and elastic "
+                          "replicas do not sync PEFT adapters yet; use trainer.data_parallel=fsdp under torchrun "
+                          "(FSDP2: base frozen and sharded, adapters trained) or one process")
     if cfg.optim.name == "muon":
         raise ConfigError("model.lora with optim.name=muon: Muon orthogonalizes whole hidden matrices, and LoRA's A "
                           "and B are rank-r factors; use optim.name=adamw or ademamix")

@@ -114,7 +114,7 @@ def save_checkpoint(
             _remove(leftover)
         tmp.mkdir()
         if lora.is_peft(model):
-            lora.save_adapters(model, tmp)
+            lora.save_adapters(model, tmp, model_state_dict)
         else:
             model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state_dict)
         tokenizer.save_pretrained(tmp)
@@ -209,11 +209,14 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(weights, trainer state blob) of a checkpoint directory, its content hashes checked first."""
+    """(weights, trainer state blob) of a checkpoint directory, its content hashes checked first (a LoRA
+    checkpoint's weights: its adapters only)."""
     from safetensors.torch import load_file
 
     path = Path(path)
     verify_hashes(path)
+    if (path / lora.ADAPTER_WEIGHTS).exists():  # a LoRA run's: the adapters, under the PEFT model's names
+        return lora.read_adapters(path), torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     # On the host: a checkpoint saved on a GPU resumes on any device (``load_state_dict`` moves each tensor,
     # optimizer state included, to its parameter's device).
     return load_file(path / "model.safetensors"), torch.load(path / "trainer_state.pt", weights_only=False,

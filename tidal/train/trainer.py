@@ -547,7 +547,9 @@ class Trainer:
         if self.lora:  # the adapters only; the engine merges them into its own copy of the base
             if quant != "none":
                 raise ValueError(f"rollout.weight_quant={quant!r} with model.lora: the adapters are sent unquantized")
-            sd = lora.adapter_update(self.model, dtype)
+            sd = lora.adapter_update(self.model, dtype)  # data parallel: gathered on every rank, kept on rank 0
+            if self.dp.enabled and self.dp.rank != 0:
+                sd = {}
             self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
                                         "perf/weight_sync_bytes": float(distributed.state_dict_bytes(sd))}
             return sd
