@@ -332,6 +332,8 @@ def _load_4bit(base_path: str | Path, device: str) -> torch.nn.Module:
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
+    from tidal.utils.device import resolve_device
+
     model = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, quantization_config=quant,
-                                                 device_map={"": torch.device(device)}, dtype=torch.bfloat16)
+                                                 device_map={"": resolve_device(device)}, dtype=torch.bfloat16)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
