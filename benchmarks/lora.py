@@ -106,8 +106,10 @@ def _quickstart_run(qs, s: Settings, rest: list[str], seed: int, rank: int | Non
     summary = qs.summarize_seed(curve, [TARGET])
     row = {"arm": f"r{rank}" if rank else "full", "lr": lr, "seed": seed, "base": summary["base"],
            "steps_to_0.85": summary["steps_to_0.85"], "final": summary["final"], "best": summary["best"],
-           "rl_s": curve[-1][1]}
+           "rl_s": curve[-1][1], "curve": [[step, acc] for step, _, acc in curve]}
     print(json.dumps(row), flush=True)
+    with open(out.parent / "runs.jsonl", "a") as f:  # kept run by run: a stopped benchmark keeps what it measured
+        f.write(json.dumps(row) + "\n")
     return row
 
 
@@ -210,6 +212,8 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     table = []
     if "memory" in s.parts:
         result.update(memory(s))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "memory.json").write_text(json.dumps(result, indent=2) + "\n")
         m = result["memory"]
         table += [{"part": "memory", "arm": m[k]["arm"], "lr": None, "seed": None, "steps_to_0.85": None,
                    "final": None, "peak_gb": m[k]["peak_bytes"] / 1e9, "optim_gb": m[k]["optimizer_state_bytes"] / 1e9,

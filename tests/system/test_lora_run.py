@@ -160,3 +160,12 @@ def test_lora_trains_a_harness_agent_through_the_endpoint(tmp_path):
     rows = result.history[1:]
     assert len(rows) == 2 and all(r["harness/crashed"] == 0 for r in rows)
     assert any(r.get("train/grad_norm", 0) > 0 for r in rows)
+
+
+def test_lora_and_full_runs_start_from_the_same_cached_base(tmp_path):
+    from tidal.system.run import base_model_path
+    from tidal.tasks import TASKS
+
+    full, low = tiny_cfg(tmp_path), tiny_cfg(tmp_path, *LORA)
+    paths = [base_model_path(c, TASKS.get(c.task.name)(c.task), progress=False) for c in (full, low)]
+    assert paths[0] == paths[1]
