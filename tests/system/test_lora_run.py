@@ -169,3 +169,13 @@ def test_lora_and_full_runs_start_from_the_same_cached_base(tmp_path):
     full, low = tiny_cfg(tmp_path), tiny_cfg(tmp_path, *LORA)
     paths = [base_model_path(c, TASKS.get(c.task.name)(c.task), progress=False) for c in (full, low)]
     assert paths[0] == paths[1]
+
+
+def test_sdc_replays_of_lora_steps_match_and_eval_reads_a_lora_run(tmp_path):
+    """The SDC guard's sampled replays (a shadow trainer from an in-memory snapshot) reproduce LoRA steps
+    bit for bit; `tidal eval RUN` reads the run's adapter checkpoint as its merged model."""
+    from tidal.cli import main
+
+    _, result = run(tiny_cfg(tmp_path, "system.mode=sync", "sdc.replay_every=2", *LORA), tmp_path / "run")
+    assert result.history[-1]["sdc/replayed_steps"] >= 1  # matched: a mismatch raises SilentDataCorruption
+    assert main(["eval", str(tmp_path / "run"), "--set", "num_eval=8"]) == 0
