@@ -69,6 +69,9 @@ class Settings:
     """Sequences in the memory part's one training batch (one group)."""
     memory_prompt_len: int = 32
     memory_response_len: int = 96
+    reuse: bool = True
+    """Read runs (and the memory part) already measured with the same settings under ``--out`` instead of
+    running them again: a long benchmark can be stopped and continued, or extended by seeds or lrs."""
 
 
 def _settings(overrides: list[str]) -> tuple[Settings, list[str]]:
@@ -96,19 +99,33 @@ def median_steps(values: list[int | None]) -> float | None:
     return None if m == float("inf") else m
 
 
+def _same_run(row: dict, key: dict) -> bool:
+    return all(row.get(k) == v for k, v in key.items())
+
+
 def _quickstart_run(qs, s: Settings, rest: list[str], seed: int, rank: int | None, lr: float, out: Path) -> dict:
+    """One quickstart run's summary; a run with the same arm, lr, seed, steps and overrides already in
+    ``runs.jsonl`` (a previous, possibly stopped, invocation with the same ``--out``) is read, not run again."""
     from tidal.system.run import train
 
+    key = {"arm": f"r{rank}" if rank else "full", "lr": lr, "seed": seed, "steps": s.steps, "eval_every": s.eval_every,
+           "overrides": rest}
+    log = out.parent / "runs.jsonl"
+    if s.reuse and log.exists():
+        done = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        found = next((r for r in reversed(done) if _same_run(r, key)), None)
+        if found is not None:
+            print(f"reused {json.dumps(key)}", flush=True)
+            return found
     _, cfg = qs.resolve([f"steps={s.steps}", f"eval_every={s.eval_every}", *rest, *_arm_overrides(rank, lr)], seed)
     result = train(cfg, out)
     curve = [(h["step"], h.get("time/elapsed_s", 0.0), h["eval/accuracy"]) for h in result.history
              if "eval/accuracy" in h]
     summary = qs.summarize_seed(curve, [TARGET])
-    row = {"arm": f"r{rank}" if rank else "full", "lr": lr, "seed": seed, "base": summary["base"],
-           "steps_to_0.85": summary["steps_to_0.85"], "final": summary["final"], "best": summary["best"],
-           "rl_s": curve[-1][1], "curve": [[step, acc] for step, _, acc in curve]}
+    row = {**key, "base": summary["base"], "steps_to_0.85": summary["steps_to_0.85"], "final": summary["final"],
+           "best": summary["best"], "rl_s": curve[-1][1], "curve": [[step, acc] for step, _, acc in curve]}
     print(json.dumps(row), flush=True)
-    with open(out.parent / "runs.jsonl", "a") as f:  # kept run by run: a stopped benchmark keeps what it measured
+    with open(log, "a") as f:  # kept run by run: a stopped benchmark keeps what it measured
         f.write(json.dumps(row) + "\n")
     return row
 
@@ -211,9 +228,16 @@ def run(overrides: list[str], out_dir: Path) -> dict:
                     "sync_bytes_ratio": None, "peak_mem_ratio": None}
     table = []
     if "memory" in s.parts:
-        result.update(memory(s))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "memory.json").write_text(json.dumps(result, indent=2) + "\n")
+        mine = {k: v for k, v in dataclasses.asdict(s).items() if k.startswith("memory_")}
+        saved = out_dir / "memory.json"
+        previous = json.loads(saved.read_text()) if s.reuse and saved.exists() else None
+        if previous is not None and previous.get("memory_settings") == mine:
+            result.update({k: previous[k] for k in ("memory", "sync_bytes_ratio", "peak_mem_ratio",
+                                                     "optimizer_state_ratio")})
+        else:
+            result.update(memory(s))
+            out_dir.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps({**result, "memory_settings": mine}, indent=2) + "\n")
         m = result["memory"]
         table += [{"part": "memory", "arm": m[k]["arm"], "lr": None, "seed": None, "steps_to_0.85": None,
                    "final": None, "peak_gb": m[k]["peak_bytes"] / 1e9, "optim_gb": m[k]["optimizer_state_bytes"] / 1e9,

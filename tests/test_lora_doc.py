@@ -94,3 +94,11 @@ def test_the_numbers_are_the_committed_results():
     assert f"{r['peak_mem_ratio']:.3f}" in DOC and f"{r['sync_bytes_ratio']:.4f}" in DOC
     for rank, steps in r["median_steps_to_0.85_by_rank"].items():
         assert f"| rank {rank} |" in DOC and (f"| {steps:g} |" if steps is not None else "| - |") in DOC
+
+
+def test_a_run_already_measured_under_the_same_settings_is_reused(tmp_path):
+    lora_bench = bench.load("lora")
+    s = lora_bench.Settings(steps=5)
+    row = {"arm": "r1", "lr": 1e-3, "seed": 0, "steps": 5, "eval_every": 10, "overrides": [], "steps_to_0.85": 3}
+    (tmp_path / "runs.jsonl").write_text(json.dumps({**row, "steps": 6}) + "\n" + json.dumps(row) + "\n")
+    assert lora_bench._quickstart_run(None, s, [], 0, 1, 1e-3, tmp_path / "r1") == row  # None: nothing is run
