@@ -1,7 +1,7 @@
 """DiLoCo vs plain data parallel on a small LM: bytes communicated and held-out loss after equal steps.
 
 Two gloo processes (torchrun, one thread each) pre-train the same tiny Qwen2 (hidden 64, 2 layers,
-~135k parameters) next-token on locally generated ``a+b=c`` text (``tidal/train/pretrain.py``), each
+~135k parameters) next-token on locally generated ``a+b=c`` text (``tidal/stages/pretrain.py``), each
 worker on its own stream, for the same number of optimizer steps at the same per-worker batch:
 
 - ``data parallel``: gradients all-reduced every step (one flat fp32 buffer);
@@ -60,7 +60,7 @@ def _launch(s: Settings, sets: list[str], seed: int) -> dict:
                   f"seed={seed}", f"model.init_seed={seed}", f"out={out}"]
         argv = [a for kv in [*common, *sets] for a in ("--set", kv)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={s.nproc}",
-               "-m", "tidal.train.pretrain", *argv]
+               "-m", "tidal.stages.pretrain", *argv]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())

@@ -5,7 +5,7 @@ The same RL batch (``num_groups`` groups of ``group_size`` sequences, response l
 
 - ``1 proc x 1 thread`` and ``1 proc x N threads``: the ordinary trainer;
 - ``N procs x 1 thread``: ``nproc`` processes launched by torchrun (this file is their script), FSDP2
-  over gloo, each rank training its share of the groups (``train/distributed.py``).
+  over gloo, each rank training its share of the groups (``parallel/fsdp.py``).
 
 Reported per arm: median step time (after one warm-up step), trained tokens/s, and the median time and
 bytes of ``state_dict_for_engine`` (a clone in one process, an FSDP all-gather to rank 0 otherwise:
@@ -35,7 +35,7 @@ from tidal.algo.config import AlgoConfig
 from tidal.config import apply_overrides
 from tidal.models import tiny
 from tidal.optim import OptimConfig
-from tidal.train.distributed import LOCAL, DataParallel, init_distributed, teardown
+from tidal.parallel.fsdp import LOCAL, DataParallel, init_distributed, teardown
 from tidal.train.trainer import Trainer, TrainerConfig
 from tidal.types import TrainBatch
 

@@ -4,7 +4,7 @@ Three parts (docs/faults.md):
 
 1. *Flips.* Short sync RL runs of a small model (``tidal train quickstart`` shrunk: ``model_sets``) with
    ``num_faults`` one-bit flips at random steps (a weight at rest, an activation, a gradient, an
-   optimizer state; random layer, element and bit 0-31; ``train/faults.py``), once per detection
+   optimizer state; random layer, element and bit 0-31; ``integrity/faults.py``), once per detection
    policy: ``replay_every=1`` (every step replayed: full verification) and the default-like cheap
    policy (``replay_every=0``: the at-rest check plus replay from the last checkpoint on an anomaly).
    The ``digit_match`` reward (partial credit) gives every step a learning signal, and a flip planned
@@ -18,7 +18,7 @@ Three parts (docs/faults.md):
    recorder, alternated ``overhead_reps`` times: the median of the paired ratios, and the recorder's own
    timed work (``StepRecorder.seconds``) as a fraction of the plain step. A replay costs one more step
    per ``sdc.replay_every`` steps on top (1/N).
-3. *Elastic.* Two torchft replicas (``train/elastic.py``) train ``elastic_steps`` steps; then again, with
+3. *Elastic.* Two torchft replicas (``parallel/elastic.py``) train ``elastic_steps`` steps; then again, with
    replica 1 killed (SIGKILL) a quarter of the way in and restarted after ``restart_after_s``; it heals
    from replica 0 and rejoins (``rejoined_at_step``: its first step with a peer). ``elastic_pairs`` such
    pairs. Reported: throughput kept (committed steps per second, faulted / fault-free: wall-clock, on a
@@ -45,10 +45,10 @@ from pathlib import Path
 import torch
 
 from tidal.config import apply_overrides
+from tidal.integrity.faults import KINDS, Fault
+from tidal.integrity.sdc import StepRecorder, tracked_modules
 from tidal.recipes import RECIPES
 from tidal.system.run import prepare, train
-from tidal.train.faults import KINDS, Fault
-from tidal.train.sdc import StepRecorder, tracked_modules
 
 DESCRIPTION = ("SDC detection (injected bit flips: detection, localisation, latency, overhead) "
                "and elastic DP (kill a replica)")
@@ -219,7 +219,7 @@ def overhead(s: Settings) -> dict:
 
 
 def _elastic(s: Settings, root: Path, kill: bool) -> dict:
-    from tidal.train.diloco import start_lighthouse
+    from tidal.parallel.diloco import start_lighthouse
 
     lighthouse = start_lighthouse(min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse.address()}
@@ -227,7 +227,7 @@ def _elastic(s: Settings, root: Path, kill: bool) -> dict:
     logs = [o.with_suffix(".log") for o in outs]
 
     def start(r: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "tidal.train.elastic", "--set", f"steps={s.elastic_steps}",
+        return subprocess.Popen([sys.executable, "-m", "tidal.parallel.elastic", "--set", f"steps={s.elastic_steps}",
                                  "--set", f"out={outs[r]}"], env={**env, "REPLICA": str(r)},
                                 stdout=subprocess.DEVNULL, stderr=logs[r].open("a"))  # a pipe fills up and blocks it
 

@@ -80,10 +80,10 @@ def budget_curve(cfg, model_dir: Path, budgets: list[int | None]) -> dict[str, f
     from tidal.models import tiny
     from tidal.rewards import build_reward
     from tidal.rewards.pool import RewardPool
+    from tidal.rollout.evaluate import accuracy_by_budget
     from tidal.rollout.local import LocalEngine
     from tidal.rollout.thinking import close_ids
     from tidal.system.curriculum import build_task, run_reward
-    from tidal.system.evaluate import accuracy_by_budget
 
     model, tokenizer = tiny.load(model_dir)
     engine = LocalEngine(model, tokenizer, cfg.rollout, cfg.seed, 0)

@@ -65,8 +65,8 @@ from tidal.recipes import RECIPES
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardConfig, RewardPool
 from tidal.rollout import ENGINES
+from tidal.rollout.evaluate import greedy_accuracy
 from tidal.system.config import RunConfig
-from tidal.system.evaluate import greedy_accuracy
 from tidal.system.run import base_model_path, prepare
 from tidal.tasks import TASKS
 from tidal.utils.device import resolve_device, resolve_dtype

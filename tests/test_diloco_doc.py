@@ -1,6 +1,6 @@
-"""docs/diloco.md: every `tidal.train.pretrain` and `tidal bench diloco` command in it uses only config keys
+"""docs/diloco.md: every `tidal.stages.pretrain` and `tidal bench diloco` command in it uses only config keys
 that exist, with values of the right type and in range. The commands run for real (smaller) in
-tests/train/test_pretrain.py and the benchmark's own run."""
+tests/stages/test_pretrain.py and the benchmark's own run."""
 
 import re
 import shlex
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tidal.bench import load
 from tidal.config import apply_overrides
-from tidal.train.pretrain import PretrainConfig
+from tidal.stages.pretrain import PretrainConfig
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "diloco.md"
 
@@ -24,7 +24,7 @@ def _sets(argv: list[str]) -> list[str]:
 
 
 def test_every_pretrain_command_parses_and_validates():
-    commands = _commands(r"-m tidal\.train\.pretrain")
+    commands = _commands(r"-m tidal\.stages\.pretrain")
     assert len(commands) >= 6, "the page lost its commands"
     for argv in commands:
         cfg = apply_overrides(PretrainConfig(), _sets(argv))  # raises on an unknown key or a bad value

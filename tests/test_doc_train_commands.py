@@ -1,7 +1,7 @@
 """docs/agentic.md, docs/harness.md, docs/faults.md and docs/gpu.md: every `tidal train` command in them names a
 recipe and only config keys that exist, with values of the right type and a config that validates (the recipes
 themselves run in tests/system/test_agentic_run.py and tests/serve/test_harness_run.py and, to their
-targets, in the slow tests; the elastic command of faults.md in tests/system/test_elastic_run.py)."""
+targets, in the slow tests; the elastic command of faults.md in tests/launch/test_elastic.py)."""
 
 import re
 import shlex

@@ -54,7 +54,7 @@ class Trajectory:
     episode: dict[str, Any] | None = None
     worker: int | None = None
     """Which rollout worker sampled it (the Ray backend's seat); None: the run's one engine. The SDC
-    guard's rollout-side check compares workers by it (``system/sdc_guard.py``)."""
+    guard's rollout-side check compares workers by it (``integrity/guard.py``)."""
     teacher_logprobs: list[float] | None = None
     """On-policy distillation: the teacher's log-probability of each token (``distill/teacher.py`` fills it
     in the scorer, off the trainer's path); None when no teacher scored this sample."""

@@ -21,7 +21,10 @@ REGISTRIES = {
 }
 # A valid stand-in for the user's own number (``<...>`` in the table), per key.
 SAMPLE = {"algo.dual_clip": "3.0", "algo.tis_cap": "2.0", "algo.mis_high": "2.0", "algo.mis_low": "0.5",
-          "algo.behav_weight_cap": "5.0", "algo.is_veto_threshold": "1e-4"}
+          "algo.behav_weight_cap": "5.0", "algo.is_veto_threshold": "1e-4", "algo.clip_cov_low": "1.0",
+          "algo.clip_cov_high": "5.0", "algo.rs_threshold": "0.01", "algo.offpolicy_mask_delta": "1e-4"}
+# Keys that qualify a correction chosen in another row (the table's notes say so): tested under ``tis``.
+QUALIFIERS = ("algo.tis_", "algo.is_veto", "algo.is_batch_norm", "algo.rs_", "algo.offpolicy_mask_delta")
 
 
 def _rows() -> list[tuple[str, str, list[str]]]:
@@ -57,7 +60,7 @@ def test_row_applies_to_a_valid_config(framework, option, settings):
         if key in REGISTRIES:
             assert value in REGISTRIES[key], f"{framework} {option}: {value!r} is not a registered {key}"
         overrides.append(f"{key}={value}")
-    if any(o.startswith(("algo.tis_", "algo.is_veto")) for o in overrides) and not any(
+    if any(o.startswith(QUALIFIERS) for o in overrides) and not any(
             o.startswith("algo.correction=") for o in overrides):
         overrides.append("algo.correction=tis")  # the level/veto rows qualify a correction chosen elsewhere
     cfg = apply_overrides(RECIPES.get("quickstart")(), overrides)  # unknown keys raise ConfigError

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.inspector.page import write_inspector
+from tidal.inspector.page import response_preview, write_inspector
 from tidal.inspector.samples import read_samples
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs Selenium: pip install -e '.[dev]'")
@@ -120,6 +120,30 @@ def test_filter_open_a_group_and_hover_its_tokens(browser, inspector_runs, shots
         colour = card.find_element(By.CSS_SELECTOR, ".tok").value_of_css_property("background-color")
         assert colour.startswith("rgba(0, 150, 0" if s["advantage"] >= 0 else "rgba(210, 0, 0"), (colour, s)
     browser.save_screenshot(str(shots / "group_advantage.png"))
+
+
+@pytest.mark.parametrize("name", ["a", "agent"])
+def test_each_row_shows_its_responses_and_their_rewards(browser, inspector_runs, shots, name):
+    run = inspector_runs[name]
+    records, _ = read_samples(run / "samples.jsonl")
+    open_page(browser, run / "inspect.html")
+    assert len(rows(browser)) == len(records)
+    for tr, rec in zip(rows(browser), records):
+        chips = tr.find_elements(By.CSS_SELECTOR, "td.responses-cell .resp")
+        assert len(chips) == len(rec["samples"])
+        for chip, s in zip(chips, rec["samples"]):
+            text = chip.find_element(By.CSS_SELECTOR, ".resp-text").get_attribute("textContent")
+            assert text == response_preview(s["text"])
+            assert chip.get_attribute("title") == s["text"]
+            shown = chip.find_element(By.CSS_SELECTOR, ".resp-reward").get_attribute("textContent")
+            assert float(shown) == pytest.approx(round(s["reward"], 4), abs=1e-9)
+            assert ("right" in chip.get_attribute("class").split()) == (s["reward"] >= 1)
+    browser.find_element(By.ID, "f-reward-min").send_keys("1")  # the rows that stay fade their samples below it
+    for tr in rows(browser):
+        rec = records[int(tr.get_attribute("data-rec"))]
+        faded = ["dim" in c.get_attribute("class").split() for c in tr.find_elements(By.CSS_SELECTOR, ".resp")]
+        assert faded == [not s["reward"] >= 1 for s in rec["samples"]]
+    browser.save_screenshot(str(shots / f"rows_{name}.png"))
 
 
 def test_reward_truncation_and_text_filters(browser, inspector_runs):

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from tidal.cli import main
-from tidal.inspector.page import load_run, write_inspector
+from tidal.inspector.page import PREVIEW_CHARS, load_run, response_preview, write_inspector
 from tidal.inspector.samples import read_samples
 from tidal.inspector.serve import make_server
 
@@ -30,6 +30,31 @@ def test_training_writes_the_inspector_and_the_report_links_to_it(inspector_runs
     assert only["config"]["optim.lr"] == 0.01 and only["notes"] == []
     assert "Plotly" in text and "<script src=" not in text  # plotly.js embedded: nothing to fetch
     assert 'href="inspect.html"' in (run / "report.html").read_text()
+
+
+def test_response_preview_is_one_line_cut_to_the_limit():
+    assert PREVIEW_CHARS == 48
+    assert response_preview("1998") == "1998"
+    assert response_preview("") == "∅"
+    assert response_preview("<c>37*54</c>\n=1998\tok") == "<c>37*54</c>↵=1998⇥ok"
+    assert response_preview("x" * 48) == "x" * 48  # exactly the limit: whole, no ellipsis
+    assert response_preview("x" * 49) == "x" * 47 + "…"  # one over: 47 characters and the ellipsis, 48 in all
+    assert response_preview("ab\ncdef", limit=4) == "ab↵…"
+
+
+@pytest.mark.parametrize("name", ["a", "agent"])
+def test_each_row_carries_its_samples_responses_for_the_table(inspector_runs, name):
+    """The rollout table's rows show what the policy wrote: the page embeds, per record, every sample's
+    response preview (the table's "responses (reward)" column; inspector.js puts each beside its reward)."""
+    text, data = embedded(inspector_runs[name] / "inspect.html")
+    records, _ = read_samples(inspector_runs[name] / "samples.jsonl")
+    (only,) = data["runs"]
+    assert only["previews"] == [[response_preview(s["text"]) for s in r["samples"]] for r in records]
+    assert sum(len(p) for p in only["previews"]) == sum(len(r["samples"]) for r in records) > 0
+    assert any(p != "∅" for previews in only["previews"] for p in previews), "every response empty: nothing tested"
+    header = re.search(r'<table id="groups"><thead><tr>(.*?)</tr>', text).group(1)
+    assert re.findall(r"<th>(.*?)</th>", header) == ["step", "kind", "task", "prompt", "responses (reward)", "match",
+                                                     "mean reward", "finish reasons", "max staleness"]
 
 
 def test_several_runs_embed_each_and_diff_their_configs(inspector_runs, tmp_path):

@@ -84,7 +84,7 @@ def test_accuracy_by_budget_applies_each_budget(small_model, tokenizer):
     curve keys each budget (None as "unlimited") by the budget the engine really enforced."""
     from tidal.rewards import build_reward
     from tidal.rewards.pool import RewardConfig, RewardPool
-    from tidal.system.evaluate import accuracy_by_budget, greedy_samples
+    from tidal.rollout.evaluate import accuracy_by_budget, greedy_samples
 
     engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=14))
     pool = RewardPool(build_reward("answer_match"), RewardConfig(name="answer_match", num_workers=0))

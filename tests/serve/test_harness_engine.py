@@ -22,11 +22,11 @@ from tidal.models import tiny
 from tidal.models.logprobs import token_logprobs
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardConfig, RewardPool
+from tidal.rollout.evaluate import greedy_samples
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
 from tidal.serve.config import HarnessConfig
 from tidal.serve.engine import HarnessEngine, as_reward, load_function
-from tidal.system.evaluate import greedy_samples
 from tidal.types import Prompt
 
 TINY = tiny.ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,

@@ -30,9 +30,23 @@ from tidal.algo import LOSS_AGGREGATIONS
 from tidal.algo.config import bind
 
 
+def zero_outside(x: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    """``x`` on response tokens (mask > 0), exactly 0 elsewhere, in value and in gradient.
+
+    Padding may hold anything: a log-prob is legally -inf there, and -inf - -inf is NaN. A product
+    ``x * mask`` keeps 0 * inf = NaN, which poisons every sum over the row and, through the chain rule,
+    the gradient of the inputs; a selection does not. Every masked input of ``tidal.algo`` goes through
+    this (or an equivalent ``torch.where``) before any arithmetic. Tensors that do not have the mask's
+    shape (a per-sequence [B] advantage) and None pass through unchanged."""
+    if x is None or x.shape != mask_bt.shape:
+        return x
+    return torch.where(mask_bt > 0, x, torch.zeros_like(x))
+
+
 def masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
-    return (x_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1)
+    """Mean of ``x`` over positions where ``mask`` is non-zero, weighted by the mask (0 when the mask
+    is empty); whatever ``x`` holds elsewhere, even inf or NaN, is ignored."""
+    return (zero_outside(x_bt, mask_bt) * mask_bt).sum() / mask_bt.sum().clamp(min=1)
 
 
 def _per_sequence(mask_bt: torch.Tensor, c_b: torch.Tensor) -> torch.Tensor:

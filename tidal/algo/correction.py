@@ -59,8 +59,10 @@ _MAX_LOG = 20.0  # |log ratio| beyond this is clamped before exp (e^20 ~ 5e8): f
 
 
 def sequence_log_ratio(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
-    """log prod_t (p_t / q_t) over response tokens: sum_t mask * (logp - ref_logp), one per sequence."""
-    return ((logp_bt - ref_logp_bt) * mask_bt).sum(-1)
+    """log prod_t (p_t / q_t) over response tokens: sum_t mask * (logp - ref_logp), one per sequence.
+    A selection, not a product: padded log-probs may be -inf, and 0 * (-inf - -inf) would be NaN."""
+    valid_bt = mask_bt > 0
+    return (torch.where(valid_bt, logp_bt - ref_logp_bt, 0.0) * mask_bt).sum(-1)
 
 
 def effective_sample_size(w: torch.Tensor, mask: torch.Tensor | None = None) -> float:
@@ -110,8 +112,7 @@ def _require(ok: bool, key: str, requirement: str, value: object) -> None:
 
 def _row_mean(x_bt: torch.Tensor, valid_bt: torch.Tensor) -> torch.Tensor:
     """Mean of each row over its response tokens [B]; 0 for a row without any."""
-    m_bt = valid_bt.to(x_bt.dtype)
-    return (x_bt * m_bt).sum(-1) / m_bt.sum(-1).clamp(min=1)
+    return torch.where(valid_bt, x_bt, 0.0).sum(-1) / valid_bt.sum(-1).clamp(min=1)
 
 
 def _token_log_rho(old_logp_bt: torch.Tensor, behav_logp_bt: torch.Tensor, valid_bt: torch.Tensor) -> torch.Tensor:

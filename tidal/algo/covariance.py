@@ -27,7 +27,16 @@ import torch
 
 from tidal.algo import POLICY_LOSSES
 from tidal.algo.aggregation import masked_mean
-from tidal.algo.losses import _MAX_LOG, _broadcast_adv, _check, _finish, _frac, _ppo_surrogate, _ratio_metrics
+from tidal.algo.losses import (
+    _MAX_LOG,
+    _broadcast_adv,
+    _check,
+    _finish,
+    _frac,
+    _ppo_surrogate,
+    _ratio_metrics,
+    _zero_padding,
+)
 
 __all__ = ["token_covariance", "clip_cov", "kl_cov"]
 
@@ -78,7 +87,8 @@ def clip_cov(
     ``algo/cov_clip_frac`` is the fraction of response tokens detached."""
     _check("clip_cov_frac", clip_cov_frac, 0 < clip_cov_frac <= 1, "in (0, 1]")
     _check("clip_cov_high", clip_cov_high, clip_cov_high > clip_cov_low, f"> clip_cov_low={clip_cov_low}")
-    adv_bt = _broadcast_adv(adv, logp_bt)
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
     log_ratio_bt = logp_bt - old_logp_bt.detach()
     loss_bt, ppo_clipped_bt = _ppo_surrogate(log_ratio_bt, adv_bt, eps_low, eps_high)
     with torch.no_grad():
@@ -135,7 +145,8 @@ def kl_cov(
     ``algo/kl_cov_frac`` is the fraction of response tokens penalized."""
     _check("kl_cov_frac", kl_cov_frac, 0 < kl_cov_frac <= 1, "in (0, 1]")
     _check("kl_cov_coef", kl_cov_coef, kl_cov_coef >= 0, ">= 0")
-    adv_bt = _broadcast_adv(adv, logp_bt)
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
     log_ratio_bt = logp_bt - old_logp_bt.detach()
     ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
     with torch.no_grad():

@@ -156,7 +156,8 @@ def distill_advantage(adv: torch.Tensor, teacher_logp_bt: torch.Tensor, behav_lo
     mask = mask_bt.to(teacher_logp_bt.dtype)
     reward_bt = adv.unsqueeze(-1).expand_as(mask) if adv.dim() == 1 else adv
     kl_bt = reverse_kl_per_token(behav_logp_bt, teacher_logp_bt)
-    return (-distill_kl_coef * kl_bt + distill_reward_coef * reward_bt) * mask
+    # a selection, not a product with the mask: padded log-probs may be -inf, and 0 * inf is NaN
+    return torch.where(mask > 0, -distill_kl_coef * kl_bt + distill_reward_coef * reward_bt, 0.0)
 
 
 def bytes_per_position(k: int, num_vocab: int, id_bytes: int | None = None, logp_bytes: int = 2,

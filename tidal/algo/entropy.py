@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from tidal.algo.aggregation import aggregate, masked_mean
+from tidal.algo.aggregation import aggregate, masked_mean, zero_outside
 
 __all__ = ["entropy_loss", "high_entropy_mask"]
 
@@ -43,11 +43,12 @@ def entropy_loss(
     token-weighted average over micro-batches is the minibatch's; as ``kl_loss``'s ``algo/kl``)."""
     if not entropy_coef >= 0:
         raise ValueError(f"entropy_coef must be >= 0 (an entropy bonus), got {entropy_coef!r}")
+    entropy_bt = zero_outside(entropy_bt, mask_bt)  # padding may be NaN: select it away before any arithmetic
     bonus = entropy_coef * aggregate(
         entropy_bt, mask_bt, agg=agg, group_ids_b=group_ids_b, max_gen_len=max_gen_len, weights_bt=agg_weights_bt
     )
     with torch.no_grad():
-        token_mean = masked_mean(torch.where(mask_bt > 0, entropy_bt, 0.0), mask_bt)
+        token_mean = masked_mean(entropy_bt, mask_bt)
     return -bonus, {"algo/entropy_bonus": entropy_coef * token_mean.item()}
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from tidal.algo import KL_ESTIMATORS
-from tidal.algo.aggregation import aggregate
+from tidal.algo.aggregation import aggregate, masked_mean, zero_outside
 from tidal.algo.config import bind
 
 _MAX_LOG = 20.0  # k3 exponentiates the log-ratio: clamp it so r stays finite (e^20 ~ 5e8)
@@ -79,15 +79,17 @@ def kl_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """kl_coef * aggregate(k(logp, ref_logp)) as a loss term; defaults are GRPO's (k3, 0.04).
     ``behav_logp_bt`` (the log-probs the tokens were sampled with) reaches estimators that take
-    ``old_logp_bt`` (``k3_is``). Returns the scalar and ``algo/kl`` (the token mean of k, whatever the
-    aggregation)."""
+    ``old_logp_bt`` (``k3_is``). Padding (mask 0) may hold -inf or NaN in any input: the inputs are
+    selected (``zero_outside``) before the estimator runs, so neither the value nor a gradient sees it.
+    Returns the scalar and ``algo/kl`` (the token mean of k, whatever the aggregation)."""
+    logp_bt, ref_logp_bt, behav_logp_bt = (zero_outside(x, mask_bt) for x in (logp_bt, ref_logp_bt, behav_logp_bt))
     estimator = bind(KL_ESTIMATORS[kl_estimator], old_logp_bt=behav_logp_bt)
     k_bt = estimator(logp_bt, ref_logp_bt.detach())
     loss = kl_coef * aggregate(
         k_bt, mask_bt, agg=agg, group_ids_b=group_ids_b, max_gen_len=max_gen_len, weights_bt=agg_weights_bt
     )
     with torch.no_grad():
-        kl = (torch.where(mask_bt > 0, k_bt, 0.0) * mask_bt).sum() / mask_bt.sum().clamp(min=1)
+        kl = masked_mean(k_bt, mask_bt)
     return loss, {"algo/kl": kl.item()}
 
 
@@ -102,8 +104,8 @@ def kl_reward_penalty_tokens(
     """Per-token penalty kl_coef * k_t [B, T] (detached, 0 outside the mask): REINFORCE++ (arXiv 2501.03262)
     folds it into each token's reward, so a token's return carries only the KL of the tokens after it."""
     with torch.no_grad():
-        k_bt = KL_ESTIMATORS[kl_estimator](logp_bt, ref_logp_bt)
-        return kl_coef * torch.where(mask_bt > 0, k_bt * mask_bt, 0.0)
+        k_bt = KL_ESTIMATORS[kl_estimator](zero_outside(logp_bt, mask_bt), zero_outside(ref_logp_bt, mask_bt))
+        return kl_coef * zero_outside(k_bt * mask_bt, mask_bt)
 
 
 def kl_reward_penalty(

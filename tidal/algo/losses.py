@@ -5,7 +5,9 @@ Every loss is ``fn(logp_bt, old_logp_bt, adv, mask_bt, *, knobs) -> (loss, metri
 - ``old_logp_bt`` [B, T]: the log-probs the ratio is taken against (the behaviour policy's from the
   engine, or the trainer's own before the update); never differentiated;
 - ``adv``: [B] (one per sequence, broadcast over tokens) or [B, T];
-- ``mask_bt``: 1 on response tokens. Masked positions get exactly zero loss and zero gradient;
+- ``mask_bt``: 1 on response tokens. Masked positions get exactly zero loss and zero gradient, and
+  may hold anything in every input, -inf or NaN included (each loss first selects its inputs with
+  ``zero_outside``: multiplying by the mask instead would turn 0 * inf into NaN);
 - ``is_weight_bt=``: optional per-token weight (e.g. a ``CORRECTIONS`` weight), detached, so every
   loss composes with every correction. Token-level losses multiply each token's loss by it; the
   sequence-level objectives (``gspo``, ``gmpo``, attribute ``weight_scope = "sequence"``) first reduce
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from tidal.algo import POLICY_LOSSES
-from tidal.algo.aggregation import aggregate, masked_mean
+from tidal.algo.aggregation import aggregate, masked_mean, zero_outside
 from tidal.algo.correction import effective_sample_size
 
 __all__ = ["masked_mean", "ppo_clip", "cispo", "gspo", "gmpo", "sapo", "decoupled_ppo", "reinforce"]
@@ -32,12 +34,19 @@ __all__ = ["masked_mean", "ppo_clip", "cispo", "gspo", "gmpo", "sapo", "decouple
 _MAX_LOG = 20.0
 
 
-def _broadcast_adv(adv: torch.Tensor, logp_bt: torch.Tensor) -> torch.Tensor:
+def _broadcast_adv(adv: torch.Tensor, logp_bt: torch.Tensor, mask_bt: torch.Tensor | None = None) -> torch.Tensor:
+    """The advantage as [B, T], detached; 0 outside ``mask_bt`` when it is given."""
     adv = torch.as_tensor(adv).to(logp_bt).detach()
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1).expand_as(logp_bt)
     assert adv.shape == logp_bt.shape, f"adv must be [B] or [B, T]={tuple(logp_bt.shape)}, got {tuple(adv.shape)}"
-    return adv
+    return adv if mask_bt is None else zero_outside(adv, mask_bt)
+
+
+def _zero_padding(mask_bt: torch.Tensor, *tensors_bt: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each [B, T] input with its padding replaced by 0 (``zero_outside``), None passing through: what
+    every loss does first, so that -inf or NaN padding changes neither its value nor any gradient."""
+    return tuple(zero_outside(x, mask_bt) for x in tensors_bt)
 
 
 def _sequence_adv(adv: torch.Tensor, logp_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -46,8 +55,8 @@ def _sequence_adv(adv: torch.Tensor, logp_bt: torch.Tensor, mask_bt: torch.Tenso
     adv = torch.as_tensor(adv).to(logp_bt).detach()
     if adv.dim() == 1:
         return adv
-    adv_bt = _broadcast_adv(adv, logp_bt)
-    return torch.where(mask_bt > 0, adv_bt, 0.0).sum(-1) / mask_bt.sum(-1).clamp(min=1)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
+    return adv_bt.sum(-1) / mask_bt.sum(-1).clamp(min=1)
 
 
 def _sequence_is_weight(is_weight_bt: torch.Tensor | None, mask_bt: torch.Tensor) -> torch.Tensor | None:
@@ -152,7 +161,8 @@ def ppo_clip(
     sec. 3.1) and, for A < 0, dual clip: loss_t <= -c A_t with c = 3 (Ye et al. 2020, arXiv
     1912.09729), so a token whose ratio exploded cannot dominate. Default aggregation: DAPO's
     ``token_mean``."""
-    adv_bt = _broadcast_adv(adv, logp_bt)
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
     log_ratio_bt = logp_bt - old_logp_bt.detach()
     loss_bt, metrics = _clipped_surrogate(log_ratio_bt, adv_bt, mask_bt, eps_low, eps_high, dual_clip)
     loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
@@ -187,7 +197,8 @@ def cispo(
     eps_low_is = 1 (bound 0), eps_high_is = 4 (bound 5, ScaleRL arXiv 2510.13786). The loss value is
     not a surrogate objective; its gradient is the CISPO gradient. Aggregation: ``token_mean``
     (MiniMax normalizes by the total token count, eq. 4)."""
-    adv_bt = _broadcast_adv(adv, logp_bt)
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
     log_ratio_bt = (logp_bt - old_logp_bt).detach()
     ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
     weight_bt = ratio_bt.clamp(1.0 - eps_low_is, 1.0 + eps_high_is)
@@ -229,8 +240,9 @@ def gspo(
     one weight per sequence, w_i = its geometric mean over the response tokens (``_sequence_is_weight``),
     so a token-level correction keeps the objective sequence-level. Clip fraction is per token
     (per sequence for [B] advantages, as every token of a sequence shares s_i)."""
-    adv_bt = _broadcast_adv(adv, logp_bt)
-    seq_log_ratio_b = ((logp_bt - old_logp_bt) * mask_bt).sum(-1) / mask_bt.sum(-1).clamp(min=1)
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
+    seq_log_ratio_b = zero_outside(logp_bt - old_logp_bt, mask_bt).sum(-1) / mask_bt.sum(-1).clamp(min=1)
     log_s_bt = logp_bt - logp_bt.detach() + seq_log_ratio_b.detach().unsqueeze(-1)
     loss_bt, metrics = _clipped_surrogate(log_s_bt, adv_bt, mask_bt, eps_low, eps_high, None)
     seq_weight_bt = _sequence_is_weight(is_weight_bt, mask_bt)
@@ -290,6 +302,7 @@ def gmpo(
     (``_sequence_is_weight``): the geometric mean of w_t r_t splits into w_i s_i."""
     _check("eps_low", eps_low, eps_low >= 0, ">= 0 (a log-space bound)")
     _check("eps_high", eps_high, eps_high >= 0, ">= 0 (a log-space bound)")
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
     adv_b = _sequence_adv(adv, logp_bt, mask_bt)
     log_ratio_bt = (logp_bt - old_logp_bt.detach()).clamp(-_MAX_LOG, _MAX_LOG)
     positive_b1 = (adv_b >= 0).unsqueeze(-1)
@@ -344,7 +357,8 @@ def sapo(
     4 sigma (1 - sigma) over response tokens (1 on-policy)."""
     _check("sapo_tau_pos", sapo_tau_pos, sapo_tau_pos > 0, "> 0 (a gate temperature)")
     _check("sapo_tau_neg", sapo_tau_neg, sapo_tau_neg > 0, "> 0 (a gate temperature)")
-    adv_bt = _broadcast_adv(adv, logp_bt)
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
     log_ratio_bt = logp_bt - old_logp_bt.detach()
     ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
     tau_bt = torch.where(adv_bt > 0, sapo_tau_pos, sapo_tau_neg).to(ratio_bt)
@@ -389,8 +403,9 @@ def decoupled_ppo(
     AReaL clips symmetrically at 0.2 and has dual clip off by default. With ``prox_logp_bt`` None
     (or equal to the behaviour log-probs) the weight is 1 and this is exactly ``ppo_clip``."""
     assert behav_cap_mode in ("mask", "truncate"), f"behav_cap_mode must be mask/truncate, got {behav_cap_mode!r}"
-    adv_bt = _broadcast_adv(adv, logp_bt)
-    prox_bt = (old_logp_bt if prox_logp_bt is None else prox_logp_bt).detach()
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
+    prox_bt = (old_logp_bt if prox_logp_bt is None else zero_outside(prox_logp_bt, mask_bt)).detach()
     log_behav_w_bt = (prox_bt - old_logp_bt).detach()
     behav_w_bt = log_behav_w_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
     over_cap_bt = torch.zeros_like(mask_bt, dtype=torch.bool)
@@ -426,7 +441,8 @@ def reinforce(
     """REINFORCE with a baseline (Williams 1992), loss_t = -A_t log pi(y_t): no ratio, on-policy.
     ``old_logp_bt`` only feeds the ratio metrics (how off-policy the batch was); correct staleness
     with ``is_weight_bt``. Aggregation: ``token_mean``."""
-    adv_bt = _broadcast_adv(adv, logp_bt)
+    logp_bt, old_logp_bt, is_weight_bt = _zero_padding(mask_bt, logp_bt, old_logp_bt, is_weight_bt)
+    adv_bt = _broadcast_adv(adv, logp_bt, mask_bt)
     loss = _finish(-adv_bt * logp_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
     with torch.no_grad():
         weight_bt = torch.ones_like(logp_bt) if is_weight_bt is None else is_weight_bt

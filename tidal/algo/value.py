@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tidal.algo import VALUE_ADVANTAGES
-from tidal.algo.aggregation import aggregate, masked_mean
+from tidal.algo.aggregation import aggregate, masked_mean, zero_outside
 
 
 def token_rewards(rewards_b: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,10 @@ def value_loss(
 
     Metrics: ``critic/value_loss`` (the aggregated 1/2 max(...), before ``vf_coef``), ``critic/clip_frac``
     (tokens where the clipped error was the larger, so the clip was active), ``critic/values_mean``."""
-    old_values_bt, returns_bt = old_values_bt.detach(), returns_bt.detach()
+    # padding (mask 0) may hold anything, NaN included: select before any arithmetic, or 0 * NaN reaches the gradient
+    values_bt = zero_outside(values_bt, mask_bt)
+    old_values_bt = zero_outside(old_values_bt, mask_bt).detach()
+    returns_bt = zero_outside(returns_bt, mask_bt).detach()
     err_bt = (values_bt - returns_bt) ** 2
     clipped_bt = err_bt
     if value_clip is not None:

@@ -13,8 +13,8 @@ from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
+from tidal.rollout.evaluate import greedy_accuracy
 from tidal.rollout.local import LocalEngine
-from tidal.system.evaluate import greedy_accuracy
 from tidal.tasks import TASKS
 
 

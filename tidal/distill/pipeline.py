@@ -7,8 +7,9 @@ computed on the fly, and both are measured by the same yardstick: the full forwa
 its responses to the held-out prompts (``eval_kl``), so ``rel_loss_gap`` = eval_kl(k-sparse) /
 eval_kl(full) - 1 says what the sparsity cost.
 
-The student starts from ``student`` (a model directory) or, by default, the recipe's warm-started base
-(``system/run.base_model_path``, cached): the model an RL run of the same recipe would start from.
+The student starts from ``student``, a model directory: by default (``tidal distill`` without ``--student``) the
+recipe's warm-started base (``system/run.base_model_path``, cached), the model an RL run of the same recipe would
+start from.
 ``--set`` keys go to ``traces.*`` / ``logits.*`` / ``student.*`` / ``teacher.*`` (the quickstart teacher)
 here and to the run config otherwise
 (task, reward, rollout, sft ...).
@@ -39,7 +40,6 @@ from tidal.distill.student import (
 from tidal.distill.teacher import TeacherConfig
 from tidal.distill.traces import TracesConfig, generate_traces, read_traces
 from tidal.models import tiny
-from tidal.system.run import base_model_path
 
 SECTIONS = {"traces": TracesConfig, "logits": LogitsConfig, "student": StudentConfig, "teacher": TeacherConfig}
 _Sections = dataclasses.make_dataclass("_Sections", [(name, cls, dataclasses.field(default_factory=cls))
@@ -66,7 +66,11 @@ def resolve(base_cfg, overrides: list[str]) -> tuple[object, dict]:
 
 
 def student_start(cfg, student: str | None, progress: bool) -> Path:
-    return Path(student) if student else base_model_path(cfg, load_task(cfg), progress=progress)
+    """The student's model directory. The caller resolves the default (the recipe's base, ``tidal distill``
+    does it with ``system/run.base_model_path``): this package sits below the run wiring."""
+    if not student:
+        raise ValueError("distill: no student model directory (pass student=, e.g. the run's base_model_path)")
+    return Path(student)
 
 
 def distill_traces(teacher_dir: str, out_dir: str | Path, base_cfg, overrides: list[str] = (),

@@ -3,7 +3,7 @@
 One loop (``train_student``) with three objectives, each a function of a batch of sequences:
 
 - ``sft_loss``: next-token cross-entropy on the response tokens of verified teacher traces (the loss of
-  tidal's supervised warm start, ``train/sft.py``), computed through the RL trainer's packed path:
+  tidal's supervised warm start, ``stages/warm_start.py``), computed through the RL trainer's packed path:
   sequences are packed end to end (``train/packing.py``: position ids restart per sequence,
   block-diagonal causal attention) and split into micro-batches of at most ``micro_batch_tokens``
   real tokens whose gradients are accumulated, so the step equals the whole batch's.

@@ -1,7 +1,8 @@
 """``tidal inspect RUN_DIR [RUN_DIR ...]``: one self-contained ``inspect.html`` to read what the policy wrote.
 
 The page has four views: *Rollouts* (the recorded groups and evaluation answers of ``samples.jsonl``,
-filtered by step, reward, finish reason, truncation, staleness, task or text; a group's samples with
+filtered by step, reward, finish reason, truncation, staleness, task or text, each row showing what the
+policy wrote: every sample's response, cut to ``PREVIEW_CHARS`` characters, with its reward; a group's samples with
 their tokens coloured by behaviour log-prob, trainer log-prob, engine/trainer mismatch or advantage,
 the numbers on hover, and an agent episode's turns and observations), *Prompt across steps* (every
 recorded answer to one prompt, e.g. a held-out prompt at each evaluation), *Curves* (any metric key of
@@ -33,6 +34,17 @@ from tidal.utils.runs import MISSING, config_diff, read_config, run_names
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 PAGE_NAME = "inspect.html"
+PREVIEW_CHARS = 48  # a 2-digit answer or a tool call fits whole; a long chain of thought shows how it starts
+
+
+def response_preview(text: str, limit: int = PREVIEW_CHARS) -> str:
+    """One sample's response as its row in the rollout table shows it: on one line (a newline is "↵", a
+    tab "⇥", as the token view writes them), cut to ``limit`` characters with "…" as the last one when
+    longer, and "∅" when empty (an answer that is nothing is not a blank cell)."""
+    if not text:
+        return "∅"
+    shown = text.replace("\n", "↵").replace("\t", "⇥")
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
 def load_run(run_dir: str | Path) -> dict:
@@ -64,9 +76,10 @@ def load_run(run_dir: str | Path) -> dict:
         notes.append("no config.yaml")
     if problem:
         notes.append(problem)
+    records = [r for r in records if r["kind"] != "capped"]
     return {"name": run_dir.resolve().name, "dir": str(run_dir), "rows": rows, "config": config,
-            "config_text": config_text, "notes": notes,
-            "records": [r for r in records if r["kind"] != "capped"],
+            "config_text": config_text, "notes": notes, "records": records,
+            "previews": [[response_preview(s["text"]) for s in r["samples"]] for r in records],
             "resumes": [r["step"] for r in rows if r.get("run/resumed")]}
 
 
@@ -124,8 +137,8 @@ def render_page(runs: list[dict], title: str) -> str:
     ])
     colour_modes = [("behav_logp", "behaviour log-prob"), ("trainer_logp", "trainer log-prob"),
                     ("mismatch", "engine/trainer mismatch"), ("advantage", "advantage")]
-    group_cols = "".join(f"<th>{c}</th>" for c in ("step", "kind", "task", "prompt", "match", "mean reward",
-                                                    "finish reasons", "max staleness"))
+    group_cols = "".join(f"<th>{c}</th>" for c in ("step", "kind", "task", "prompt", "responses (reward)", "match",
+                                                    "mean reward", "finish reasons", "max staleness"))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
 <style>{(ASSETS / "inspector.css").read_text()}</style></head><body>

@@ -58,7 +58,7 @@ class MuonConfig:
 
 @dataclass
 class OptimConfig:
-    """The optimizer for RL (the supervised warm start keeps its own AdamW, see ``train/sft.py``)."""
+    """The optimizer for RL (the supervised warm start keeps its own AdamW, see ``stages/warm_start.py``)."""
 
     name: str = "adamw"
     """One of ``OPTIMIZERS``: ``adamw``, ``ademamix``, ``muon`` (see docs/optimizers.md)."""

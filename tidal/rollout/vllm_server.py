@@ -36,6 +36,7 @@ import torch
 
 from tidal.api import GenRequest
 from tidal.rollout.segments import LoadBalancer, SegmentedRow, new_row
+from tidal.rollout.vllm_options import VllmOptions, read_checkpoint_dir
 from tidal.types import Trajectory
 
 
@@ -90,8 +91,6 @@ class VllmServerEngine:
     """``RolloutEngine`` over OpenAI-compatible vLLM servers (see module docstring)."""
 
     def __init__(self, servers: Sequence[str], tokenizer, cfg, seed: int = 0, version: int = 0, options=None):
-        from tidal.rollout.vllm_engine import VllmOptions
-
         self.options = options or VllmOptions(servers=list(servers))
         self.servers = [s.rstrip("/") for s in servers]
         self.tokenizer = tokenizer
@@ -141,8 +140,6 @@ class VllmServerEngine:
         t0 = time.perf_counter()
         assert self.options.weights_dir, "server mode needs rollout.vllm.weights_dir for weight updates"
         from safetensors.torch import save_file
-
-        from tidal.rollout.vllm_engine import read_checkpoint_dir
 
         # A checkpoint directory is re-written with its tied head spelled out (read_checkpoint_dir says
         # why); safetensors stores each tensor once, so tensors sharing storage are copied.

@@ -9,19 +9,19 @@ from tidal.algo.config import AlgoConfig
 from tidal.distill.teacher import DistillConfig
 from tidal.envs.config import EnvConfig
 from tidal.inspector.samples import SampleLogConfig
+from tidal.integrity.guard import SDCConfig
 from tidal.models.tiny import ModelConfig
 from tidal.optim import OptimConfig
 from tidal.rewards.pool import RewardConfig
 from tidal.rollout.local import SamplingConfig
 from tidal.rollout.thinking import ThinkingConfig
-from tidal.rollout.vllm_engine import VllmOptions
+from tidal.rollout.vllm_options import VllmOptions
 from tidal.serve.config import HarnessConfig
+from tidal.stages.warm_start import SFTConfig
 from tidal.system.curriculum import CurriculumConfig
 from tidal.system.length_growth import LengthGrowthConfig
-from tidal.system.sdc_guard import SDCConfig
 from tidal.tasks.arithmetic import TaskConfig
 from tidal.train.critic import CriticConfig
-from tidal.train.sft import SFTConfig
 from tidal.train.trainer import TrainerConfig
 
 

@@ -35,19 +35,19 @@ from tidal.api import EngineFailed, RolloutEngine, Task, Tracker
 from tidal.config import ConfigError
 from tidal.distill.teacher import TeacherScorer, distill_metrics
 from tidal.inspector.record import SampleRecorder
+from tidal.integrity.guard import SDCGuard
 from tidal.rewards.monitor import LengthBiasHook, reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.episodes import episode_metrics
+from tidal.rollout.evaluate import accuracy_metrics, greedy_samples, per_task_accuracy
 from tidal.rollout.requests import group_requests
 from tidal.rollout.thinking import close_ids, train_budget, with_budgets
 from tidal.system.batching import collect_batch, informative, length_budget
 from tidal.system.buffer import BufferClosed, RolloutBuffer
 from tidal.system.config import RunConfig
 from tidal.system.curriculum import PromptSource
-from tidal.system.evaluate import accuracy_metrics, greedy_samples, per_task_accuracy
 from tidal.system.journal import GroupJournal
 from tidal.system.length_growth import LengthGrowth
-from tidal.system.sdc_guard import SDCGuard
 from tidal.system.staleness import StalenessManager
 from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState

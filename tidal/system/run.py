@@ -27,25 +27,25 @@ from tidal.envs import ENVS
 from tidal.inspector.record import SampleRecorder
 from tidal.inspector.samples import FILE_NAME as SAMPLES_FILE
 from tidal.inspector.samples import SampleLog
+from tidal.integrity.guard import SDCGuard, SilentDataCorruption, rollback
 from tidal.models import lora, tiny
 from tidal.models.quant import dequantize_state_dict
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
 from tidal.rollout.episodes import EpisodeEngine
+from tidal.rollout.evaluate import greedy_accuracy
 from tidal.rollout.local import LocalEngine
 from tidal.rollout.requests import check_prompts_fit
 from tidal.rollout.thinking import close_ids
+from tidal.stages.warm_start import validate as validate_sft
+from tidal.stages.warm_start import warm_start
 from tidal.system.config import RolloutConfig, RunConfig
 from tidal.system.controller import Controller, RunResult
 from tidal.system.curriculum import build_task, run_reward
-from tidal.system.evaluate import greedy_accuracy
 from tidal.system.journal import GroupJournal
-from tidal.system.sdc_guard import SDCGuard, SilentDataCorruption, rollback
 from tidal.system.validate import validate_run_config
 from tidal.train.checkpoint import TrainingState, latest_checkpoint
-from tidal.train.sft import validate as validate_sft
-from tidal.train.sft import warm_start
 from tidal.train.trainer import Trainer
 from tidal.utils.metrics import JsonlTracker, MlflowTracker, MultiTracker, TensorBoardTracker, WandbTracker
 from tidal.utils.seeding import seed_everything
@@ -211,7 +211,7 @@ def _rollout_model(cfg: RunConfig, trainer: Trainer):
 
 def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None, task=None) -> Controller:
     """The ready controller. ``task``: what ``check_inputs(cfg)`` returned (None: check the inputs here).
-    ``faults``: ``train/faults.py`` bit flips to inject (tests, ``tidal bench faults``)."""
+    ``faults``: ``integrity/faults.py`` bit flips to inject (tests, ``tidal bench faults``)."""
     if task is None:
         task = check_inputs(cfg)  # a bad input fails before any work, naming it
     out_dir = Path(out_dir)
@@ -308,7 +308,7 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=None
     run itself failed (a full disk, Ctrl-C), that error is the one raised, not a later one from closing.
     ``task``: what ``check_inputs(cfg)`` returned, if the caller checked the inputs already.
 
-    Silent data corruption found by the SDC guard (``sdc_guard.py``) rolls the run back to the last
+    Silent data corruption found by the SDC guard (``integrity/guard.py``) rolls the run back to the last
     verified checkpoint (or the base model) and continues, at most ``sdc.max_rollbacks`` times."""
     rollbacks = 0
     while True:

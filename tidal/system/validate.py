@@ -17,10 +17,10 @@ from typing import Any
 
 from tidal.algo import VALUE_ADVANTAGES
 from tidal.config import ConfigError
+from tidal.integrity.guard import SDCConfig
 from tidal.models.lora import check_device as check_lora_device
 from tidal.models.lora import check_run as check_lora
 from tidal.system.config import RunConfig
-from tidal.system.sdc_guard import SDCConfig
 from tidal.train.trainer import validate as validate_trainer
 from tidal.utils.device import resolve_device, resolve_dtype
 

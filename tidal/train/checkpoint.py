@@ -18,9 +18,9 @@ load: a file changed on disk since (a flipped bit, a truncated copy) fails with 
 naming the file, instead of silently training on corrupted weights. A checkpoint without
 ``hashes.json`` (written before hashes existed) loads unchecked.
 
-A model sharded with FSDP (``distributed.py``) is saved as full weights and full optimizer state
-gathered on rank 0, in the same files and numbering as one process writes, so a run can resume with
-a different number of processes; loading one broadcasts it from rank 0 into every rank's shards.
+A model sharded with FSDP (``parallel/fsdp.py``, found by ``data_parallel.root_of``) is saved as full weights and
+full optimizer state gathered on rank 0, in the same files and numbering as one process writes, so a run can
+resume with a different number of processes; loading one broadcasts it from rank 0 into every rank's shards.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from tidal.models import lora
-from tidal.train import distributed
+from tidal.train.data_parallel import root_of
 from tidal.utils.seeding import rng_state, set_rng_state
 
 
@@ -101,9 +101,9 @@ def save_checkpoint(
     (the others get None). ``components``: name -> an object with ``state_dict()``, each written to
     ``<name>.pt`` inside the same atomic save."""
     model_state_dict = optimizer_state = None
-    if distributed.root_of(model) is not None:
-        model_state_dict, optimizer_state = distributed.gather_full_state(model, optimizer)
-        if distributed.rank() != 0:
+    if (sharded := root_of(model)) is not None:
+        model_state_dict, optimizer_state = sharded.gather_full_state(optimizer)
+        if torch.distributed.get_rank() != 0:
             return None
     root = Path(root)
     final = root / f"step_{state.step}"
@@ -176,9 +176,9 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
     """Load weights, optimizer, scheduler and RNG state in place; return the counters. A sharded model:
     every rank calls it, rank 0 reads the files. ``components``: name -> an object with
     ``load_state_dict``, restored from ``<name>.pt`` (a checkpoint without it is an error)."""
-    if distributed.root_of(model) is not None:
+    if (sharded := root_of(model)) is not None:
         assert not components, "extra components are not supported with a sharded model"
-        return distributed.load_full_checkpoint(path, model, optimizer, scheduler)
+        return sharded.load_full_checkpoint(path, optimizer, scheduler)
     for name in components or {}:
         if not (Path(path) / f"{name}.pt").exists():
             raise RuntimeError(f"checkpoint {path} has no {name}.pt: it was saved by a run without a {name} "

@@ -23,7 +23,7 @@ Which ratio a loss sees: ``old_logp`` is the engine's behaviour log-prob, except
 correction, where the loss's ratio is taken against the trainer's own proximal log-probs and the
 engine gap is carried by the correction weight instead (Yao et al. 2025).
 
-Data parallel (``dp``, ``train/distributed.py``): every rank runs ``step`` on the same batch; weights
+Data parallel (``dp``, ``parallel/fsdp.py``): every rank runs ``step`` on the same batch; weights
 and advantages come from the whole (mini)batch, each rank runs forward/backward on its own groups,
 and per-token results are summed across ranks, so the step equals the 1-process step.
 
@@ -67,12 +67,18 @@ from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.models.quant import linear_weight_names, quantize_state_dict
 from tidal.optim import OptimConfig, build_optimizer
-from tidal.train import distributed
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from tidal.train.critic import Critic, CriticConfig, CriticTargets, check_supported
-from tidal.train.diloco import DiLoCoConfig
-from tidal.train.distributed import LOCAL, DataParallel
-from tidal.train.elastic_dp import ElasticConfig, validate_elastic
+from tidal.train.data_parallel import (
+    LOCAL,
+    DataParallel,
+    DiLoCoConfig,
+    ElasticConfig,
+    local_value,
+    root_of,
+    state_dict_bytes,
+    validate_elastic,
+)
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import PACKED_ATTENTION, pack, packed_attention_mask, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
@@ -141,10 +147,10 @@ class TrainerConfig:
     unaffected). No effect on CPU."""
     data_parallel: str = "fsdp"
     """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
-    ``train/distributed.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
-    every ``diloco.sync_every`` optimizer steps, ``train/diloco_trainer.py``); both are ignored in one
+    ``parallel/fsdp.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
+    every ``diloco.sync_every`` optimizer steps, ``parallel/diloco_trainer.py``); both are ignored in one
     process. ``elastic`` is launched without torchrun: the run's process starts ``elastic.replicas - 1``
-    replica processes and keeps training when one dies (``train/elastic_leader.py``, docs/faults.md)."""
+    replica processes and keeps training when one dies (``parallel/elastic_leader.py``, docs/faults.md)."""
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     """The outer loop with ``data_parallel=diloco``. ``sync_every`` counts optimizer steps
     (``num_minibatches`` per trainer step); the default H=500 is the paper's, far apart for an RL run."""
@@ -221,9 +227,9 @@ class Trainer:
             if optim.name == "muon":
                 raise ValueError("optim.name=muon is not supported with data parallel FSDP: Newton-Schulz needs each "
                                  "whole matrix, and FSDP shards them (use adamw or ademamix)")
-            distributed.shard(model, dp)
+            dp.shard(model)
             if ref_model is not None:
-                distributed.shard(ref_model.eval().requires_grad_(False), dp)
+                dp.shard(ref_model.eval().requires_grad_(False))
         self.weight_sync_metrics: dict[str, float] = {}
         """Bytes and gather time of the last ``state_dict_for_engine`` (``perf/weight_sync_bytes``, ...)."""
         self.lora = lora.is_peft(model)
@@ -252,13 +258,13 @@ class Trainer:
         self.last_adv: torch.Tensor | None = None
         self.observers: list = []
         """Objects told ``after_backward()`` (gradients final, before clipping) and ``after_optimizer()``
-        (parameters updated) in every minibatch: the SDC recorder (``train/sdc.py``) and fault injection."""
+        (parameters updated) in every minibatch: the SDC recorder (``integrity/sdc.py``) and fault injection."""
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _logprobs(self, model: torch.nn.Module, *args, **kwargs):
         """``token_logprobs`` of ``model`` under ``trainer.precision``'s autocast, through its FSDP root when
         sharded (which unshards its weights)."""
-        root = distributed.root_of(model)
+        root = root_of(model)
         with self.autocast():
             return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
 
@@ -496,7 +502,7 @@ class Trainer:
         ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         if self.dp.enabled:  # a DTensor: the global norm over every rank's shards
-            grad_norm = distributed.local_value(grad_norm)
+            grad_norm = local_value(grad_norm)
         if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
             for group in self.optimizer.param_groups:
                 group["lr"] *= lr_scale
@@ -551,10 +557,10 @@ class Trainer:
             if self.dp.enabled and self.dp.rank != 0:
                 sd = {}
             self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
-                                        "perf/weight_sync_bytes": float(distributed.state_dict_bytes(sd))}
+                                        "perf/weight_sync_bytes": float(state_dict_bytes(sd))}
             return sd
         if self.dp.enabled and self.dp.shards_model:
-            sd = distributed.full_state_dict(distributed.root_of(self.model))
+            sd = root_of(self.model).full_state_dict()
             if dtype is not None:
                 sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         else:  # one copy, already in the engine's dtype (``to`` with copy=True never aliases the weights)
@@ -565,12 +571,12 @@ class Trainer:
         elif quant != "none":
             raise ValueError(f"rollout.weight_quant={quant!r}: use none or fp8_block")
         self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
-                                    "perf/weight_sync_bytes": float(distributed.state_dict_bytes(sd))}
+                                    "perf/weight_sync_bytes": float(state_dict_bytes(sd))}
         return sd
 
     def gather_full_state(self) -> tuple[dict, dict]:
         """Data parallel: full weights and optimizer state on rank 0 (for a checkpoint). Collective."""
-        return distributed.gather_full_state(self.model, self.optimizer)
+        return root_of(self.model).gather_full_state(self.optimizer)
 
     def save_checkpoint(self, root: str | Path, tokenizer, state: TrainingState, keep: int = 2) -> Path | None:
         """``train/checkpoint.py``'s checkpoint of this trainer (data parallel: every rank calls it, rank 0

@@ -100,12 +100,26 @@
       const row = el("tr", { class: "group-row", "data-rec": String(i), onclick: () => showGroup(i) },
         el("td", { class: "num", text: String(rec.step) }), el("td", { text: rec.kind }),
         el("td", { text: rec.prompt.task }), el("td", { class: "prompt-cell", text: rec.prompt.text }),
+        responsesCell(rec, r.previews[i], f),
         el("td", { class: "num", text: `${hits}/${rec.samples.length}` }),
         el("td", { class: "num", text: num(rewards.length ? round4(mean(rewards)) : null) }),
         el("td", { text: Object.entries(reasons).map(([k, v]) => `${k} ${v}`).join(", ") }),
         el("td", { class: "num", text: stale.length ? String(Math.max(...stale)) : "—" }));
       if (i === state.record) row.classList.add("selected");
       return row;
+    }));
+  }
+
+  function responsesCell(rec, previews, f) {
+    // What the policy wrote, without opening the group: each sample's response as page.py cut it
+    // (response_preview), its reward beside it; green at full reward as in "Prompt across steps", faded
+    // when the sample does not match the filters.
+    return el("td", { class: "responses-cell" }, ...rec.samples.map((s, k) => {
+      const chip = el("span", { class: "ans resp " + ((s.reward || 0) >= 1 ? "right" : "wrong"), "data-sample": String(k),
+        title: s.text }, el("span", { class: "resp-text", text: previews[k] }),
+        el("span", { class: "resp-reward", text: num(s.reward === null || s.reward === undefined ? null : round4(s.reward)) }));
+      if (!sampleMatches(rec, s, f)) chip.classList.add("dim");
+      return chip;
     }));
   }
 

@@ -1,0 +1,1 @@
+"""The stages around RL: pre-training, warm start, chat SFT, DPO and reward models."""
