@@ -179,3 +179,25 @@ def test_sdc_replays_of_lora_steps_match_and_eval_reads_a_lora_run(tmp_path):
     _, result = run(tiny_cfg(tmp_path, "system.mode=sync", "sdc.replay_every=2", *LORA), tmp_path / "run")
     assert result.history[-1]["sdc/replayed_steps"] >= 1  # matched: a mismatch raises SilentDataCorruption
     assert main(["eval", str(tmp_path / "run"), "--set", "num_eval=8"]) == 0
+
+
+def test_diloco_under_torchrun_is_refused_and_fsdp_is_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"model\.lora with trainer\.data_parallel=diloco"):
+        lora.check_run(tiny_cfg(tmp_path, "model.lora.rank=4", "trainer.data_parallel=diloco"))
+    lora.check_run(tiny_cfg(tmp_path, "model.lora.rank=4", "trainer.data_parallel=fsdp"))
+
+
+def test_export_of_a_full_run_copies_the_model_without_the_run_state(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tidal.cli import main
+
+    c, _ = run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=2"), tmp_path / "run")
+    assert main(["export", str(tmp_path / "run"), "--merge", "--out", str(tmp_path / "full")]) == 0
+    names = {p.name for p in (tmp_path / "full").iterdir()}
+    assert "model.safetensors" in names and not names & {"trainer_state.pt", "hashes.json", "sdc.json"}
+    ids = torch.randint(3, 40, (2, 7))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full", local_files_only=True)
+    torch.testing.assert_close(token_logprobs(model, ids, None)[0], token_logprobs(c.trainer.model, ids, None)[0],
+                               atol=0, rtol=0)
