@@ -63,6 +63,19 @@ def test_template_wraps_the_question_and_the_reward_still_scores():
     assert build_reward("reasoning_gym")(f"I think <answer> {p.answer} </answer>", p)[0] == 1.0
 
 
+def test_lowercase_prompts_for_a_vocabulary_without_capitals():
+    from tidal.models.tiny import CHARS
+
+    task = _task("basic_arithmetic", size=8, num_eval=2, max_terms=2, max_digits=1, lowercase=True)
+    for p in [task.train_prompt(i) for i in range(task.num_train)] + task.eval_prompts():
+        assert p.text == p.meta["question"].lower() != p.meta["question"]  # "Calculate ..." -> "calculate ..."
+        assert set(p.text) <= set(CHARS), p.text  # the tiny model's character vocabulary encodes it
+        assert build_reward("reasoning_gym")(f"<answer>{p.answer}</answer>", p)[0] == 1.0  # scored on its own question
+    assert _task("basic_arithmetic", size=8, num_eval=2, max_terms=2).train_prompt(0).text[0] == "C"
+    with pytest.raises(ConfigError, match=r"task.params.lowercase='yes': must be true or false"):
+        _task("basic_arithmetic", lowercase="yes")
+
+
 def _leg_prompt():
     return _task("leg_counting", size=3, num_eval=1).train_prompt(0)
 

@@ -54,11 +54,12 @@ def generate(dataset: str, size: int, seed: int, config: dict[str, Any]) -> list
     return [ds[i] for i in range(size)]
 
 
-def entry_row(entry: dict[str, Any]) -> dict[str, Any]:
-    """A reasoning-gym entry as a row for the field mapping: ``answer`` None becomes "" (no reference)."""
+def entry_row(entry: dict[str, Any], lowercase: bool = False) -> dict[str, Any]:
+    """A reasoning-gym entry as a row for the field mapping: ``answer`` None becomes "" (no reference).
+    ``lowercase``: the prompt text in lower case (``prompt``), the scorer still sees the entry's own question."""
     answer = entry["answer"]
     return {"question": entry["question"], "answer": "" if answer is None else str(answer),
-            "metadata": entry["metadata"]}
+            "metadata": entry["metadata"], "prompt": entry["question"].lower() if lowercase else entry["question"]}
 
 
 @TASKS.register("reasoning_gym")
@@ -73,14 +74,20 @@ class ReasoningGymTask(RowTask):
         if not dataset:
             raise ConfigError("task reasoning_gym needs task.params.dataset (e.g. basic_arithmetic)")
         size, seed = params.pop("size", DEFAULT_SIZE), params.pop("seed", cfg.seed)
+        # For a character vocabulary without capitals (the tiny model's): questions start "Calculate ...".
+        lowercase = params.pop("lowercase", False)
+        if not isinstance(lowercase, bool):
+            raise ConfigError(f"task.params.lowercase={lowercase!r}: must be true or false")
         for key, value in (("size", size), ("seed", seed)):
             if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "size" else 0):
                 raise ConfigError(f"task.params.{key}={value!r}: must be a whole number >= {1 if key == 'size' else 0}")
         entries = generate(dataset, size + cfg.num_eval, seed, params)
         source = f"task reasoning_gym ({dataset})"
-        # The mapping is fixed (reasoning-gym's entry layout); the template may use {question}.
-        fields = FieldMap(prompt="question", answer="answer", solution=None, meta=["question", "metadata"])
-        loaded = parse_rows(numbered(map(entry_row, entries)), fields, cfg.template, source)
+        # The mapping is fixed (reasoning-gym's entry layout); the template may use {prompt} (the text the model
+        # reads) or {question} (the entry's own, which the scorer reads from meta).
+        fields = FieldMap(prompt="prompt", answer="answer", solution=None, meta=["question", "metadata"])
+        rows = (entry_row(e, lowercase) for e in entries)
+        loaded = parse_rows(numbered(rows), fields, cfg.template, source)
         train, evals = split_eval(loaded.prompts, cfg, source)
         super().__init__(cfg, train, evals, skipped=len(loaded.skipped))
         self.dataset = dataset
