@@ -7,6 +7,7 @@ tidal bench async [--set ...]
 tidal report DIR [DIR ...] [--out FILE]
 tidal inspect DIR [DIR ...] [--out FILE] [--serve [--port N]]
 tidal quantize MODEL_OR_RUN_DIR OUT_DIR [--layout compressed-tensors|fp8]
+tidal export RUN_OR_CHECKPOINT --out DIR [--merge]
 tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
 tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
 tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]

@@ -1,4 +1,5 @@
-"""Models made from models: ``tidal distill`` (teacher to student), ``tidal quantize`` (block-FP8 for vLLM)."""
+"""Models made from models: ``tidal distill`` (teacher to student), ``tidal quantize`` (block-FP8 for vLLM),
+``tidal export`` (a run's policy as LoRA adapters or a merged model: docs/lora.md)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+@one_line_errors
+def cmd_export(args) -> int:
+    """A run's latest checkpoint (or a checkpoint) as LoRA adapters, a merged model, or full weights."""
+    from tidal.models.export import export
+    from tidal.train.checkpoint import latest_checkpoint
+
+    src = Path(args.run)
+    if (src / "checkpoints").exists():
+        src = latest_checkpoint(src / "checkpoints") or src
+    print(json.dumps(export(src, args.out, merge=args.merge)))
+    return 0
+
+
 def add_parsers(sub) -> None:
     """This group's subcommands: their options and handlers."""
     sp = sub.add_parser("distill", help="teacher -> student: traces (SFT on verified teacher samples), logits "
@@ -82,6 +96,13 @@ def add_parsers(sub) -> None:
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="traces.*, logits.*, student.* (docs/distill.md) or a run-config key")
     sp.set_defaults(fn=cmd_distill)
+
+    sp = sub.add_parser("export", help="write a run's policy: LoRA adapters (PEFT layout) or, with --merge, a merged "
+                        "Hugging Face model directory (docs/lora.md)")
+    sp.add_argument("run", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    sp.add_argument("--out", required=True, help="output directory (new or empty)")
+    sp.add_argument("--merge", action="store_true", help="merge the adapters into the base (a plain HF model)")
+    sp.set_defaults(fn=cmd_export)
 
     sp = sub.add_parser("quantize", help="write a block-FP8 checkpoint vLLM loads (docs/quantization.md)")
     sp.add_argument("src", help="a model directory, or a run directory (its latest checkpoint)")

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from tidal.config import ConfigError
-from tidal.models import tiny
+from tidal.models import lora, tiny
 from tidal.parallel import fsdp as distributed
 from tidal.parallel.diloco import start_lighthouse
 from tidal.parallel.diloco_trainer import DiLoCoTrainer, broadcast_weights
@@ -126,7 +126,9 @@ def _follow(cfg: RunConfig, dp: DataParallel) -> None:
         return
     base, ckpt, lighthouse = paths
     model, _ = tiny.load(base)
-    ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None
+    ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
+    if cfg.model.lora.enabled:  # as rank 0's prepare: adapters on the frozen base (rank 0's values broadcast next)
+        model = lora.policy(model, cfg.model.lora, base, cfg.system.device)
     trainer = _trainer(cfg, model, ref_model, dp, ckpt, lighthouse)
     try:
         follow(trainer)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+from tidal.models import lora
+from tidal.models.lora import LoraConfig
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 # Digits, lowercase letters and the punctuation our synthetic tasks and chat markers use.
@@ -44,6 +47,8 @@ class ModelConfig:
     agent episodes) or ``chat`` (the same characters plus JSON punctuation, ChatML markers and a chat
     template with hermes tool calls: ``build_chat_tokenizer``, for agents that use
     ``/v1/chat/completions``)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train LoRA adapters on the frozen base (``model.lora.rank`` >= 1; ``models/lora.py``, docs/lora.md)."""
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -157,8 +162,13 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 
 
 def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """Load a causal LM and tokenizer from a local directory (never the hub)."""
+    """Load a causal LM and tokenizer from a local directory (never the hub); a directory of LoRA adapters
+    (PEFT layout) is loaded as its base with the adapters merged."""
     path = Path(path)
+    if lora.is_adapter_dir(path):  # a LoRA run's checkpoint or `tidal export` without --merge: merged into its base
+        tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").exists() else lora.base_of(path))
+        tokenizer.padding_side = "left"
+        return lora.load_merged(path), tokenizer
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
     tokenizer = load_tokenizer(path)

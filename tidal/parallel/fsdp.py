@@ -199,12 +199,13 @@ def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def load_full_state(root: LogprobModule, optimizer: torch.optim.Optimizer | None,
-                    model_sd: dict[str, torch.Tensor], optim_sd: dict | None) -> None:
+                    model_sd: dict[str, torch.Tensor], optim_sd: dict | None, strict: bool = True) -> None:
     """Load full (1-process layout) weights and optimizer state given on rank 0 into the shards of every
-    rank (broadcast from rank 0; other ranks pass empty dicts). Collective."""
+    rank (broadcast from rank 0; other ranks pass empty dicts). Collective. ``strict=False``: ``model_sd``
+    may hold a subset of the weights (a LoRA checkpoint's adapters; the frozen base is already there)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     rank0 = dist.get_rank() == 0
     if rank0:
         model_sd = _with_tied(root.lm, model_sd)
@@ -242,7 +243,9 @@ def load_full_checkpoint(path, model: torch.nn.Module, optimizer, scheduler):
 
     rank0 = dist.get_rank() == 0
     weights, blob = read_checkpoint(path) if rank0 else ({}, {})
-    load_full_state(root_of(model), optimizer, weights, blob.get("optimizer"))
+    from tidal.models.lora import is_peft
+
+    load_full_state(root_of(model), optimizer, weights, blob.get("optimizer"), strict=not is_peft(model))
     box = [(blob.get("scheduler"), blob.get("state")) if rank0 else None]
     dist.broadcast_object_list(box, src=0)
     scheduler_state, counters = box[0]

@@ -18,7 +18,6 @@ an interrupted generation with unchanged weights yields the same tokens as an un
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 import time
@@ -30,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from tidal.api import GenRequest
+from tidal.models import lora
 from tidal.models.quant import dequantize_state_dict
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
@@ -147,10 +147,15 @@ class LocalEngine:
     """In-process engine on a private copy of a Hugging Face causal LM (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: SamplingConfig, seed: int = 0, version: int = 0):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        # A LoRA policy (PEFT model): a plain copy with the adapters merged, plus the adapted layers' base
+        # weights, from which each adapter update is merged again (``models/lora.py``)
+        model, self._lora_base = lora.engine_copy(model)
+        self.model = model.eval().requires_grad_(False)
         self.device = model_device(self.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
         self.model.to(self.dtype)
+        if self._lora_base is not None:
+            self._lora_base = {k: v.to(self.dtype) for k, v in self._lora_base.items()}
         self._static_decode = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and self.device.type == "cuda")
         self._slots: SlotCache | None = None  # kept across calls with static decode: its graphs are recorded once
         self._slots_in_use = False
@@ -189,8 +194,13 @@ class LocalEngine:
         if pending is None:
             return False
         state_dict, version = pending
-        state_dict = dequantize_state_dict(state_dict, next(self.model.parameters()).dtype)  # fp8_block sync
-        self.model.load_state_dict(state_dict)  # strict: a mismatched checkpoint must fail loudly
+        if lora.is_adapter_update(state_dict):  # LoRA: adapters only, merged into the engine's copy
+            if self._lora_base is None:
+                raise RuntimeError("an adapter update reached an engine built from a model without LoRA adapters")
+            lora.apply_update(self.model, self._lora_base, state_dict)
+        else:
+            state_dict = dequantize_state_dict(state_dict, next(self.model.parameters()).dtype)  # fp8_block sync
+            self.model.load_state_dict(state_dict)  # strict: a mismatched checkpoint must fail loudly
         with self._lock:
             if self._pending is pending:  # not replaced by a newer update meanwhile
                 self._pending = None

@@ -102,6 +102,7 @@ def data_fingerprint(task: Task) -> int:
 
 def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task) -> Path:
     model = dataclasses.asdict(model_cfg)
+    model.pop("lora", None)  # how RL trains the base (LoRA or every weight) is not part of the base
     if model.get("tokenizer") == "char":  # the default: bases cached before the field existed keep their key
         del model["tokenizer"]
     else:  # a vocabulary changed in code (e.g. new chat tokens) must not reuse a base trained on the old one

@@ -28,7 +28,7 @@ from tidal.inspector.record import SampleRecorder
 from tidal.inspector.samples import FILE_NAME as SAMPLES_FILE
 from tidal.inspector.samples import SampleLog
 from tidal.integrity.guard import SDCGuard, SilentDataCorruption, rollback
-from tidal.models import tiny
+from tidal.models import lora, tiny
 from tidal.models.quant import dequantize_state_dict
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
@@ -224,7 +224,10 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     seed_everything(cfg.seed)
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
-    ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 else None  # KL is measured against the base
+    # KL is measured against the base: a second copy, or with LoRA the policy with its adapters disabled
+    ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
+    if cfg.model.lora.enabled:  # adapters on the frozen base (models/lora.py)
+        model = lora.policy(model, cfg.model.lora, base, cfg.system.device)
     trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, critic=cfg.critic,
                       device=cfg.system.device)
 

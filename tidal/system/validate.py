@@ -18,6 +18,8 @@ from typing import Any
 from tidal.algo import VALUE_ADVANTAGES
 from tidal.config import ConfigError
 from tidal.integrity.guard import SDCConfig
+from tidal.models.lora import check_device as check_lora_device
+from tidal.models.lora import check_run as check_lora
 from tidal.system.config import RunConfig
 from tidal.train.trainer import validate as validate_trainer
 from tidal.utils.device import resolve_device, resolve_dtype
@@ -270,6 +272,8 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     _check_distill(cfg)
     _check_elastic(cfg)
+    check_lora(cfg)  # model.lora's keys and the combinations it cannot serve yet
+    check_lora_device(cfg.model.lora, resolve_device(cfg.system.device))
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         betas = cfg.critic.optim.betas

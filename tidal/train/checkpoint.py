@@ -1,7 +1,9 @@
 """Checkpoints: everything needed to continue a run exactly where it stopped.
 
 ``checkpoints/step_<k>/`` holds the policy (``save_pretrained``, safetensors, loadable by any HF
-tool), the tokenizer, and ``trainer_state.pt``: optimizer and scheduler state, RNG states, the
+tool; with ``model.lora`` its adapters in PEFT's layout, ``adapter_config.json`` +
+``adapter_model.safetensors``, which ``PeftModel.from_pretrained`` loads onto the base), the tokenizer,
+and ``trainer_state.pt``: optimizer and scheduler state, RNG states, the
 policy version, the step and the data position; plus one ``<name>.pt`` per extra trained component
 (``critic.pt``: the value model of ``algo.advantage=gae``, its optimizer and scheduler). A checkpoint
 is written to a temporary directory (``.tmp_step_<k>``) and renamed into place, and ``latest`` is
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tidal.models import lora
 from tidal.train.data_parallel import root_of
 from tidal.utils.seeding import rng_state, set_rng_state
 
@@ -45,7 +48,7 @@ class CheckpointCorrupted(RuntimeError):
 
 
 HASHES = "hashes.json"
-HASHED = ("model.safetensors", "trainer_state.pt")
+HASHED = ("model.safetensors", lora.ADAPTER_WEIGHTS, "trainer_state.pt")
 """Files whose content hash a checkpoint records (plus every ``<component>.pt``)."""
 
 
@@ -110,7 +113,10 @@ def save_checkpoint(
         for leftover in root.glob(".tmp_*"):  # a save that died before its rename
             _remove(leftover)
         tmp.mkdir()
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state_dict)
+        if lora.is_peft(model):
+            lora.save_adapters(model, tmp, model_state_dict)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state_dict)
         tokenizer.save_pretrained(tmp)
         torch.save(
             {
@@ -177,12 +183,23 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
         if not (Path(path) / f"{name}.pt").exists():
             raise RuntimeError(f"checkpoint {path} has no {name}.pt: it was saved by a run without a {name} "
                                "(a run with algo.advantage=gae cannot resume from it)")
-    weights, blob = read_checkpoint(path)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    # Tied embeddings are saved once; anything else missing means a different architecture.
-    missing = [k for k in missing if k not in ("lm_head.weight",)]
-    if missing or unexpected:
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    adapters = (Path(path) / lora.ADAPTER_WEIGHTS).exists()
+    if adapters != lora.is_peft(model):
+        raise RuntimeError(f"checkpoint {path} holds {'LoRA adapters' if adapters else 'full weights'} but the run "
+                           f"{'trains LoRA adapters' if lora.is_peft(model) else 'trains the whole model'}: resume "
+                           "with the model.lora settings it was written with")
+    if adapters:
+        verify_hashes(path)
+        lora.load_adapters(model, path)
+        blob = torch.load(Path(path) / "trainer_state.pt", weights_only=False, map_location="cpu")
+    else:
+        weights, blob = read_checkpoint(path)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        # Tied embeddings are saved once; anything else missing means a different architecture.
+        missing = [k for k in missing if k not in ("lm_head.weight",)]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing}, "
+                               f"unexpected {unexpected}")
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     set_rng_state(blob["rng"])
@@ -192,11 +209,14 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(weights, trainer state blob) of a checkpoint directory, its content hashes checked first."""
+    """(weights, trainer state blob) of a checkpoint directory, its content hashes checked first (a LoRA
+    checkpoint's weights: its adapters only)."""
     from safetensors.torch import load_file
 
     path = Path(path)
     verify_hashes(path)
+    if (path / lora.ADAPTER_WEIGHTS).exists():  # a LoRA run's: the adapters, under the PEFT model's names
+        return lora.read_adapters(path), torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     # On the host: a checkpoint saved on a GPU resumes on any device (``load_state_dict`` moves each tensor,
     # optimizer state included, to its parameter's device).
     return load_file(path / "model.safetensors"), torch.load(path / "trainer_state.pt", weights_only=False,

@@ -75,7 +75,10 @@ class Critic:
             enable_activation_checkpointing(self.model.decoder)
         self.cfg = cfg
         self.layout = layout
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
+        # a LoRA policy's critic copies its frozen base and adapters: the optimizer gets what trains (adapters, head)
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        self.optimizer, self.scheduler = build_optimizer(
+            [p for p in self.model.parameters() if p.requires_grad] if frozen else self.model, cfg.optim)
 
     def values(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         """V(s_t) of ``rows`` in the batch's [len(rows), T] layout, computed in the trainer's layout: padded

@@ -26,6 +26,10 @@ engine gap is carried by the correction weight instead (Yao et al. 2025).
 Data parallel (``dp``, ``parallel/fsdp.py``): every rank runs ``step`` on the same batch; weights
 and advantages come from the whole (mini)batch, each rank runs forward/backward on its own groups,
 and per-token results are summed across ranks, so the step equals the 1-process step.
+
+LoRA (``model.lora``, ``models/lora.py``): the model is a PEFT model; the optimizer holds its adapters
+only, the reference policy (KL) is the same model with its adapters disabled (no second copy of the
+base), and ``state_dict_for_engine`` sends the adapters only.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from tidal.algo import (
 from tidal.algo.config import AlgoConfig
 from tidal.algo.losses import masked_mean
 from tidal.config import ConfigError
+from tidal.models import lora
 from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.models.quant import linear_weight_names, quantize_state_dict
@@ -79,7 +84,7 @@ from tidal.train.packing import PACKED_ATTENTION, pack, packed_attention_mask, u
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
 from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
-from tidal.utils.memory import PeakMemory
+from tidal.utils.memory import PeakMemory, optimizer_state_bytes
 
 
 def _flash_attention(model: torch.nn.Module) -> bool:
@@ -227,7 +232,13 @@ class Trainer:
                 dp.shard(ref_model.eval().requires_grad_(False))
         self.weight_sync_metrics: dict[str, float] = {}
         """Bytes and gather time of the last ``state_dict_for_engine`` (``perf/weight_sync_bytes``, ...)."""
-        self.optimizer, self.scheduler = build_optimizer(model, optim)
+        self.lora = lora.is_peft(model)
+        if self.lora and optim.name == "muon":
+            raise ConfigError("optim.name=muon with model.lora: Muon orthogonalizes whole hidden matrices, and LoRA's "
+                              "A and B are rank-r factors (use adamw or ademamix)")
+        self.optimizer, self.scheduler = build_optimizer(lora.trainable_parameters(model) if self.lora else model,
+                                                         optim)
+        self.num_trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.policy_loss = POLICY_LOSSES[algo.policy_loss]
         self.critic: Critic | None = None  # a learned value model, for a VALUE_ADVANTAGES estimator (gae)
         if algo.advantage in VALUE_ADVANTAGES:
@@ -235,7 +246,7 @@ class Trainer:
             self.critic = Critic(model, critic or CriticConfig(), cfg)
         self.advantage = (VALUE_ADVANTAGES if self.critic is not None else ADVANTAGES)[algo.advantage]
         self.correction = CORRECTIONS[algo.correction]
-        if algo.kl_coef > 0 and ref_model is None:
+        if algo.kl_coef > 0 and ref_model is None and not self.lora:
             raise ValueError("algo.kl_coef > 0 needs a reference model (the run's base model)")
         self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None else None
         self._needs_prox = (_accepts(self.policy_loss, "prox_logp_bt") or algo.correction != "none"
@@ -328,6 +339,16 @@ class Trainer:
             out[micro] = self._forward(model, batch, micro)[0]
         return self.dp.sum_(out)  # each row is non-zero on exactly one rank
 
+    def _reference_scores(self, batch: TrainBatch) -> torch.Tensor | None:
+        """The reference policy's log-probs (for the KL terms), or None without one: the reference model's, or
+        with LoRA the base's, from the policy itself with its adapters switched off."""
+        if self.ref_model is not None:
+            return self._scores(self.ref_model, batch)
+        if self.lora and self.algo.kl_coef > 0:
+            with self.model.disable_adapter():
+                return self._scores(self.model, batch)
+        return None
+
     def _advantages(self, batch: TrainBatch, idx: torch.Tensor, rewards_b: torch.Tensor,
                     prox_bt: torch.Tensor | None, kl_penalty_bt: torch.Tensor | None = None) -> torch.Tensor:
         mask = batch.loss_mask_bt[idx]
@@ -366,7 +387,7 @@ class Trainer:
         prox_bt = None  # with one minibatch the weights do not change before its loss: prox = logp.detach()
         if self._needs_prox and (len(chunks) > 1 or _accepts(self.advantage, "seq_is_weight_b")):
             prox_bt = self._scores(self.model, batch)
-        ref_bt = self._scores(self.ref_model, batch) if self.ref_model is not None else None
+        ref_bt = self._reference_scores(batch)
 
         rewards_b = batch.rewards_b
         step_metrics: dict[str, float] = {}
@@ -406,6 +427,8 @@ class Trainer:
         metrics_sum["train/lr"] = self.scheduler.get_last_lr()[0]
         metrics_sum["train/num_tokens"] = float(batch.num_response_tokens)
         metrics_sum.update(self._memory.step_metrics())
+        metrics_sum["perf/trainable_params"] = float(self.num_trainable_params)
+        metrics_sum["perf/optimizer_state_gb"] = optimizer_state_bytes(self.optimizer) / 1e9
         self.version += 1
         return metrics_sum
 
@@ -527,6 +550,15 @@ class Trainer:
         ``fp8_block``: linear weights as e4m3 plus a ``weight_scale`` per 128 x 128 tile
         (``models/quant.py``); the engine dequantizes them."""
         start = time.perf_counter()
+        if self.lora:  # the adapters only; the engine merges them into its own copy of the base
+            if quant != "none":
+                raise ValueError(f"rollout.weight_quant={quant!r} with model.lora: the adapters are sent unquantized")
+            sd = lora.adapter_update(self.model, dtype)  # data parallel: gathered on every rank, kept on rank 0
+            if self.dp.enabled and self.dp.rank != 0:
+                sd = {}
+            self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
+                                        "perf/weight_sync_bytes": float(state_dict_bytes(sd))}
+            return sd
         if self.dp.enabled and self.dp.shards_model:
             sd = root_of(self.model).full_state_dict()
             if dtype is not None:

@@ -57,6 +57,12 @@ class PeakMemory:
         return {"perf/peak_mem_gb": peak / GB, "perf/peak_mem_growth_gb": growth / GB}
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer keeps per parameter (AdamW: two moments; LoRA: the adapters' only)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
 def tensor_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak of (bytes allocated - bytes freed) by torch, on all devices together, while ``fn()`` runs,
     counted from zero at the start; tensors that existed before and are freed inside count negative."""

@@ -1,0 +1,339 @@
+"""LoRA: train low-rank adapters on a frozen base instead of the whole model, with PEFT (``peft``).
+
+A LoRA layer computes ``W x + s * B (A x)`` with the base weight W [out, in] frozen, A [r, in] and
+B [out, r] trained and s = alpha / r (Hu et al. 2021, arXiv 2106.09685). Defaults follow "LoRA Without
+Regret" (Schulman et al., Thinking Machines 2025): adapters on every linear layer of attention *and* MLP
+(attention-only LoRA underperforms), alpha = 32 for every rank (with the 1/r scale the best learning
+rate barely depends on r), no dropout; in policy-gradient RL even rank 1 matches full fine-tuning,
+because an episode carries about one bit of information, and LoRA's best learning rate is about 10x full
+fine-tuning's.
+
+What the rest of tidal gets from this module:
+
+- ``wrap(model, cfg)``: the PEFT model the trainer trains (base frozen, adapters trainable). The
+  reference policy is the same object with its adapters disabled (``reference_scores`` in the trainer:
+  ``with model.disable_adapter()``), never a second copy of the base.
+- ``adapter_update(model)``: what a weight update sends to the rollout engines: per adapted layer
+  ``NAME.lora_A`` [r, in], ``NAME.lora_B`` [out, r] and ``NAME.lora_scale`` (a 0-d tensor, s), NAME
+  the layer's name in the plain model. r (in + out) numbers per layer instead of in x out.
+- ``engine_copy(model)`` / ``apply_update``: the local engine keeps a plain copy whose adapted weights
+  are merged, W0 + s B A, and the base weights W0 of those layers; each update rewrites the merged
+  weights in place (CUDA graphs keep their pointers) from W0 and the new adapters, so nothing drifts
+  however many updates come.
+- ``save_adapters`` / ``load_adapters``: checkpoints in PEFT's own layout (``adapter_config.json`` +
+  ``adapter_model.safetensors``, ``PeftModel.from_pretrained`` loads them).
+
+Only the initializations that leave the base untouched are offered (``init``): PiSSA, OLoRA and LoftQ
+rewrite W, so "adapters disabled" would no longer be the base the run started from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tidal.config import ConfigError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+INITS = ("default", "gaussian")
+QUANTIZE = ("none", "4bit")
+_A, _B, _SCALE = ".lora_A", ".lora_B", ".lora_scale"
+
+
+@dataclass
+class LoraConfig:
+    """``model.lora``: train LoRA adapters (``rank`` >= 1) instead of every weight (``rank`` 0, the default)."""
+
+    rank: int = 0
+    """r, the adapters' rank; 0 trains the whole model. LoRA Without Regret: rank 1 already matches full
+    fine-tuning in policy-gradient RL; 16 leaves room for SFT-sized signals."""
+    alpha: float = 32.0
+    """The adapters' scale is alpha / rank. 32 for every rank, as LoRA Without Regret does: with the 1/r
+    scale the best learning rate is nearly independent of the rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's ``lora_dropout``). 0, as LoRA Without Regret; anything else
+    makes the trainer's own log-probs random, which decoupled PPO's proximal policy does not expect."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Which linear layers get adapters: module names (``q_proj``, ``down_proj``, ...) or ``all-linear``
+    (PEFT: every linear layer except the LM head: attention and MLP, as LoRA Without Regret recommends)."""
+    init: str = "default"
+    """How A and B start: ``default`` (PEFT/Hu et al.: A Kaiming-uniform, B zero, so step 0 is the base) or
+    ``gaussian`` (A normal with std 1/r, B zero)."""
+    quantize: str = "none"
+    """``4bit``: QLoRA (Dettmers et al. 2023, arXiv 2305.14314): the frozen base stored as NF4 with double
+    quantization through bitsandbytes, compute in bf16; CUDA only. ``none``: the base in full precision."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+def validate(cfg: LoraConfig) -> None:
+    """One ConfigError naming the key for a value ``model.lora`` cannot use."""
+    if not isinstance(cfg.rank, int) or cfg.rank < 0:
+        raise ConfigError(f"model.lora.rank must be an integer >= 0 (0: train the whole model), got {cfg.rank!r}")
+    if not cfg.enabled:
+        return
+    if not cfg.alpha > 0:
+        raise ConfigError(f"model.lora.alpha must be > 0, got {cfg.alpha!r}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {cfg.dropout!r}")
+    if not cfg.target_modules or not all(isinstance(m, str) and m for m in cfg.target_modules):
+        raise ConfigError(f"model.lora.target_modules must be a non-empty list of module names (or [all-linear]), "
+                          f"got {cfg.target_modules!r}")
+    if "all-linear" in cfg.target_modules and len(cfg.target_modules) > 1:
+        raise ConfigError("model.lora.target_modules: all-linear already names every linear layer; list it alone")
+    if cfg.init not in INITS:
+        raise ConfigError(f"model.lora.init must be one of {', '.join(INITS)} (PiSSA, OLoRA and LoftQ rewrite the base "
+                          f"weights, so the adapters-off reference would not be the base), got {cfg.init!r}")
+    if cfg.quantize not in QUANTIZE:
+        raise ConfigError(f"model.lora.quantize must be one of {', '.join(QUANTIZE)}, got {cfg.quantize!r}")
+
+
+def check_device(cfg: LoraConfig, device: torch.device) -> None:
+    """QLoRA's 4-bit base needs bitsandbytes' CUDA kernels: one line anywhere else."""
+    if cfg.enabled and cfg.quantize == "4bit" and device.type != "cuda":
+        raise ConfigError(f"model.lora.quantize=4bit (QLoRA) needs a CUDA device (bitsandbytes 4-bit kernels); "
+                          f"system.device resolves to {device.type}: use model.lora.quantize=none")
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as e:
+        raise ConfigError(f"model.lora.rank > 0 needs peft: pip install 'tidal[lora]' ({e})") from None
+    return peft
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model (LoRA adapters on a frozen base)."""
+    return type(model).__module__.startswith("peft.")
+
+
+def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None = None) -> torch.nn.Module:
+    """``model`` with LoRA adapters (``get_peft_model``): base frozen, adapters trainable. ``base_path``:
+    recorded in the adapter config (``base_model_name_or_path``), where ``tidal export`` and
+    ``PeftModel.from_pretrained`` users find the base."""
+    peft = _peft()
+    targets = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    init = True if cfg.init == "default" else cfg.init
+    config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                             init_lora_weights=init, bias="none", task_type="CAUSAL_LM")
+    try:
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as e:  # no module matched target_modules
+        raise ConfigError(f"model.lora.target_modules={cfg.target_modules}: {' '.join(str(e).split())}") from None
+    if base_path is not None:
+        wrapped.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
+    return wrapped
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _lora_layers(model: torch.nn.Module):
+    """(name in the plain model, layer) of every adapted layer of a PEFT model."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+            yield name[len(prefix):] if name.startswith(prefix) else name, module
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from an FSDP2 shard (a DTensor: collective, every rank must call it), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def adapter_update(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A detached copy of the adapters (the module docstring's layout), ``dtype`` the engine's. Sharded with
+    FSDP2, each adapter is gathered whole (collective: every rank calls it, in the same order)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in _lora_layers(model):
+        a, b = _full(layer.lora_A["default"].weight), _full(layer.lora_B["default"].weight)
+        out[name + _A] = a.detach().to(dtype=dtype or a.dtype, copy=True)
+        out[name + _B] = b.detach().to(dtype=dtype or b.dtype, copy=True)
+        out[name + _SCALE] = torch.tensor(float(layer.scaling["default"]), dtype=torch.float32)
+    return out
+
+
+def is_adapter_update(state_dict) -> bool:
+    return any(k.endswith(_SCALE) for k in state_dict)
+
+
+def engine_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
+    """For a rollout engine: a plain copy of ``model`` and, if it is a PEFT model, the base weights W0 of
+    its adapted layers (the copy's are merged: W0 + s B A)."""
+    import copy
+
+    if not is_peft(model):
+        return copy.deepcopy(model), None
+    clone = copy.deepcopy(model)
+    base = {name: _dense_weight(layer.base_layer).detach().clone() for name, layer in _lora_layers(clone)}
+    if any(_is_4bit(layer.base_layer) for _, layer in _lora_layers(clone)):
+        _dequantize_bases(clone)  # the engine samples from a bf16 base (QLoRA: the trainer's base is NF4)
+    plain = clone.merge_and_unload()
+    return plain, base
+
+
+def _is_4bit(layer: torch.nn.Module) -> bool:
+    return type(layer).__name__ == "Linear4bit"
+
+
+def _dense_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight as a dense tensor (a bitsandbytes 4-bit one dequantized)."""
+    if _is_4bit(layer):
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(torch.bfloat16)
+    return layer.weight
+
+
+def _dequantize_bases(model: torch.nn.Module) -> None:
+    """Replace every 4-bit base layer of a PEFT model by a plain bf16 ``nn.Linear`` with the same values."""
+    for _, layer in list(_lora_layers(model)):
+        base = layer.base_layer
+        if _is_4bit(base):
+            dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
+                                    dtype=torch.bfloat16, device=base.weight.device)
+            dense.weight.data.copy_(_dense_weight(base))
+            if base.bias is not None:
+                dense.bias.data.copy_(base.bias.data)
+            layer.base_layer = dense
+
+
+@torch.no_grad()
+def apply_update(model: torch.nn.Module, base: dict[str, torch.Tensor], update) -> None:
+    """Write W0 + s B A (computed in float32, stored in the weight's dtype) into each adapted layer of the
+    engine's plain ``model``, in place. Every adapted layer must be in ``update`` and nothing else."""
+    names = {k[: -len(_SCALE)] for k in update if k.endswith(_SCALE)}
+    if names != set(base):
+        missing, extra = sorted(set(base) - names)[:3], sorted(names - set(base))[:3]
+        raise RuntimeError(f"adapter update does not match the engine's adapted layers: missing {missing}, "
+                           f"unexpected {extra}")
+    modules = dict(model.named_modules())
+    for name, w0 in base.items():
+        weight = modules[name].weight
+        a, b = update[name + _A].to(weight.device, torch.float32), update[name + _B].to(weight.device, torch.float32)
+        scale = float(update[name + _SCALE])
+        weight.copy_((w0.float() + scale * (b @ a)).to(weight.dtype))
+
+
+def save_adapters(model: torch.nn.Module, directory: str | Path, state_dict: dict | None = None) -> None:
+    """PEFT's layout: ``adapter_config.json`` + ``adapter_model.safetensors`` (embeddings never saved:
+    they are not adapted, and PEFT's ``auto`` would look the base up on the Hub). ``state_dict``: the
+    model's full state dict when it is sharded (gathered on rank 0), as ``model.state_dict()`` names it."""
+    model.save_pretrained(directory, safe_serialization=True, save_embedding_layers=False, state_dict=state_dict)
+    readme = Path(directory) / "README.md"  # PEFT's model-card stub: not part of the adapters
+    readme.unlink(missing_ok=True)
+
+
+def read_adapters(directory: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapters under the PEFT model's own parameter names (PEFT saves them without the
+    adapter's name: ``...q_proj.lora_A.weight`` is the model's ``...q_proj.lora_A.default.weight``)."""
+    from safetensors.torch import load_file
+
+    return {k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): v
+            for k, v in load_file(Path(directory) / ADAPTER_WEIGHTS).items()}
+
+
+def load_adapters(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load a checkpoint's adapters into ``model`` (a PEFT model with the same adapted layers), strictly."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(Path(directory) / ADAPTER_WEIGHTS)
+    result = set_peft_model_state_dict(model, weights)
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    loaded = {k.replace(".weight", ".default.weight") for k in weights}  # PEFT saves without the adapter name
+    missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in loaded)
+    if unexpected or missing:
+        raise RuntimeError(f"checkpoint {directory} does not match the model's adapters (model.lora): "
+                           f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def base_of(directory: str | Path) -> Path:
+    """The base model directory an adapter directory was trained on (its ``base_model_name_or_path``)."""
+    import json
+
+    base = json.loads((Path(directory) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").exists():
+        raise FileNotFoundError(f"{directory}: its base model {base!r} (adapter_config.json's base_model_name_or_path) "
+                                "is not a local model directory")
+    return Path(base)
+
+
+def is_adapter_dir(directory: str | Path) -> bool:
+    return (Path(directory) / ADAPTER_CONFIG).exists() and not (Path(directory) / "config.json").exists()
+
+
+def load_merged(directory: str | Path, base: str | Path | None = None) -> torch.nn.Module:
+    """A plain Hugging Face model: the adapters in ``directory`` merged into their base (float32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = Path(base) if base is not None else base_of(directory)
+    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=torch.float32)
+    return PeftModel.from_pretrained(model, str(directory), local_files_only=True).merge_and_unload()
+
+
+
+def check_run(cfg) -> None:
+    """The run-config combinations LoRA cannot serve yet, each one ConfigError naming the keys (``cfg`` a
+    ``RunConfig``; called by ``system/validate.py``)."""
+    lc = cfg.model.lora
+    validate(lc)
+    if not lc.enabled:
+        return
+    if cfg.rollout.engine != "local":
+        raise ConfigError(f"model.lora with rollout.engine={cfg.rollout.engine}: tidal's vLLM engine does not load "
+                          "LoRA adapters yet (vLLM itself can, with enable_lora and a LoRARequest per version); "
+                          "use rollout.engine=local")
+    if cfg.rollout.weight_quant != "none":
+        raise ConfigError(f"model.lora with rollout.weight_quant={cfg.rollout.weight_quant}: the adapters are sent "
+                          "unquantized (a few MB); use rollout.weight_quant=none")
+    if cfg.system.backend != "local":
+        raise ConfigError(f"model.lora with system.backend={cfg.system.backend}: Ray rollout workers take full weights "
+                          "only for now; use system.backend=local")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.trainer.data_parallel == "elastic" or (world > 1 and cfg.trainer.data_parallel != "fsdp"):
+        raise ConfigError(f"model.lora with trainer.data_parallel={cfg.trainer.data_parallel}: DiLoCo and elastic "
+                          "replicas do not sync PEFT adapters yet; use trainer.data_parallel=fsdp under torchrun "
+                          "(FSDP2: base frozen and sharded, adapters trained) or one process")
+    if cfg.optim.name == "muon":
+        raise ConfigError("model.lora with optim.name=muon: Muon orthogonalizes whole hidden matrices, and LoRA's A "
+                          "and B are rank-r factors; use optim.name=adamw or ademamix")
+
+
+def policy(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path, device: str) -> torch.nn.Module:
+    """The trainer's LoRA policy on the base at ``base_path`` (``model``, already loaded in float32), or with
+    ``quantize=4bit`` the base reloaded as NF4 on ``device`` (QLoRA; ``check_device`` ran first)."""
+    if cfg.quantize == "4bit":
+        model = _load_4bit(base_path, device)
+    return wrap(model, cfg, base_path)
+
+
+def _load_4bit(base_path: str | Path, device: str) -> torch.nn.Module:
+    """QLoRA's base: NF4 weights with double quantization, bf16 compute (Dettmers et al. 2023, sec. 3)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"model.lora.quantize=4bit needs bitsandbytes: pip install 'tidal[qlora]' ({e})") from None
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    from tidal.utils.device import resolve_device
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, quantization_config=quant,
+                                                 device_map={"": resolve_device(device)}, dtype=torch.bfloat16)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
