@@ -89,6 +89,14 @@ def test_merge_is_w0_plus_alpha_over_r_times_b_a(small_model):
     torch.testing.assert_close(dict(plain.named_modules())["model.layers.0.mlp.down_proj"].weight, want,
                                atol=1e-6, rtol=0)
     assert torch.equal(base["model.layers.0.mlp.down_proj"], w0)
+    from peft.tuners.lora import LoraLayer
+
+    assert not any(isinstance(m, LoraLayer) for m in plain.modules()) and not lora.is_peft(plain)
+    want_all = copy.deepcopy(pm).merge_and_unload().state_dict()  # peft's own merge, all layers
+    got_all = plain.state_dict()
+    assert got_all.keys() == want_all.keys()
+    for k in want_all:
+        torch.testing.assert_close(got_all[k], want_all[k], atol=1e-6, rtol=0)
 
 
 def test_adapters_off_reference_equals_the_frozen_base_exactly(small_model, tokenizer):

@@ -178,10 +178,26 @@ def engine_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torc
         return copy.deepcopy(model), None
     clone = copy.deepcopy(model)
     base = {name: _dense_weight(layer.base_layer).detach().clone() for name, layer in _lora_layers(clone)}
-    if any(_is_4bit(layer.base_layer) for _, layer in _lora_layers(clone)):
+    if any(_is_4bit(m) for m in clone.modules()):
         _dequantize_bases(clone)  # the engine samples from a bf16 base (QLoRA: the trainer's base is NF4)
-    plain = clone.merge_and_unload()
+    plain = _merged(clone)
+    if getattr(plain, "hf_quantizer", None) is not None:  # transformers refuses .to(dtype) on a 4-bit loaded model
+        plain.hf_quantizer.remove_quantization_config(plain)
     return plain, base
+
+
+def _merged(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain model of a PEFT model, each adapted layer's base weight plus its delta (s B A). Done here rather
+    than by peft's ``merge_and_unload``: for QLoRA that dequantizes through bitsandbytes' ``quant_state``, which the
+    bf16 base ``_dequantize_bases`` put in place has not (the first H200 run failed on it)."""
+    for name, layer in list(_lora_layers(model)):
+        dense = layer.base_layer
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                dense.weight.data += layer.get_delta_weight(adapter).to(dense.weight.dtype)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_base_model().get_submodule(parent), child, dense)
+    return model.get_base_model()
 
 
 def _is_4bit(layer: torch.nn.Module) -> bool:
@@ -198,16 +214,16 @@ def _dense_weight(layer: torch.nn.Module) -> torch.Tensor:
 
 
 def _dequantize_bases(model: torch.nn.Module) -> None:
-    """Replace every 4-bit base layer of a PEFT model by a plain bf16 ``nn.Linear`` with the same values."""
-    for _, layer in list(_lora_layers(model)):
-        base = layer.base_layer
-        if _is_4bit(base):
-            dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
-                                    dtype=torch.bfloat16, device=base.weight.device)
-            dense.weight.data.copy_(_dense_weight(base))
-            if base.bias is not None:
-                dense.bias.data.copy_(base.bias.data)
-            layer.base_layer = dense
+    """Replace every 4-bit linear layer of a model (adapted bases and any layer the adapters left alone) by a plain
+    bf16 ``nn.Linear`` with the same values."""
+    for name, base in [(n, m) for n, m in model.named_modules() if _is_4bit(m)]:
+        dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
+                                dtype=torch.bfloat16, device=base.weight.device)
+        dense.weight.data.copy_(_dense_weight(base))
+        if base.bias is not None:
+            dense.bias.data.copy_(base.bias.data)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, dense)
 
 
 @torch.no_grad()
