@@ -25,6 +25,7 @@ import torch
 from tidal.config import ConfigError, save_yaml
 from tidal.models import tiny
 from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE
+from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 
 
@@ -72,6 +73,9 @@ class RunConfig:
     save_every: int = 50
     """Steps between checkpoints (and after the last step)."""
     keep: int = 2
+    async_checkpoint: bool = True
+    """Write checkpoints in the background (``train/async_checkpoint.py``, as ``tidal train``'s
+    ``async_checkpoint``): the step pays for a host copy; the stage waits for the last write before it ends."""
     seed: int = 0
     threads: int = 0
     """torch threads on CPU; 0 leaves torch's default."""
@@ -196,6 +200,8 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
         metrics_path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start))
         log(f"{name}: resumed from {ckpt} (step {start})")
     model.train()
+    # background checkpoint writes; on an error the (non-daemon) writer still finishes before the process exits
+    writer = AsyncCheckpointer() if run.async_checkpoint else None
     last: dict = {}
     t0, tokens, eval_s = time.perf_counter(), 0, 0.0
     clock_start = t0 if clock_start is None else clock_start
@@ -229,8 +235,13 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
             f.write(json.dumps(row) + "\n")
         last = row
         if done % run.save_every == 0 or done == run.steps:
-            save_checkpoint(out / "checkpoints", model, tokenizer, opt, sched,
-                            TrainingState(step=done, version=done, next_group=0, extra={}), keep=run.keep)
+            state = TrainingState(step=done, version=done, next_group=0, extra={})
+            if writer is not None:
+                writer.save(out / "checkpoints", model, tokenizer, opt, sched, state, keep=run.keep)
+            else:
+                save_checkpoint(out / "checkpoints", model, tokenizer, opt, sched, state, keep=run.keep)
+    if writer is not None:
+        writer.wait()
     export(model, tokenizer, out / "model")
     return last
 

@@ -142,6 +142,12 @@ class RunConfig:
     """Evaluate on the first N held-out prompts only (None: all of task.num_eval)."""
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
+    async_checkpoint: bool = True
+    """Write checkpoints in the background (``train/async_checkpoint.py``): the step pays for a copy of the
+    state into host memory, a thread writes, hashes and renames it, one write at a time, and the run waits
+    for the last one before it ends. Same files and ``--resume`` as a synchronous save; costs one host copy
+    of the weights and optimizer state. On by default (DataStates-LLM, arXiv 2406.10707): a kill mid-write
+    leaves the previous checkpoint, as a synchronous save does. ``false``: the step waits for the disk."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -50,6 +50,7 @@ from tidal.system.journal import GroupJournal
 from tidal.system.length_growth import LengthGrowth
 from tidal.system.staleness import StalenessManager
 from tidal.train.batch import build_train_batch
+from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
@@ -101,6 +102,8 @@ class Controller:
         self._engine_dtype = (resolve_dtype(cfg.rollout.dtype, trainer.device, "rollout.dtype")
                               if cfg.rollout.engine == "local" and getattr(trainer, "device", None) is not None
                               else None)
+        # at most one checkpoint write in flight, in the background (``train/async_checkpoint.py``)
+        self.ckpt_writer = AsyncCheckpointer() if cfg.async_checkpoint else None
         self._setup_curriculum()
 
     # ---- the curriculum: what is drawn, how long, how it is scored (restored on resume) -------------
@@ -330,13 +333,23 @@ class Controller:
     def checkpoint(self, elapsed_s: float) -> Path:
         self.state.extra["elapsed_s"] = elapsed_s
         self._curriculum_state()
+        # the journal keeps the groups this checkpoint trained until the checkpoint is complete on disk
+        compact = (None if self.journal is None else
+                   lambda _path, start=self.state.next_group: self.journal.compact(start))
         path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", self.tokenizer, self.state,
-                                            keep=self.cfg.keep_checkpoints)  # policy (and critic) state
+                                            keep=self.cfg.keep_checkpoints, writer=self.ckpt_writer,
+                                            on_saved=compact)  # policy (and critic) state
         if self.sdc is not None:
+            if self.ckpt_writer is not None:
+                self.ckpt_writer.wait()  # the guard marks the checkpoint on disk and prunes by what is kept there
             self.sdc.on_checkpoint(path, self.state.step)
-        if self.journal is not None:
-            self.journal.compact(self.state.next_group)  # what this checkpoint trained is no longer needed
         return path
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background (if any) is on disk; raise
+        ``CheckpointError`` if its write failed."""
+        if self.ckpt_writer is not None:
+            self.ckpt_writer.wait()
 
     # ---- the loop ------------------------------------------------------------------------------
     def _earlier_rows(self) -> list[dict]:
@@ -393,9 +406,15 @@ class Controller:
             if self._unlogged is not None and self._unlogged[0] == self.state.step != self._last_logged_step():
                 self.tracker.log(*self._unlogged)  # counted in the checkpoint: logged too, once
             self.checkpoint(self._elapsed_before + self._rl_seconds)
+            self.wait_for_checkpoint()  # on disk before the caller says where it is
+            raise
+        except BaseException:
+            if self.ckpt_writer is not None:
+                self.ckpt_writer.wait_quietly()  # the run's own error stays the one raised
             raise
         finally:
             bar.close()
+        self.wait_for_checkpoint()
         accs = [(h["step"], h["eval/accuracy"]) for h in self.history if "eval/accuracy" in h]
         return RunResult(
             steps=self.state.step,

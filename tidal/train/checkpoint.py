@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,60 +95,110 @@ class TrainingState:
     extra: dict[str, Any]
 
 
+@dataclass
+class CheckpointContents:
+    """What one checkpoint writes, apart from the tokenizer and the model's config: the weights (None: the
+    model's own, read while writing), the optimizer, scheduler and RNG states, the counters and each extra
+    component's state dict. ``capture`` fills it with the live objects (a synchronous save writes them at
+    once); ``snapshot.py`` with host copies, which a background writer may read while training goes on."""
+
+    model_state: dict[str, Any] | None
+    optimizer: dict
+    scheduler: dict
+    rng: dict
+    state: dict
+    components: dict[str, dict]
+
+
+def capture(model, optimizer, scheduler, state: TrainingState, components: dict[str, Any] | None = None,
+            model_state: dict | None = None, optimizer_state: dict | None = None) -> CheckpointContents:
+    """The live state a checkpoint holds (no copies: write it before the next training step)."""
+    return CheckpointContents(
+        model_state=model_state,
+        optimizer=optimizer.state_dict() if optimizer_state is None else optimizer_state,
+        scheduler=scheduler.state_dict(),
+        rng=rng_state(),
+        state=state.__dict__,
+        components={name: component.state_dict() for name, component in (components or {}).items()},
+    )
+
+
 def save_checkpoint(
     root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2,
     components: dict[str, Any] | None = None,
 ) -> Path | None:
-    """Write ``step_<k>/``. A sharded model: every rank takes part in the gather and rank 0 writes
-    (the others get None). ``components``: name -> an object with ``state_dict()``, each written to
-    ``<name>.pt`` inside the same atomic save."""
+    """Write ``step_<k>/`` now (the step waits for the disk; ``async_checkpoint.py`` writes in the background).
+    A sharded model: every rank takes part in the gather and rank 0 writes (the others get None).
+    ``components``: name -> an object with ``state_dict()``, each written to ``<name>.pt`` inside the same
+    atomic save."""
     model_state_dict = optimizer_state = None
     if (sharded := root_of(model)) is not None:
         model_state_dict, optimizer_state = sharded.gather_full_state(optimizer)
         if torch.distributed.get_rank() != 0:
             return None
+    contents = capture(model, optimizer, scheduler, state, components, model_state_dict, optimizer_state)
+    return write_checkpoint(root, model, tokenizer, contents, keep)
+
+
+WRITE_HOLD_ENV = "TIDAL_TEST_HOLD_CHECKPOINT_WRITE"
+"""Tests only: ``<step>:<marker path>`` makes the write of ``step_<step>`` stop after the weights (before the
+trainer state, the hashes and the rename), create the marker file and wait there until the process is killed:
+a deterministic "killed mid-write" (``tests/train/test_async_checkpoint_kill.py``)."""
+
+
+def write_checkpoint(root: str | Path, model, tokenizer, contents: CheckpointContents, keep: int = 2) -> Path:
+    """Write ``contents`` as ``root/step_<k>/``: into ``.tmp_step_<k>``, hashed, renamed into place, ``latest``
+    updated, then checkpoints beyond the newest ``keep`` removed (never the one just written, so the newest
+    complete checkpoint always survives). ``model`` and ``tokenizer`` give the file layout, the config and
+    the vocabulary (read only); with ``contents.model_state`` the weights come from there."""
     root = Path(root)
-    final = root / f"step_{state.step}"
-    tmp = root / f".tmp_step_{state.step}"
+    step = contents.state["step"]
+    final = root / f"step_{step}"
+    tmp = root / f".tmp_step_{step}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         for leftover in root.glob(".tmp_*"):  # a save that died before its rename
             _remove(leftover)
         tmp.mkdir()
-        if lora.is_peft(model):
-            lora.save_adapters(model, tmp, model_state_dict)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state_dict)
         tokenizer.save_pretrained(tmp)
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_state(),
-                "state": state.__dict__,
-            },
-            tmp / "trainer_state.pt",
-        )
-        for name, component in (components or {}).items():
-            torch.save(component.state_dict(), tmp / f"{name}.pt")
-        write_hashes(tmp, [*HASHED, *(f"{name}.pt" for name in components or {})])
+        # save_pretrained pops the tensors it writes out of the dict it is given: hand it a shallow copy
+        weights = dict(contents.model_state) if contents.model_state is not None else None
+        if lora.is_peft(model):
+            lora.save_adapters(model, tmp, weights)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+        _hold_if_asked(step)
+        torch.save({"optimizer": contents.optimizer, "scheduler": contents.scheduler, "rng": contents.rng,
+                    "state": contents.state}, tmp / "trainer_state.pt")
+        for name, component_state in contents.components.items():
+            torch.save(component_state, tmp / f"{name}.pt")
+        write_hashes(tmp, [*HASHED, *(f"{name}.pt" for name in contents.components)])
         if final.exists():  # the same step saved again (a resumed run): move the old one aside first
-            final.rename(root / f".tmp_old_step_{state.step}")
+            final.rename(root / f".tmp_old_step_{step}")
         tmp.rename(final)
         (root / "latest.tmp").write_text(final.name)
         (root / "latest.tmp").replace(root / "latest")
     except Exception as e:  # OSError, safetensors' SafetensorError, torch's RuntimeError: all a failed write
         _remove(tmp)
-        if (root / f".tmp_old_step_{state.step}").exists() and not final.exists():
-            (root / f".tmp_old_step_{state.step}").rename(final)
+        if (root / f".tmp_old_step_{step}").exists() and not final.exists():
+            (root / f".tmp_old_step_{step}").rename(final)
         previous = latest_checkpoint(root)
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"could not write checkpoint {final} ({type(e).__name__}: "
                               f"{' '.join(str(e).split())}); {kept}") from e
-    _remove(root / f".tmp_old_step_{state.step}")
+    _remove(root / f".tmp_old_step_{step}")
     for old in sorted(_steps(root))[:-keep] if keep > 0 else []:
-        shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+        if old != step:
+            shutil.rmtree(root / f"step_{old}", ignore_errors=True)
     return final
+
+
+def _hold_if_asked(step: int) -> None:
+    hold = os.environ.get(WRITE_HOLD_ENV)
+    if hold and int(hold.split(":", 1)[0]) == step:
+        Path(hold.split(":", 1)[1]).write_text(f"holding the write of step_{step}\n")
+        while True:
+            time.sleep(1.0)
 
 
 def _remove(path: Path) -> None:

@@ -38,6 +38,7 @@ import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -67,6 +68,7 @@ from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.models.quant import linear_weight_names, quantize_state_dict
 from tidal.optim import OptimConfig, build_optimizer
+from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from tidal.train.critic import Critic, CriticConfig, CriticTargets, check_supported
 from tidal.train.data_parallel import (
@@ -578,11 +580,22 @@ class Trainer:
         """Data parallel: full weights and optimizer state on rank 0 (for a checkpoint). Collective."""
         return root_of(self.model).gather_full_state(self.optimizer)
 
-    def save_checkpoint(self, root: str | Path, tokenizer, state: TrainingState, keep: int = 2) -> Path | None:
+    def save_checkpoint(self, root: str | Path, tokenizer, state: TrainingState, keep: int = 2,
+                        writer: AsyncCheckpointer | None = None,
+                        on_saved: Callable[[Path], None] | None = None) -> Path | None:
         """``train/checkpoint.py``'s checkpoint of this trainer (data parallel: every rank calls it, rank 0
-        writes the 1-process layout and returns its path, the others None)."""
-        return save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
+        writes the 1-process layout and returns its path, the others None). With ``writer``
+        (``async_checkpoint.py``) the step pays only for a host snapshot and the files are written in the
+        background: the path returned is complete once ``writer.wait()`` returns. ``on_saved(path)`` runs
+        once the checkpoint is complete."""
+        if writer is not None:
+            return writer.save(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
+                               components=self._components(), on_saved=on_saved)
+        path = save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
                                components=self._components())
+        if on_saved is not None and path is not None:
+            on_saved(path)
+        return path
 
     def load_checkpoint(self, path: str | Path) -> TrainingState:
         """Restore weights, optimizer, scheduler, RNG state and the policy version; return the counters

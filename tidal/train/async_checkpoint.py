@@ -1,0 +1,137 @@
+"""Asynchronous checkpoints: the step pays for a host snapshot; a background thread writes, hashes and renames.
+
+A synchronous checkpoint (``checkpoint.save_checkpoint``) stops training while it serializes, writes and
+hashes every file. DataStates-LLM (arXiv 2406.10707) and Universal Checkpointing (arXiv 2406.18820) make the
+step pay only for a copy of the state into host memory and flush that copy in the background; six of the
+nine peers we track checkpoint asynchronously. ``AsyncCheckpointer.save``:
+
+1. waits for the previous write, if one is still running (at most one write is in flight: the snapshot
+   buffers are reused, and a backlog of copies would grow without bound when writes are slower than steps);
+   a write that failed raises its ``CheckpointError`` here;
+2. takes the snapshot (``snapshot.py``; a sharded model's full state is gathered first, collectively, as
+   the synchronous save does);
+3. starts a thread that runs ``checkpoint.write_checkpoint`` on the snapshot, with the same files, the same
+   ``hashes.json``, the same ``.tmp_step_<k>`` then rename then ``latest`` order and the same retention as a
+   synchronous save, then ``on_saved(path)``.
+
+So the on-disk format, ``latest_checkpoint``, ``load_checkpoint``, ``verify_hashes`` and ``--resume`` are
+unchanged, and a process killed mid-write (``kill -9``) leaves a ``.tmp_step_<k>`` that is never read and
+the previous complete checkpoint in place. Retention runs after the rename and never removes the checkpoint
+just written: the newest complete checkpoint is never deleted, in flight or not. ``wait()`` is the caller's
+promise that a run that ends or is interrupted does not exit before its last checkpoint is on disk (the
+thread is also non-daemon, so the interpreter waits for it at exit).
+
+Why not ``torch.distributed.checkpoint.async_save``: in torch 2.13 it does run in one process without a
+process group (it warns and assumes one rank), but it writes DCP's own layout, ``__0_0.distcp`` files plus
+a ``.metadata`` index (or, with ``HuggingFaceStorageWriter``, ``model-00001-of-00001.safetensors`` plus
+DCP's metadata) of a flattened tensor dict: not ``save_pretrained``'s ``model.safetensors`` with tied
+weights written once and a config any Hugging Face tool loads, not the pickled ``trainer_state.pt`` with
+the optimizer's param groups, the scheduler and the RNG states, and with no place for our ``hashes.json``
+or the tmp-then-rename. Using it would change the checkpoint format and break ``--resume`` of existing
+runs, so this module keeps the format and does what ``async_save`` does (stage to host, write on a thread)
+with the existing writer.
+
+What it costs: one extra host copy of the weights and optimizer state (pinned on CUDA), kept for the run;
+a snapshot that cannot be allocated falls back to a synchronous save with a warning, never a lost
+checkpoint. The background write competes for CPU and memory bandwidth with training; on a GPU the step is
+mostly device time and the write hides behind it, on a small CPU machine it shows (docs/benchmarks.md,
+``tidal bench checkpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tidal.train.checkpoint import TrainingState, capture, write_checkpoint
+from tidal.train.data_parallel import root_of
+from tidal.train.snapshot import HostBuffers, snapshot
+
+log = logging.getLogger(__name__)
+
+
+class AsyncCheckpointer:
+    """Writes checkpoints in the background, one at a time (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.buffers = HostBuffers()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._fallback = False
+        self.timings: dict[str, float] = {}
+        """The last save's ``wait_s`` (for the previous write), ``snapshot_s`` and, once it finished,
+        ``write_s``: what a step paid and what the background did."""
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, root: str | Path, model, tokenizer, optimizer, scheduler, state: TrainingState, keep: int = 2,
+             components: dict[str, Any] | None = None,
+             on_saved: Callable[[Path], None] | None = None) -> Path | None:
+        """Snapshot now and write ``root/step_<k>/`` in the background; returns the path it will have (None on
+        a data-parallel rank other than 0, which only takes part in the gather). ``on_saved(path)`` runs on
+        the writer thread once the checkpoint is complete."""
+        start = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter()
+        model_state = optimizer_state = None
+        if (sharded := root_of(model)) is not None:
+            model_state, optimizer_state = sharded.gather_full_state(optimizer)
+            if torch.distributed.get_rank() != 0:
+                return None
+        contents = None
+        if not self._fallback:
+            try:
+                contents = snapshot(model, optimizer, scheduler, state, self.buffers, components, model_state,
+                                    optimizer_state)
+            except (RuntimeError, MemoryError) as e:  # no host memory for the copy: write synchronously
+                log.warning("asynchronous checkpoint: the host snapshot could not be allocated (%s); writing "
+                            "this and later checkpoints synchronously", " ".join(str(e).split())[:200])
+                self._fallback, self.buffers = True, HostBuffers()
+        if contents is None:
+            contents = capture(model, optimizer, scheduler, state, components, model_state, optimizer_state)
+            path = write_checkpoint(root, model, tokenizer, contents, keep)
+            if on_saved is not None:
+                on_saved(path)
+            self.timings = {"wait_s": waited - start, "snapshot_s": 0.0, "write_s": time.perf_counter() - waited}
+            return path
+        self.timings = {"wait_s": waited - start, "snapshot_s": time.perf_counter() - waited}
+        self._thread = threading.Thread(target=self._write, args=(root, model, tokenizer, contents, keep, on_saved),
+                                        name=f"tidal-checkpoint-step_{state.step}")
+        self._thread.start()
+        return Path(root) / f"step_{state.step}"
+
+    def _write(self, root, model, tokenizer, contents, keep, on_saved) -> None:
+        start = time.perf_counter()
+        try:
+            path = write_checkpoint(root, model, tokenizer, contents, keep)
+            if on_saved is not None:
+                on_saved(path)
+        except BaseException as e:  # noqa: BLE001  (re-raised on the caller's thread by wait())
+            self._error = e
+        self.timings["write_s"] = time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is complete; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def wait_quietly(self) -> BaseException | None:
+        """``wait`` for a run that is already failing: its own error stays the one raised; a write error is
+        logged and returned."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001
+            log.error("the checkpoint being written when the run stopped failed: %s", e)
+            return e
+        return None
