@@ -21,6 +21,7 @@ training may change the state again, the flush overlaps with the next steps. Thi
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -61,8 +62,12 @@ def copy_to_host(obj: Any, buffers: HostBuffers, path: tuple = (), aliases: dict
     aliases = {} if aliases is None else aliases
     if isinstance(obj, torch.Tensor):
         return buffers.copy(path, obj, aliases)
-    if isinstance(obj, dict):
-        return {k: copy_to_host(v, buffers, (*path, k), aliases) for k, v in obj.items()}
+    if isinstance(obj, dict):  # an OrderedDict stays one, with a module state dict's ``_metadata`` (versions)
+        copied = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        copied.update((k, copy_to_host(v, buffers, (*path, k), aliases)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            copied._metadata = copy.deepcopy(obj._metadata)
+        return copied
     if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
         copied = [copy_to_host(v, buffers, (*path, i), aliases) for i, v in enumerate(obj)]
         return copied if isinstance(obj, list) else tuple(copied)
