@@ -18,6 +18,10 @@ load: a file changed on disk since (a flipped bit, a truncated copy) fails with 
 naming the file, instead of silently training on corrupted weights. A checkpoint without
 ``hashes.json`` (written before hashes existed) loads unchecked.
 
+Writing is split in two so that it can run in the background: ``capture`` (or ``snapshot.py``'s host copy)
+collects what a checkpoint holds, ``write_checkpoint`` writes it. ``save_checkpoint`` does both at once;
+``async_checkpoint.py`` snapshots on the training thread and writes on a background one, to the same files.
+
 A model sharded with FSDP (``parallel/fsdp.py``, found by ``data_parallel.root_of``) is saved as full weights and
 full optimizer state gathered on rank 0, in the same files and numbering as one process writes, so a run can
 resume with a different number of processes; loading one broadcasts it from rank 0 into every rank's shards.
