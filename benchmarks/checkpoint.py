@@ -17,8 +17,10 @@ hits all of them alike:
   snapshot into the reused host buffers, hand the write to the background thread. Its step time includes
   whatever the background write takes from the step (CPU, memory bandwidth) and any wait for it.
 
-Each arm runs ``steps`` timed steps per repeat after one untimed warm-up step per repeat; a step's time is
-from the start of its forward to the return of its save call. ``*_ckpt_overhead_frac`` = median step time
+Each arm runs ``steps`` timed steps per repeat after one untimed warm-up step per repeat (the async arm's
+warm-up step saves too, so every timed async step runs beside the previous step's write: the steady state of
+a run that checkpoints every step); a step's time is from the start of its forward to the return of its save
+call. ``*_ckpt_overhead_frac`` = median step time
 of the arm / median step time of ``none`` - 1, medians over every timed step of every repeat. The first
 snapshot allocates the host buffers (page faults, a one-time cost: ``first_snapshot_s``); it is taken in an
 untimed warm-up. The async arm's last write of each repeat finishes untimed before the next arm starts
@@ -140,6 +142,8 @@ def measure(s: Settings, num_layers: int, root: Path) -> dict:
         for arm in ARMS:
             _step(model, opt, sched, ids)  # warm-up, untimed
             step_no += 1
+            if arm == "async":  # so every timed step runs beside the previous step's write, as at every step of a run
+                writer.save(root / "async", model, tokenizer, opt, sched, state(), keep=1)
             for _ in range(s.steps):
                 start = time.perf_counter()
                 _step(model, opt, sched, ids)
