@@ -117,8 +117,8 @@ def test_every_method_end_to_end(tmp_path, capsys):
     assert m["grid"]["held_out_loss"] == min(r["mean_loss"] for r in table)
     # the uniform mixture is a grid point: the same run, the same loss
     assert m["given"]["held_out_loss"] == table[1]["mean_loss"]
-    # merge: base 6 + 2 experts x 6 steps, then 5 merged candidates evaluated
-    assert m["merge"]["compute"]["train_steps"] == 18 and m["merge"]["compute"]["evals"] == 5
+    # merge: base round(0.9 x 12) = 11 + 2 experts x round(0.1 x 12) = 1 step, then 5 merged candidates evaluated
+    assert m["merge"]["compute"]["train_steps"] == 13 and m["merge"]["compute"]["evals"] == 5
     # aioli: one run of the budget; per round one evaluation before and one per swept domain, plus the last
     assert m["aioli"]["compute"]["train_steps"] == 12 and m["aioli"]["compute"]["evals"] == 2 * (1 + 2) + 1
     assert len(m["aioli"]["search"]["trajectory"]) == 2
@@ -131,3 +131,26 @@ def test_every_method_end_to_end(tmp_path, capsys):
     assert report["best_method"] in ("merge", "aioli", "bayes")
     printed = capsys.readouterr().out
     assert "regret" in printed and f"report: {out}" in printed
+
+
+def test_the_docs_command_runs(tmp_path, monkeypatch, capsys):
+    """docs/curate.md's mixture command as written (shrunk by the FAST overrides that follow it)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    pytest.importorskip("optuna")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "curate.md").read_text()
+    block = re.search(r"## Choosing a data mixture\n\n```\n(.*?)```", doc, flags=re.S).group(1)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["tidal", "curate", "mixture"]
+    monkeypatch.chdir(tmp_path)
+    domains, ev = corpus(tmp_path)
+    rows = [json.loads(line) for line in open(domains[0])]
+    for name, part in (("web.jsonl", rows[:6]), ("code.jsonl", rows[6:11]), ("math.jsonl", rows[11:])):
+        write_rows(tmp_path / name, part)
+    write_rows(tmp_path / "heldout.jsonl", [json.loads(line) for line in open(ev)])
+    assert main([*argv[1:], *FAST, "--set", "mixture.aioli.lp_steps=1"]) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "mix.json").read_text())
+    assert list(report["methods"]) == ["grid", "merge", "aioli", "bayes", "given"]
+    assert report["domains"] == ["web", "code", "math"]
