@@ -154,3 +154,23 @@ def test_the_docs_command_runs(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "mix.json").read_text())
     assert list(report["methods"]) == ["grid", "merge", "aioli", "bayes", "given"]
     assert report["domains"] == ["web", "code", "math"]
+
+
+def test_a_method_pays_for_a_mixture_another_method_trained(tmp_path, capsys):
+    """bayes proposing the grid's mixtures is charged for them; its own repeats are free."""
+    from tidal.config import apply_overrides
+    from tidal.data.mixture import Problem, load_inputs
+    from tidal.data.mixture_methods import Runs, search_grid
+
+    domains, ev = corpus(tmp_path)
+    cfg = apply_overrides(MixtureConfig(), [f"domains=[{', '.join(domains)}]", f"eval={ev}", "budget=3",
+                                            "seeds=[0]", "grid_resolution=1", "proxy.hidden_size=16",
+                                            "proxy.batch_size=2", "proxy.seq_len=16", "proxy.eval_windows=2"])
+    problem = Problem(cfg, *load_inputs(cfg))
+    shared = Runs(problem)
+    search_grid(problem, shared, progress=False)
+    assert problem.meter.steps == 6  # (1, 0) and (0, 1), 3 steps each
+    own = Runs(problem)
+    assert own.loss([1.0, 0.0], 0) == shared.loss([1.0, 0.0], 0)  # the same run: a pure function of mixture, seed
+    own.loss([1.0, 0.0], 0)
+    assert problem.meter.steps == 9, "trained once more for the second method, not again for its repeat"

@@ -38,7 +38,8 @@ def _key(mix) -> tuple:
 
 
 class Runs:
-    """Held-out loss of (mixture, seed), trained once and remembered."""
+    """Held-out loss of (mixture, seed), trained once and remembered (a search that proposes a mixture twice
+    pays once)."""
 
     def __init__(self, problem: Problem):
         self.problem, self.cache = problem, {}
@@ -183,8 +184,10 @@ def run_mixture(cfg: MixtureConfig, progress: bool = True) -> dict:
     out = {}
     for name in ["grid", *[m for m in methods if m != "grid"]] if "grid" in methods else methods:
         problem.meter = Meter(cfg, len(problem.windows))
-        found = SEARCH[name](problem, runs, progress)
+        own = Runs(problem)  # a method is charged for every run it asks for, even one another method trained
+        found = SEARCH[name](problem, own, progress)
         spent = problem.meter.as_dict()
+        runs.cache.update(own.cache)
         problem.meter = Meter(cfg, len(problem.windows))  # checking the choice is not the method's cost
         losses = [runs.loss(found["mix"], s) for s in cfg.seeds]
         out[name] = {"mix": dict(zip(names, map(float, found["mix"]))), "held_out_loss": statistics.fmean(losses),
