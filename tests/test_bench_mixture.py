@@ -33,3 +33,20 @@ def test_the_benchmark_reports_regret_and_compute(tmp_path):
     grid, bayes = out["report"]["methods"]["grid"]["compute"], out["report"]["methods"]["bayes"]["compute"]
     assert grid["train_steps"] == 120 and bayes["train_steps"] == 24
     assert out["best_method"] in ("merge", "aioli", "bayes")
+
+
+def test_the_benchmarks_md_commands_name_real_settings():
+    """docs/benchmarks.md's ``tidal bench mixture`` lines parse against the benchmark's settings (the full run
+    takes minutes; the shrunk run above is the one executed)."""
+    import shlex
+    from pathlib import Path
+
+    from tidal.config import apply_overrides
+
+    bench = load("mixture")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    lines = [shlex.split(x) for x in doc.splitlines() if x.startswith("tidal bench mixture")]
+    assert len(lines) == 2
+    for argv in lines:
+        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        apply_overrides(bench.Settings(), sets)
