@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from tidal.algo.mixing import (aioli_interactions, aioli_normalize, aioli_step, merge_weights, simplex_lattice,
-                               smoothed_one_hot)
+from tidal.algo.mixing import (
+    aioli_interactions,
+    aioli_normalize,
+    aioli_step,
+    merge_weights,
+    simplex_lattice,
+    smoothed_one_hot,
+)
 
 
 def test_simplex_lattice_lists_every_mixture_once():

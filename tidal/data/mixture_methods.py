@@ -4,8 +4,9 @@
   mean held-out loss is the ground truth the others are measured against.
 - ``merge``: one shared base (uniform mixture, ``merge.base_frac`` of the budget), one expert per domain
   fine-tuned from it (``merge.expert_frac``), then every lattice mixture (steps of 1/merge.resolution;
-  by default the grid's own mixtures) scored by the held-out loss of the weighted merge ``base + sum a_k (expert_k - base)``, no training
-  (Merge to Mix, arXiv 2505.16066; MergeMix, arXiv 2601.17858). Cost: base + k experts + evaluations.
+  by default the grid's own mixtures) scored by the held-out loss of the weighted merge
+  ``base + sum a_k (expert_k - base)``, no training (Merge to Mix, arXiv 2505.16066; MergeMix, arXiv
+  2601.17858). Cost: base + k experts + evaluations.
 - ``aioli``: one online run that re-estimates the mixing law and moves the proportions as it trains
   (arXiv 2411.05735; ``tidal/algo/mixing.py`` has the update). Its choice is the final proportions
   (the paper's "restricted" use: proportions learned in a shorter run); the online run's own held-out
@@ -24,10 +25,16 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from tidal.algo.mixing import (aioli_interactions, aioli_normalize, aioli_step, merge_weights, simplex_lattice,
-                               smoothed_one_hot)
+from tidal.algo.mixing import (
+    aioli_interactions,
+    aioli_normalize,
+    aioli_step,
+    merge_weights,
+    simplex_lattice,
+    smoothed_one_hot,
+)
 from tidal.config import ConfigError
-from tidal.data.mixture import (Meter, MixtureConfig, Problem, check_weights, load_inputs, methods_of)
+from tidal.data.mixture import Meter, MixtureConfig, Problem, check_weights, load_inputs, methods_of
 from tidal.utils.progress import progress_bar
 
 GOAL_REGRET, GOAL_COMPUTE = 0.01, 0.20  # issue 40: within 1% of the grid's best at <= 20% of its compute
