@@ -39,7 +39,8 @@ class MergeConfig:
     """Steps of each domain's expert, as a fraction of ``budget``. Short: MergeMix trains its experts
     from one base on minimal tokens at a constant rate so they stay near it, where the weighted merge
     tracks mixed training (on ``tidal bench mixture``, scoring 165 mixtures, 0.5/0.5 picked one 24% worse
-    than the grid's best and 0.9/0.1 one 5.5% worse; 0.9/0.1 on the grid's 35 picked the best: docs/curate.md)."""
+    than the grid's best and 0.9/0.1 one 5.5% worse; 0.9/0.1 on the grid's 35 picked the best;
+    on a second corpus it picked one 85% worse: docs/curate.md)."""
     resolution: int = 0
     """Merged candidates scored: every mixture in steps of 1/resolution (evaluation only, no training);
     0: the grid's (``grid_resolution``), so merging estimates exactly the runs a grid would train."""
