@@ -249,7 +249,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         finally:
             torch.set_num_threads(threads)
     if s.only_speculative:
-        return {"benchmark": "generate", "description": DESCRIPTION, **spec,
+        return {"benchmark": "generate", "description": DESCRIPTION, "table": spec.pop("speculative_table", []), **spec,
                 "settings": {f.name: getattr(s, f.name) for f in fields(s)}}
     from tidal.rollout.requests import group_requests
 
