@@ -70,6 +70,14 @@ class SpeculativeConfig:
     ``prompt_lookup_min``; measured on the quickstart, 1 cost speed and rarely matched)."""
     draft_model: str | None = None
     """``draft_model``: a Hugging Face model directory with the policy's tokenizer (vocabulary)."""
+    min_acceptance: float = 0.25
+    """Below this running acceptance (an average over recent steps, halved weight per step) rows draft
+    only every ``probe_every``-th step: every padded draft column costs verify compute for every row, so
+    drafts that keep failing slow decoding down (measured: 0.72x on the quickstart before this rule).
+    Adapting the speculation to its acceptance follows SmartSpec (Liu et al. 2024, arXiv 2406.14066);
+    which steps draft never changes a sample."""
+    probe_every: int = 8
+    """While drafting is paused for low acceptance, draft on every this-many-th step to re-measure it."""
 
     @property
     def enabled(self) -> bool:
@@ -82,6 +90,9 @@ def check_config(cfg: SpeculativeConfig) -> None:
         raise ConfigError(f"rollout.speculative.method={cfg.method!r}: expected one of {', '.join(METHODS)}")
     if cfg.num_draft_tokens < 1:
         raise ConfigError(f"rollout.speculative.num_draft_tokens={cfg.num_draft_tokens}: must be >= 1")
+    if not 0.0 <= cfg.min_acceptance <= 1.0 or cfg.probe_every < 1:
+        raise ConfigError(f"rollout.speculative.min_acceptance={cfg.min_acceptance}, probe_every={cfg.probe_every}: "
+                          "need 0 <= min_acceptance <= 1 and probe_every >= 1")
     if not 1 <= cfg.ngram_min <= cfg.ngram_max:
         raise ConfigError(f"rollout.speculative.ngram_min={cfg.ngram_min}, ngram_max={cfg.ngram_max}: "
                           "need 1 <= ngram_min <= ngram_max")
@@ -204,6 +215,8 @@ class Speculator:
         self.num_drafted = self.num_accepted = 0
         self.num_row_forwards = self.num_tokens = 0
         self._window = (0, 0)  # (drafted, accepted) when ``stats`` was last read
+        self._recent = 1.0  # running acceptance (optimistic start), for ``min_acceptance``
+        self._steps = 0
 
     def stats(self) -> dict[str, float]:
         """Acceptance since the last call (per training step: the controller reads it once a step), and
@@ -240,8 +253,9 @@ class Speculator:
             return rows
         for row in rows:
             self._note_close(row)
-        k_n = [self._draft_budget(row) for row in rows]
-        drafts = self.drafter.propose(rows, k_n)
+        self._steps += 1
+        paused = self._recent < self.cfg.min_acceptance and self._steps % self.cfg.probe_every
+        drafts = [[] for _ in rows] if paused else self.drafter.propose(rows, [self._draft_budget(r) for r in rows])
         n, w = len(rows), 1 + max(map(len, drafts))
         fed = [[tok, *d] + [e.pad_id] * (w - 1 - len(d)) for tok, d in zip(tokens.tolist(), drafts)]
         shared = self._distinct(rows, fed)
@@ -257,6 +271,7 @@ class Speculator:
             pos = torch.tensor([len(rows[i].tokens) + j for i, j in flat], dtype=torch.int64, device=e.device)
             target, logps = sample_tokens(logits_nwv[ii, jj], keys, pos, temperature, e.cfg.top_p)
             target, logps = target.tolist(), logps.tolist()
+        drafted_before, accepted_before = self.num_drafted, self.num_accepted
         keep = torch.ones(n, dtype=torch.bool)
         kept = torch.ones(n, dtype=torch.long)  # columns whose keys and values stay: the newest token's ...
         at = 0
@@ -273,6 +288,9 @@ class Speculator:
                 self._note_close(row)
                 kept[i] += 1
             at += len(d)
+        if self.num_drafted > drafted_before:
+            rate = (self.num_accepted - accepted_before) / (self.num_drafted - drafted_before)
+            self._recent = 0.5 * self._recent + 0.5 * rate
         self.num_tokens += int(kept.sum()) + int((~keep).sum())
         e.num_generated_tokens += int(kept.sum()) - n + int((~keep).sum())
         next_logits = logits_nwv[torch.arange(n, device=e.device), (kept - 1).to(e.device)]
