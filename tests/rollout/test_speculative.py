@@ -204,3 +204,16 @@ def test_acceptance_entropy_correlation():
     r, n = acceptance_entropy_correlation(rows)
     assert n == 3 and r == pytest.approx(-1.0)  # (1, .9), (2, .7), (4, .3) lie on one falling line
     assert acceptance_entropy_correlation(rows[:2])[1] == 1
+
+
+def test_low_acceptance_pauses_drafting_not_samples(peaked, tokenizer):
+    """``min_acceptance``: while recent drafts mostly fail, rows draft only on probe steps; which steps
+    draft never changes a sample."""
+    reqs = _requests(tokenizer)
+    eager = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.0)
+    picky = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.99, probe_every=4)
+    _, a, e_eager = _pair(peaked, tokenizer, reqs, spec=eager, max_new_tokens=21)
+    plain, b, e_picky = _pair(peaked, tokenizer, reqs, spec=picky, max_new_tokens=21)
+    _same(plain, a)
+    _same(plain, b)
+    assert 0 < e_picky._spec.num_drafted < 0.6 * e_eager._spec.num_drafted  # 139 vs 260 drafted here
