@@ -22,7 +22,12 @@ median time is reported, so a load change on this shared machine hits all of the
   benchmark runs its vLLM arms there (``--set only_vllm=true``) after the others and adds the rows;
   those rounds are not interleaved with the others'. ``vllm=false`` leaves them out.
 
+Speculative arms (``_speculative.py``): per task (``repeat``, ``agentic``, ``quickstart``) the engine with and
+without ``rollout.speculative`` (prompt lookup, Saxena 2023), side by side: ``speculative_over_plain`` and
+``acceptance_rate`` per task, ``speculative_identical`` (the samples are the same).
+
     tidal bench generate [--set num_prompts=256 --set hf_batch_sizes=[64,256] ...]
+    tidal bench generate --set only_speculative=true [--set speculative_tasks=[repeat] --set rounds=5]
 """
 
 from __future__ import annotations
@@ -67,6 +72,16 @@ class Settings:
     rounds: int = 3
     threads: int = 2
     seed: int = 0
+    speculative_tasks: list[str] = field(default_factory=lambda: ["repeat", "agentic", "quickstart"])
+    """Tasks of the speculative arms (``benchmarks/_speculative.py``): the engine with and without
+    ``rollout.speculative``; empty: none."""
+    speculative_method: str = "ngram"
+    num_draft_tokens: int = 4
+    speculative_prompts: int = 64
+    """Prompts per task in the speculative arms (x ``group_size`` samples)."""
+    speculative_batch: int = 512
+    only_speculative: bool = False
+    """Run only the speculative arms (no HF, plain-engine-size or vLLM arms)."""
 
 
 def count_new_tokens(new_ids_bt: torch.Tensor, eos_id: int) -> list[int]:
@@ -221,6 +236,21 @@ def _plot(rows: list[dict], lengths: dict[str, list[int]], s: Settings, path: Pa
 
 def run(overrides: list[str], out_dir: Path) -> dict:
     s = apply_overrides(Settings(), overrides)
+    spec = {}
+    if s.speculative_tasks and not s.only_vllm:
+        from tidal.bench import load
+
+        run_speculative = load("_speculative").run_speculative  # benchmarks/_speculative.py
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(s.threads)
+        try:
+            spec = run_speculative(s)
+        finally:
+            torch.set_num_threads(threads)
+    if s.only_speculative:
+        return {"benchmark": "generate", "description": DESCRIPTION, "table": spec.pop("speculative_table", []), **spec,
+                "settings": {f.name: getattr(s, f.name) for f in fields(s)}}
     from tidal.rollout.requests import group_requests
 
     use_vllm = s.vllm and (s.only_vllm or _vllm_importable())
@@ -279,4 +309,4 @@ def run(overrides: list[str], out_dir: Path) -> dict:
             "settings": {f.name: getattr(s, f.name) for f in fields(s)}, "model": model_path,
             "engine_over_best_hf": best["engine"] / best_hf, "engine_over_best_vllm": best["engine"] / best["vllm"],
             "vllm": "in-process" if use_vllm else ("vllm venv" if venv_vllm else "not installed"), "plot": str(png),
-            "times_s": {f"{name}@{b}": t for (name, b), t in times.items()}}
+            "times_s": {f"{name}@{b}": t for (name, b), t in times.items()}, **spec}

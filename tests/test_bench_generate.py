@@ -62,7 +62,7 @@ def test_generate_benchmark_runs(tmp_path):
     module = bench.load("generate")
     toy = [f"model_path={tmp_path / 'model'}", "num_prompts=3", "group_size=2", "max_new_tokens=6",
            "hf_batch_sizes=[2, 4]", "engine_batch_sizes=[4]", "unshared_batch_sizes=[4]", "rounds=2",
-           "threads=1", "vllm=false"]  # 1 thread: shared cores
+           "threads=1", "vllm=false", "speculative_tasks=[]"]  # 1 thread: shared cores; no warm-started bases
     result = module.run(toy, tmp_path / "out" / "generate")
     rows = result["table"]
     assert [(r["arm"], r["batch_size"]) for r in rows] == [("hf", 2), ("hf", 4), ("engine", 4), ("engine-unshared", 4)]

@@ -34,6 +34,7 @@ from tidal.models.quant import dequantize_state_dict
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
+from tidal.rollout.speculative import SpeculativeConfig, build_speculator
 from tidal.rollout.thinking import open_close_prefix
 from tidal.types import Trajectory
 from tidal.utils.device import model_device, resolve_dtype
@@ -82,6 +83,9 @@ class SamplingConfig:
     distinct sequence once and each decode step only the distinct (context, token) pairs, copying the
     new keys, values and logits to the duplicates. Sampling stays per row (its own noise key), so the
     tokens drawn are the same as without sharing; only work is saved. False decodes every row."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding (``speculative.py``): drafted tokens verified in one forward, accepted only where
+    they equal what the policy samples, so samples, log-probs and versions are unchanged. Off by default."""
 
 
 @dataclass
@@ -97,6 +101,7 @@ class _Row:
     forced_at: list[int] = field(default_factory=list)  # positions of tokens the engine forced (thinking.py)
     think_closed: bool = False
     close_from: int = 0  # close tokens the model had already written when forcing began (thinking.py)
+    draft_state: object = None  # the drafter's per-row state (speculative.py), e.g. its n-gram index
 
 
 @dataclass
@@ -146,7 +151,8 @@ RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
 class LocalEngine:
     """In-process engine on a private copy of a Hugging Face causal LM (see module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, cfg: SamplingConfig, seed: int = 0, version: int = 0):
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: SamplingConfig, seed: int = 0, version: int = 0,
+                 draft_model: torch.nn.Module | None = None):
         # A LoRA policy (PEFT model): a plain copy with the adapters merged, plus the adapted layers' base
         # weights, from which each adapter update is merged again (``models/lora.py``)
         model, self._lora_base = lora.engine_copy(model)
@@ -178,6 +184,9 @@ class LocalEngine:
         self.num_reused_tokens = 0
         self.num_shared_decodes = 0  # row-steps whose decode was copied from an identical row
         self._next_node = 0
+        # Speculative decoding (off: None); its verify forward has a dynamic width, so no CUDA graphs with it
+        self._spec = build_speculator(cfg.speculative, self, draft_model)
+        self._static_decode = self._static_decode and self._spec is None
 
     # ---- weights ---------------------------------------------------------------------------
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -218,6 +227,7 @@ class LocalEngine:
             "rollout/weight_updates": float(self.num_weight_updates),
             "rollout/reused_kv_tokens": float(self.num_reused_tokens),
             "rollout/shared_decode_frac": self.num_shared_decodes / max(self.num_generated_tokens, 1),
+            **(self._spec.stats() if self._spec is not None else {}),
         }
 
     # ---- generation --------------------------------------------------------------------------
@@ -269,7 +279,8 @@ class LocalEngine:
                     if exhausted:
                         return
                     continue
-                rows = self._sample_step(rows, slots, temperature, on_done)
+                step = self._sample_step if self._spec is None else self._spec.step
+                rows = step(rows, slots, temperature, on_done)
         finally:
             self.generate_seconds += time.perf_counter() - start
             if slots is self._slots:
@@ -298,6 +309,18 @@ class LocalEngine:
 
     def _sample_step(self, rows: list[_Row], slots: SlotCache, temperature: float, on_done) -> list[_Row]:
         """Sample one token for every running row, hand finished rows out, decode the rest one step."""
+        rows, tokens = self._sample_next(rows, slots, temperature, on_done)
+        if rows:
+            shared = self._distinct_contexts(rows, tokens.tolist())
+            if shared is not None:
+                self.num_shared_decodes += len(rows) - len(shared[0])
+            slots.decode(self.model, tokens, shared)
+        return rows
+
+    def _sample_next(self, rows: list[_Row], slots: SlotCache, temperature: float,
+                     on_done) -> tuple[list[_Row], torch.Tensor]:
+        """Sample every running row's next token from its logits in ``slots`` (budget forcing applied),
+        hand out the rows it finishes; return the running rows and their new tokens."""
         n = len(rows)
         keys = torch.tensor([r.key for r in rows], dtype=torch.int64, device=self.device)
         gen_pos = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64, device=self.device)
@@ -305,20 +328,31 @@ class LocalEngine:
         self._force_think_close(rows, tokens, logps)
         keep = torch.ones(n, dtype=torch.bool)
         for slot, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist())):
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(self.version)
-            row.confident_run = row.confident_run + 1 if lp > self._early_stop_logp else 0
-            if tok == self.eos_id or self._hit_stop(row):
-                row.finish_reason = "stop"
-            elif len(row.tokens) >= (row.request.max_new_tokens or self.cfg.max_new_tokens):
-                row.finish_reason = "length"
-            elif self.cfg.early_stop_run is not None and row.confident_run >= self.cfg.early_stop_run:
-                row.finish_reason = "repetition"
-            else:
-                continue
-            keep[slot] = False
+            keep[slot] = not self._append(row, tok, lp)
         self.num_generated_tokens += n
+        return self._retire(rows, keep, slots, on_done, tokens)
+
+    def _append(self, row: _Row, tok: int, lp: float) -> bool:
+        """Append one sampled token to ``row`` (with its log-prob and the engine's version); True when the
+        row has finished (EOS or a stop string, its length budget, or an early-truncation run)."""
+        row.tokens.append(tok)
+        row.logprobs.append(lp)
+        row.versions.append(self.version)
+        row.confident_run = row.confident_run + 1 if lp > self._early_stop_logp else 0
+        if tok == self.eos_id or self._hit_stop(row):
+            row.finish_reason = "stop"
+        elif len(row.tokens) >= (row.request.max_new_tokens or self.cfg.max_new_tokens):
+            row.finish_reason = "length"
+        elif self.cfg.early_stop_run is not None and row.confident_run >= self.cfg.early_stop_run:
+            row.finish_reason = "repetition"
+        else:
+            return False
+        return True
+
+    def _retire(self, rows: list[_Row], keep: torch.Tensor, slots: SlotCache, on_done,
+                tokens: torch.Tensor | None = None) -> tuple[list[_Row], torch.Tensor | None]:
+        """Hand out the rows where ``keep`` is False (keeping an episode turn's keys and values) and drop
+        them from ``slots``; ``rows`` (and ``tokens``, per row) follow the slots' moves."""
         for slot in (~keep).nonzero().squeeze(1).tolist():
             row = rows[slot]
             if self.cfg.reuse_turn_kv and row.request.episode and row.tokens[-1] != self.eos_id:
@@ -328,14 +362,11 @@ class LocalEngine:
             holes, movers = slots.remove(keep)
             for hole, mover in zip(holes, movers):
                 rows[hole] = rows[mover]
-            tokens[holes] = tokens[movers]
-            rows, tokens = rows[: slots.n], tokens[: slots.n]
-        if rows:
-            shared = self._distinct_contexts(rows, tokens.tolist())
-            if shared is not None:
-                self.num_shared_decodes += len(rows) - len(shared[0])
-            slots.decode(self.model, tokens, shared)
-        return rows
+            rows = rows[: slots.n]
+            if tokens is not None:
+                tokens[holes] = tokens[movers]
+                tokens = tokens[: slots.n]
+        return rows, tokens
 
     def _distinct_contexts(self, rows: list[_Row], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give each row the node of its context after feeding its newest token; return (one slot per

@@ -80,6 +80,10 @@ class SlotCache(Cache):
         self.start = torch.zeros(0, dtype=torch.long, device=self.device)
         self.last_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self.logits = torch.zeros(0, config.vocab_size, device=self.device)
+        self.rejected = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        """[slots, columns]: columns a row's attention skips inside its span (draft tokens speculative decoding
+        rejected, ``speculative.py``); all False without speculation."""
+        self._width = 1  # columns each row writes in this forward (k + 1 while verifying k drafted tokens)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self.generation = 0  # bumped whenever the buffers are reallocated
         self.static: StaticDecoder | None = None
@@ -97,12 +101,13 @@ class SlotCache(Cache):
     # ---- what the model calls ----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this step's column for every running row; return the span attention reads."""
-        assert key_states.shape[2] == 1, "the slot cache only decodes (prefill runs on a DynamicCache)"
+        w = self._width
+        assert key_states.shape[2] == w, "the slot cache only decodes (prefill runs on a DynamicCache)"
         k, v = self.keys[layer_idx], self.values[layer_idx]
         rows = slice(0, self.n) if self._fed is None else self._fed
-        k[rows, :, self.t] = key_states[:, :, 0]
-        v[rows, :, self.t] = value_states[:, :, 0]
-        return k[rows, :, self.lo : self.t + 1], v[rows, :, self.lo : self.t + 1]
+        k[rows, :, self.t : self.t + w] = key_states
+        v[rows, :, self.t : self.t + w] = value_states
+        return k[rows, :, self.lo : self.t + w], v[rows, :, self.lo : self.t + w]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.t - self.lo
@@ -144,6 +149,49 @@ class SlotCache(Cache):
         self.last_pos[:n] = pos
         self.logits[:n] = logits
 
+    # ---- speculative decoding (``speculative.py``) --------------------------------------------
+    @torch.no_grad()
+    def verify(self, model: torch.nn.Module, tokens_nw: torch.Tensor,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One forward over the running rows with w new tokens each (the newest sampled token and up to
+        w - 1 drafted ones, padded); writes columns [t, t + w) and returns the logits after each new
+        token, [n, w, vocab]. A row attends to its live span (not its rejected columns) and causally to
+        its new tokens. ``shared`` as in ``decode``. ``accept`` then keeps each row's accepted columns."""
+        n, w = tokens_nw.shape
+        assert n == self.n, f"{n} rows of tokens for {self.n} running rows"
+        self._place(0, extra=w)
+        fed = slice(0, n) if shared is None else shared[0]
+        pos_nw = self.last_pos[:n, None] + 1 + torch.arange(w, device=self.device)
+        cols = torch.arange(self.lo, self.t + w, device=self.device)
+        live = (cols[None, :] >= self.start[fed, None]) & ~self.rejected[fed, self.lo : self.t + w]
+        causal = (cols[None, :] < self.t) | (cols[None, :] - self.t <= torch.arange(w, device=self.device)[:, None])
+        mask = (live[:, None, :] & causal[None])[:, None]  # [rows fed, 1, q=w, span]
+        self.rejected[:n, self.t : self.t + w] = False
+        self._fed, self._width = (None if shared is None else shared[0]), w
+        try:
+            logits = model(input_ids=tokens_nw[fed], attention_mask=mask, position_ids=pos_nw[fed],
+                           use_cache=True, **cache_kwargs(model, self)).logits
+        finally:
+            self._fed, self._width = None, 1
+        if shared is not None:
+            slots_u, inverse_n = shared
+            source_n = slots_u[inverse_n]
+            for buf in (*self.keys, *self.values):
+                buf[:n, :, self.t : self.t + w] = buf[source_n, :, self.t : self.t + w]
+            logits = logits[inverse_n]
+        return logits
+
+    def accept(self, kept_n: torch.Tensor, logits_nv: torch.Tensor, width: int) -> None:
+        """After ``verify`` of ``width`` columns: row i keeps its first ``kept_n[i]`` new columns (the tokens
+        it accepted) and the rest are rolled back (marked rejected: masked out from now on, their
+        positions reused by the row's next tokens); ``logits_nv`` are the rows' next-token logits."""
+        n = self.n
+        offset = torch.arange(width, device=self.device)
+        self.rejected[:n, self.t : self.t + width] = offset[None, :] >= kept_n[:, None]
+        self.t += width
+        self.last_pos[:n] += kept_n
+        self.logits[:n] = logits_nv
+
     # ---- joining and leaving -----------------------------------------------------------------
     def admit(self, cache: DynamicCache, mask_dw: torch.Tensor, last_pos_d: torch.Tensor, logits_dv: torch.Tensor,
               source_k: torch.Tensor) -> None:
@@ -159,6 +207,7 @@ class SlotCache(Cache):
             self.keys[layer][rows, :, self.t - width : self.t] = kv.keys[source_k]
             self.values[layer][rows, :, self.t - width : self.t] = kv.values[source_k]
         lengths = mask_dw.sum(dim=1)[source_k]
+        self.rejected[rows] = False
         self.start[rows] = self.t - lengths
         self.last_pos[rows] = last_pos_d[source_k]
         self.logits[rows] = logits_dv[source_k].to(self.logits.dtype)
@@ -174,7 +223,7 @@ class SlotCache(Cache):
         if len(holes):
             for buf in (*self.keys, *self.values):
                 buf[holes, :, self.lo : self.t] = buf[movers, :, self.lo : self.t]
-            for per_row in (self.start, self.last_pos, self.logits):
+            for per_row in (self.start, self.last_pos, self.logits, self.rejected):
                 per_row[holes] = per_row[movers]
         self.n = m
         self.lo = int(self.start[:m].min()) if m else self.t
@@ -183,7 +232,9 @@ class SlotCache(Cache):
     def row_kv(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of running row ``slot``'s keys and values, per layer [heads, len, head_dim]."""
         span = slice(int(self.start[slot]), self.t)
-        return ([k[slot, :, span].clone() for k in self.keys], [v[slot, :, span].clone() for v in self.values])
+        live = ~self.rejected[slot, span]  # without the columns of rejected drafts
+        return ([k[slot, :, span][:, live].clone() for k in self.keys],
+                [v[slot, :, span][:, live].clone() for v in self.values])
 
     def clear(self) -> None:
         """Forget every running row (the buffers stay allocated)."""
@@ -208,6 +259,7 @@ class SlotCache(Cache):
         elif self.n:
             for buf in (*self.keys, *self.values):
                 buf[: self.n, :, dst : dst + span] = buf[: self.n, :, self.lo : self.t].clone()
+            self.rejected[: self.n, dst : dst + span] = self.rejected[: self.n, self.lo : self.t].clone()
         self.start[: self.n] += dst - self.lo
         self.lo, self.t = dst, dst + span
 
@@ -222,6 +274,10 @@ class SlotCache(Cache):
                 new[:n, :, dst : dst + span] = buf[:n, :, self.lo : self.t]
             new_kv.append(new)
         self.keys, self.values = new_kv[: self.num_layers], new_kv[self.num_layers :]
+        holes = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
+        if n and self.rejected.numel():
+            holes[:n, dst : dst + span] = self.rejected[:n, self.lo : self.t]
+        self.rejected = holes
         self.generation += 1
         for name in ("start", "last_pos", "logits"):
             old = getattr(self, name)

@@ -56,6 +56,7 @@ from tidal.api import GenRequest
 from tidal.rollout.requests import generate_by_stream
 from tidal.rollout.segments import SegmentedRow, new_row
 from tidal.rollout.vllm_options import VllmOptions, read_checkpoint_dir  # noqa: F401 (re-exported)
+from tidal.rollout.vllm_options import spec_counts, speculative_config
 from tidal.types import Trajectory
 
 INSTALL_HINT = (
@@ -98,6 +99,10 @@ class VllmDriver:
                           gpu_memory_utilization=opts.gpu_memory_utilization)
             if opts.max_model_len is not None:
                 kwargs["max_model_len"] = opts.max_model_len
+            spec = speculative_config(getattr(cfg, "speculative", None), opts)
+            if spec is not None:
+                kwargs["speculative_config"] = spec
+                kwargs["disable_log_stats"] = False  # ``LLM.get_metrics`` (acceptance counters) needs the stats on
             if not torch.cuda.is_available():
                 # On CPU, gpu_memory_utilization is a fraction of all RAM, checked against what is free at
                 # start; a fixed KV-cache size is what a shared machine wants.
@@ -128,6 +133,7 @@ class VllmDriver:
         self.num_interruptions = 0
         self.num_weight_updates = 0
         self.weight_update_seconds = 0.0
+        self._spec_seen = (0.0, 0.0)  # vLLM's (draft, accepted) token counters at the last ``stats``
         self.last_weight_update_s = 0.0
         self._error: BaseException | None = None
 
@@ -224,12 +230,23 @@ class VllmDriver:
             self.step_seconds += time.perf_counter() - t0
 
     def stats(self) -> dict[str, float]:
-        return {
+        out = {
             "perf/gen_tokens_per_s": self.num_generated_tokens / max(self.step_seconds, 1e-9),
             "rollout/interruptions": float(self.num_interruptions),
             "rollout/weight_updates": float(self.num_weight_updates),
             "perf/weight_load_s": self.last_weight_update_s,
         }
+        return out | self._spec_stats()
+
+    def _spec_stats(self) -> dict[str, float]:
+        """vLLM's draft acceptance since the last call (as the local engine's ``rollout/spec_acceptance``)."""
+        counts = spec_counts(self.llm.get_metrics()) if hasattr(self.llm, "get_metrics") else None
+        if counts is None:
+            return {}
+        before, self._spec_seen = self._spec_seen, counts
+        drafted, accepted = counts[0] - before[0], counts[1] - before[1]
+        return {"rollout/spec_acceptance": accepted / drafted if drafted else float("nan"),
+                "rollout/spec_drafted_tokens": drafted}
 
 
 def sampled_logprobs(completion, start: int = 0) -> list[float]:

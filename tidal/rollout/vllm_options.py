@@ -35,6 +35,43 @@ class VllmOptions:
     weights_dir: str | None = None
     """Server mode: the directory the servers load their weights from (shared filesystem); a weight
     update writes the new weights there and asks each server to reload."""
+    speculative_config: dict | None = None
+    """vLLM's ``speculative_config``, passed as is (e.g. ``{"method": "eagle3", "model": ...}``); None: built
+    from ``rollout.speculative`` (``speculative_config``). In-process engine only (servers take theirs on
+    their own command line)."""
+
+
+def speculative_config(spec, opts: VllmOptions) -> dict | None:
+    """The ``speculative_config`` vLLM starts with: ``rollout.vllm.speculative_config`` if given, else
+    ``rollout.speculative`` mapped to vLLM's names (``ngram``: prompt_lookup_max/min as ngram_max/min;
+    ``draft_model``: the draft's directory; ``mtp``: the model's own MTP layers), None when off. vLLM
+    verifies drafts by rejection sampling (Leviathan et al. 2023): its samples follow the policy's
+    distribution but are not the tokens its plain decoding would draw, unlike the local engine's."""
+    if opts.speculative_config is not None:
+        return dict(opts.speculative_config)
+    if spec is None or not spec.enabled:
+        return None
+    out: dict = {"method": spec.method, "num_speculative_tokens": spec.num_draft_tokens}
+    if spec.method == "ngram":
+        out |= {"prompt_lookup_max": spec.ngram_max, "prompt_lookup_min": spec.ngram_min}
+    elif spec.method == "draft_model":
+        out["model"] = spec.draft_model
+    return out
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def spec_counts(metrics) -> tuple[float, float] | None:
+    """(draft tokens, accepted tokens) from vLLM's ``LLM.get_metrics()`` counters, summed over engines; None
+    when it reports none (speculation off)."""
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    seen = False
+    for m in metrics:
+        if m.name in totals:
+            totals[m.name] += float(m.value)
+            seen = True
+    return (totals[SPEC_COUNTERS[0]], totals[SPEC_COUNTERS[1]]) if seen else None
 
 
 def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
