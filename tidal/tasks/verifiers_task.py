@@ -71,10 +71,14 @@ def env_config(vcfg: VerifiersConfig, kwargs: dict[str, Any], roots: tuple[Path,
 
     if not vcfg.id:
         raise ConfigError("env.name=verifiers needs env.verifiers.id: an installed taskset module or a path to one")
-    data = {"taskset": {**kwargs, "id": module_id(vcfg.id, roots)},
-            "agent": {"harness": {"id": vcfg.harness}, "runtime": {"type": vcfg.runtime}}}
+    taskset_id = module_id(vcfg.id, roots)
     try:
-        return vf.resolve_env_config(data)
+        config_cls = vf.env_config_type(taskset_id)
+        # every agent seat (``agent`` for a plain taskset, ``player`` for verifiers' OpenEnv env, ...)
+        seats = [name for name, f in config_cls.model_fields.items()
+                 if isinstance(f.annotation, type) and issubclass(f.annotation, vf.AgentConfig)]
+        agent = {"harness": {"id": vcfg.harness}, "runtime": {"type": vcfg.runtime}}
+        return vf.resolve_env_config({"taskset": {**kwargs, "id": taskset_id}, **{seat: agent for seat in seats}})
     except (ValueError, TypeError, ImportError) as e:  # pydantic's ValidationError is a ValueError
         first = str(e).strip().splitlines()
         raise ConfigError(f"env.verifiers (id={vcfg.id!r}, kwargs={kwargs}): {' '.join(first[:3])}") from None
