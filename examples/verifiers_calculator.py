@@ -17,7 +17,7 @@ import random
 
 import verifiers.v1 as vf
 
-SYSTEM = "Use the calculator tool, then reply with the number only."
+SYSTEM = "use the calculator, then reply with the number only."
 
 
 class ProductData(vf.TaskData):

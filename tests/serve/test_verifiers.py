@@ -185,3 +185,20 @@ def test_bad_inputs_are_one_line_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"^env.name=verifiers needs the verifiers extra: pip install "
                                           r"'tidal\[verifiers\]'"):
         VerifiersTask(TaskConfig(), VerifiersConfig(id=ADDITION, kwargs={"num_tasks": 3}, num_eval=1, max_tasks=3))
+
+
+def test_one_environment_serves_engines_made_in_turn():
+    """The warm start evaluates through a new HarnessEngine (a new event loop) each time, then RL makes
+    another: one ``VerifiersEpisodes`` (its serving resources started once) must serve them all."""
+    vcfg, reply, expected = CASES["single_turn"]
+    task = VerifiersTask(TaskConfig(), vcfg)
+    episodes = VerifiersEpisodes(task.tasks)
+    prompts = task.eval_prompts()
+    for _ in range(2):
+        engine = HarnessEngine(ScriptedEngine(TOK, reply), TOK, episodes.run_episode, HarnessConfig(), 4096, 64)
+        try:
+            trajs = engine.generate(requests_for(prompts))
+        finally:
+            engine.close()
+        assert engine.counts["finished"] == len(prompts), list(engine.errors)
+        assert [t.reward for t in trajs] == [expected(p)[0] for p in prompts]

@@ -34,6 +34,11 @@ class VerifiersConfig:
     """Held-out tasks (from the end of the taskset when ``eval_kwargs`` is None)."""
     max_tasks: int = 100_000
     """Tasks read from the taskset at most: an ``INFINITE`` taskset is cut here (verifiers' ``-n``)."""
+    demos: str | None = None
+    """Warm-start demonstrations for a model that starts from scratch (the tiny model): ``module:function``
+    or ``path/file.py:function`` mapping a task's ``TaskData`` to the assistant's part of a correct episode
+    (OpenAI messages: tool calls, tool results, the answer). tidal puts the environment's own system prompt
+    and prompt in front, and the chat template renders them. None: no warm start (set ``model.path``)."""
     harness: str = INPROCESS_HARNESS
     """verifiers harness id that runs each rollout: the default runs verifiers' ``null`` chat program in
     tidal's process; ``null`` starts it as a ``uv`` subprocess per rollout, as verifiers' ``eval`` does

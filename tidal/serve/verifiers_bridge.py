@@ -23,7 +23,7 @@ cancelled and counted in ``harness/hung``. Environments with more than one trace
 context per episode.
 
 verifiers' serving resources (its interception server, shared tool servers) are started once, on
-the agents' event loop, at the first episode, and live as long as the process.
+an event loop of verifiers' own, at the first episode, and live as long as the process.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 from typing import Any
 
 from tidal.serve.engine import Scored
@@ -75,26 +76,38 @@ def key_variable(api_key: str) -> str:
 
 
 class VerifiersEpisodes:
-    """The ``run_episode`` for a verifiers environment (see module docstring)."""
+    """The ``run_episode`` for a verifiers environment (see module docstring).
+
+    verifiers runs on an event loop of its own (one daemon thread, started at the first episode), not on
+    the agents' loop of the ``HarnessEngine`` that calls ``run_episode``: its serving resources (the
+    interception server, the MCP tool servers: Python processes that take seconds to start) are bound to
+    the loop they were started on, and one process makes several HarnessEngines in turn (the warm start's
+    evaluations, then RL's), each with its own loop. Cancelling ``run_episode`` (a hung episode) cancels
+    the episode on verifiers' loop."""
 
     def __init__(self, tasks: VerifiersTasks, model_name: str = "policy"):
         self.tasks = tasks
         self.model_name = model_name
         self._serving: list[Any] = []  # the entered ``env.serving()`` contexts, kept open for the process
-        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._start = threading.Lock()
+
+    def _vf_loop(self) -> asyncio.AbstractEventLoop:
+        with self._start:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="tidal-verifiers", daemon=True).start()
+                asyncio.run_coroutine_threadsafe(self._serve(), loop).result()
+                self._loop = loop
+        return self._loop
 
     async def _serve(self) -> None:
-        """Enter each environment's ``serving()`` once, on this (the agents') event loop."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            if self._serving:
-                return
-            envs = [self.tasks.env] + ([self.tasks.eval_env] if self.tasks.eval_env is not self.tasks.env else [])
-            for env in envs:
-                cm = env.serving()
-                await cm.__aenter__()
-                self._serving.append(cm)
+        """Enter each environment's ``serving()`` once, on verifiers' loop."""
+        envs = [self.tasks.env] + ([self.tasks.eval_env] if self.tasks.eval_env is not self.tasks.env else [])
+        for env in envs:
+            cm = env.serving()
+            await cm.__aenter__()
+            self._serving.append(cm)
 
     def task_of(self, prompt: Prompt):
         """(environment, ``vf.Task``) for a prompt made by ``tasks/verifiers_task.py``."""
@@ -108,8 +121,9 @@ class VerifiersEpisodes:
         vf = require_verifiers()
         from verifiers.v1.configs.client import EvalClientConfig
 
-        await self._serve()
+        loop = await asyncio.to_thread(self._vf_loop)  # the first call starts the tool servers: seconds
         env, task = self.task_of(prompt)
         config = EvalClientConfig(base_url=str(client.base_url).rstrip("/"), api_key_var=key_variable(client.api_key))
-        episode = await env.run_episode(task, vf.ModelContext(model=self.model_name, client=config))
-        return episode_outcome(episode)
+        future = asyncio.run_coroutine_threadsafe(env.run_episode(task, vf.ModelContext(model=self.model_name,
+                                                                                          client=config)), loop)
+        return episode_outcome(await asyncio.wrap_future(future))

@@ -15,6 +15,7 @@ A missing ``verifiers`` package is one line naming the extra: ``pip install 'tid
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import sys
@@ -156,7 +157,38 @@ class VerifiersTask(RowTask):
         evals = [prompt_of(t, "eval", i) for i, t in enumerate(self.tasks.eval)]
         super().__init__(cfg, train, evals)
 
-    def sft_example(self, prompt: Prompt) -> str:
-        raise ConfigError("env.name=verifiers: a verifiers environment has no reference responses to warm-start "
-                          "the tiny model on; set model.path to a model, or use a recipe that renders "
-                          "demonstrations (tidal train verifiers_quickstart)")
+    def sft_example(self, prompt: Prompt) -> list[dict]:
+        """A demonstration in the environment's own prompts: its system prompt and prompt, then what
+        ``env.verifiers.demos`` says a correct episode's assistant (and tools) write."""
+        if self.vcfg.demos is None:
+            raise ConfigError("env.name=verifiers: a verifiers environment has no reference responses to warm-start "
+                              "the tiny model on; set model.path to a model, or env.verifiers.demos to a function "
+                              "that writes a correct episode (tidal train verifiers_quickstart does)")
+        data = self.task_data(prompt)
+        head = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        user = data.prompt if isinstance(data.prompt, list) else [{"role": "user", "content": data.prompt}]
+        return [*head, *user, *self._demos()(data)]
+
+    def task_data(self, prompt: Prompt):
+        split, index = prompt.meta["vf_split"], prompt.meta["vf_index"]
+        return (self.tasks.train if split == "train" else self.tasks.eval)[index].data
+
+    def _demos(self):
+        if getattr(self, "_demo_fn", None) is None:
+            self._demo_fn = demo_function(self.vcfg.demos)
+        return self._demo_fn
+
+
+def demo_function(spec: str, roots: tuple[Path, ...] = (SOURCE_ROOT,)):
+    """The function ``env.verifiers.demos`` names (``module:function`` or ``path/file.py:function``)."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ConfigError(f"env.verifiers.demos={spec!r} must be 'package.module:function' or 'path/file.py:function'")
+    try:
+        module = importlib.import_module(module_id(target, roots) if target.endswith(".py") else target)
+    except ImportError as e:
+        raise ConfigError(f"env.verifiers.demos={spec!r}: cannot import {target!r} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"env.verifiers.demos={spec!r}: {target} has no function {name!r}")
+    return fn
