@@ -44,3 +44,34 @@ def test_run_on_a_toy_size(tmp_path, monkeypatch):
     assert {"num_seeds", "seeds_reaching_target", "median_steps_to_0.8"} <= set(result)
     assert result["num_seeds"] == 2 and [s for s, _, _ in result["curves"]["0"]] == [0, 1, 2]
     json.dumps(result)
+
+
+def test_spearman_against_hand_computed_ranks():
+    # ranks x: 1 2 3 4, y: 2 1 4 3 -> d^2 = 1+1+1+1 = 4, rho = 1 - 6*4/(4*15) = 0.6
+    assert qs.spearman([1, 2, 3, 4], [20, 10, 40, 30]) == pytest.approx(0.6)
+    # a seed that never reached the threshold (None) ranks last: y ranks 1 2 3 4 -> rho = 1
+    assert qs.spearman([0.1, 0.2, 0.3, 0.4], [10, 20, 30, None]) == pytest.approx(1.0)
+    assert qs.ranks([5, 1, 5, 3]) == [3.5, 1.0, 3.5, 2.0]  # ties share their average rank
+    assert qs.spearman([1, 1, 1], [1, 2, 3]) is None and qs.spearman([1, 2], [2, 1]) is None
+
+
+def test_headline_slowest_over_median_and_predictors():
+    rows = [{"base": b, "warm_start_steps": w, "steps_to_0.8": s8, "s_to_0.8": s8, "steps_to_0.85": s8,
+             "s_to_0.85": s8, "final": 0.9, "best": 0.9, "late_swing": 0.0, "step1_sampled_acc": a,
+             "step1_zero_adv_frac": z, "step1_entropy": None}
+            for b, w, s8, a, z in [(0.36, 300, 80, 0.20, 0.3), (0.40, 310, 20, 0.25, 0.1),
+                                   (0.38, 320, 40, 0.22, 0.2)]]
+    out = qs.headline(rows, [0.8, 0.85], 0.85)
+    assert out["slowest_over_median_steps_to_0.8"] == 2.0  # 80 / median 40
+    rho = out["spearman_with_steps_to_0.8"]
+    assert rho["base"] == pytest.approx(-1.0) and rho["step1_zero_adv_frac"] == pytest.approx(1.0)
+    assert "step1_entropy" not in rho  # not logged: left out rather than guessed
+    assert rho["warm_start_steps"] == pytest.approx(-0.5)  # ranks 1 2 3 vs 3 1 2: 1 - 6*6/24
+
+
+def test_first_step_reads_the_first_trained_step():
+    history = [{"step": 0, "eval/accuracy": 0.4},
+               {"step": 1, "reward/accuracy": 0.25, "algo/zero_adv_groups": 32.0, "algo/drawn_groups": 128,
+                "train/entropy": 0.6}, {"step": 2, "reward/accuracy": 0.3}]
+    assert qs.first_step(history) == {"step1_sampled_acc": 0.25, "step1_zero_adv_frac": 0.25, "step1_entropy": 0.6}
+    assert qs.first_step([])["step1_sampled_acc"] is None
