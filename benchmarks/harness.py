@@ -11,7 +11,8 @@ rollouts are:
   ``openai`` client request to the uvicorn/FastAPI server, validated, rendered by the chat template,
   queued to the engine thread and recorded.
 
-- ``verifiers`` (``--set verifiers=true``, the default): ``HarnessEngine`` running the verifiers
+- ``verifiers`` (``--set verifiers=true``; off by default, as it needs the verifiers extra and its
+  tool server's start): ``HarnessEngine`` running the verifiers
   environment ``examples/verifiers_calculator.py`` through ``env.name=verifiers`` (the same kind of
   task: a 2-digit product with a calculator tool): every turn goes through verifiers' chat program
   (in-process), its interception server, and tidal's endpoint; the tool is verifiers' MCP server; the
@@ -26,7 +27,7 @@ over the harness arm's (1.0: no overhead), from the median of each arm's repetit
 episode and success are reported too, so a ratio is never read off episodes of different lengths.
 Wall-clock numbers: label them with the machine's load (2 shared cores make them noisy).
 
-    tidal bench harness [--set prompts=32] [--set reps=3] [--set threads=1] [--set verifiers=false]
+    tidal bench harness [--set prompts=32] [--set reps=3] [--set threads=1] [--set verifiers=true]
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Settings:
     """Measured repetitions per arm (alternating), after one warm-up of each."""
     threads: int = 1
     """torch threads for the engine in both arms (the harness arm's HTTP work needs the other core)."""
-    verifiers: bool = True
+    verifiers: bool = False
     """Run the ``verifiers`` arm too (needs the verifiers extra)."""
 
 
