@@ -202,3 +202,16 @@ def test_one_environment_serves_engines_made_in_turn():
             engine.close()
         assert engine.counts["finished"] == len(prompts), list(engine.errors)
         assert [t.reward for t in trajs] == [expected(p)[0] for p in prompts]
+
+
+def test_run_config_rules():
+    from tidal.config import apply_overrides
+    from tidal.recipes import RECIPES
+    from tidal.system.validate import validate_run_config
+
+    validate_run_config(RECIPES.get("verifiers_quickstart")())
+    with pytest.raises(ConfigError, match="harness.reward='task' with env.name=verifiers: the environment's rubric"):
+        validate_run_config(apply_overrides(RECIPES.get("verifiers_quickstart")(), ["harness.reward=task"]))
+    with pytest.raises(ConfigError, match="harness.function and env.name='verifiers' are both set"):
+        validate_run_config(apply_overrides(RECIPES.get("verifiers_quickstart")(),
+                                            ["harness.function=examples/calculator_agent.py:run_episode"]))
