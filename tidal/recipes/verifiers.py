@@ -49,6 +49,9 @@ def verifiers_quickstart() -> RunConfig:
     cfg.rollout.group_size = 8
     cfg.rollout.prompts_per_step = 64
     cfg.rollout.max_staleness = 1
+    # every episode opens its own MCP session to the one tool server; 128 at once under load (average 18 on
+    # 2 cores) took past the chat program's 60 s connect timeout (tidal bench harness, verifiers arm)
+    cfg.harness.max_concurrent_episodes = 64
     cfg.optim.lr = 2e-4
     cfg.system.mode = "async"
     return cfg
