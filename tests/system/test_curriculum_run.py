@@ -88,3 +88,26 @@ def test_thinking_budgets_in_training_and_evaluation(tmp_path):
                              "rollout.max_new_tokens=12", "system.mode=sync", "max_steps=2"), tmp_path / "t")
     assert 0 < result.history[1]["rollout/think_forced_frac"] <= 1
     assert result.history[0]["eval/response_len_mean"] >= len("</think>")  # every eval response forced first
+
+
+AIOLI = ["curriculum.mixture=[{name: add, task: {name: addition, num_eval: 8}}, {name: rep, task: {name: repeat, "
+         "max_repeat: 4, num_eval: 8}, reward: exact_match}]", "curriculum.mixture_schedule=aioli",
+         "curriculum.aioli.update_steps=3", "curriculum.aioli.lp_steps=1", "curriculum.aioli.one_hot_factor=0.75",
+         "system.mode=sync", "max_steps=6", "num_eval=null"]
+
+
+def test_aioli_schedule_sweeps_then_updates_and_resumes_exactly(tmp_path):
+    full_c, full_r = run(tiny_cfg(tmp_path, *AIOLI), tmp_path / "full")
+    schedule = full_c.source.mixture.dynamic
+    # rounds of 3 steps: two one-task sweeps, then the proportions; each update applies from the next round's
+    # first undrawn step (steps 3 and 6)
+    assert [s for s, _ in schedule.history] == [0, 3, 6]
+    assert all(abs(sum(p) - 1) < 1e-9 for _, p in schedule.history)
+    weights = {r["step"]: (r["curriculum/add/weight"], r["curriculum/rep/weight"])
+               for r in full_r.history if "curriculum/add/weight" in r}
+    assert sorted(weights[1]) == [0.25, 0.75] or sorted(weights[2]) == [0.25, 0.75], weights
+    run(tiny_cfg(tmp_path, *AIOLI, "max_steps=4"), tmp_path / "split")
+    resumed_c, _ = run(tiny_cfg(tmp_path, *AIOLI), tmp_path / "split", resume=True)
+    rows = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert curriculum_rows(rows) == curriculum_rows(full_r.history)
+    assert resumed_c.source.state_dict() == full_c.source.state_dict()

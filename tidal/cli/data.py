@@ -28,6 +28,18 @@ def cmd_curate(args) -> int:
                 + f"  [{block['seeds_agreeing_with_ranking']}/{block['seeds']} seeds agree]")
         print(f"report: {args.out}")
         return 0
+    if args.recipe == "mixture":
+        from tidal.data.mixture_methods import main_mixture
+
+        report = main_mixture(args.set, args.out, progress=sys.stderr.isatty())
+        for name, r in report["methods"].items():
+            mix = ", ".join(f"{d} {p:.2f}" for d, p in r["mix"].items())
+            extra = (f"  regret {report['regret_by_method'][name]:+.2%}, compute "
+                     f"{report['compute_frac_by_method'].get(name, float('nan')):.1%} of the grid's"
+                     if "regret_by_method" in report and name != "given" else "")
+            print(f"{name:<6} {mix}  held-out loss {r['held_out_loss']:.4f}{extra}")
+        print(f"report: {args.out}")
+        return 0
     if args.inp is None:
         raise ConfigError(f"tidal curate {args.recipe} needs --in PATH")
     refuse_overwrite(args.out, {"--in": args.inp})
@@ -134,12 +146,14 @@ def cmd_score(args) -> int:
 def add_parsers(sub) -> None:
     """This group's subcommands: their options and handlers."""
     sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems, rl-difficulty, "
-                        "rephrase, train-classifier, compare (docs/curate.md)")
+                        "rephrase, train-classifier, compare, mixture (docs/curate.md)")
     sp.add_argument("recipe", help="dedup | quality | decontaminate | rl-problems | rl-difficulty (verifiable "
                     "problems a policy solves sometimes: --set difficulty.model=DIR) | rephrase (a model rewrites "
                     "each row: --set rephrase.model=DIR) | a recipe .yaml | "
                     "train-classifier (labeled rows in, a quality model directory out) | "
-                    "compare (proxy models rank datasets: --set proxy.datasets=[A, B] --set proxy.eval=PATH)")
+                    "compare (proxy models rank datasets: --set proxy.datasets=[A, B] --set proxy.eval=PATH) | "
+                    "mixture (choose domain proportions: --set mixture.domains=[A, B] --set mixture.eval=PATH "
+                    "--set mixture.method=grid|merge|aioli|bayes|all)")
     sp.add_argument("--in", dest="inp", default=None, help="input: .jsonl(.gz), .parquet or a HF dataset directory")
     sp.add_argument("--out", required=True, help="output for the kept rows (same formats; never the --in file: "
                     "written whole or not at all); OUT.report.json beside it")

@@ -61,33 +61,70 @@ def _texts(path: str, key: str) -> list[str]:
     return texts
 
 
-def proxy_loss(train_ids, eval_windows, cfg: ProxyConfig, lr: float, seed: int) -> float:
-    """Train a fresh tiny LM on ``train_ids`` for ``cfg.steps`` and return its held-out loss."""
+def build_proxy(cfg: ProxyConfig, seed: int):
+    """A fresh tiny LM (seeded init) and its AdamW, both as ``proxy_loss`` trains them."""
     import torch
 
     from tidal.models import tiny
 
-    tokenizer = tiny.build_tokenizer()
     mcfg = tiny.ModelConfig(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=4, num_kv_heads=4,
                             intermediate_size=4 * cfg.hidden_size, max_position_embeddings=cfg.seq_len + 1,
                             init_seed=seed)
-    model = tiny.build_model(mcfg, tokenizer).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model = tiny.build_model(mcfg, tiny.build_tokenizer()).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return model, opt
+
+
+def train_step(model, opt, batch) -> float:
+    """One clipped AdamW step of next-character loss on ``batch`` [B, seq_len + 1]."""
+    import torch
+
+    loss = model(input_ids=batch, labels=batch).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+def held_out_loss(model, eval_windows) -> float:
+    """Mean next-character loss on the fixed evaluation windows (the model is left in train mode)."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        loss = float(model(input_ids=eval_windows, labels=eval_windows).loss)
+    model.train()
+    return loss
+
+
+def windows(eval_ids, cfg: ProxyConfig, where: str):
+    """``cfg.eval_windows`` evenly spaced windows of seq_len + 1 tokens over ``eval_ids``."""
+    import torch
+
+    n = cfg.seq_len + 1
+    count = min(cfg.eval_windows, len(eval_ids) // n)
+    if count == 0:
+        raise ValueError(f"{where}: fewer than seq_len+1={n} characters of evaluation text")
+    stride = (len(eval_ids) - n) // max(count - 1, 1) if count > 1 else 0
+    return torch.stack([eval_ids[i * stride : i * stride + n] for i in range(count)])
+
+
+def proxy_loss(train_ids, eval_windows, cfg: ProxyConfig, lr: float, seed: int) -> float:
+    """Train a fresh tiny LM on ``train_ids`` for ``cfg.steps`` and return its held-out loss."""
+    import torch
+
+    model, opt = build_proxy(cfg, seed)
+    for group in opt.param_groups:
+        group["lr"] = lr
     gen = torch.Generator().manual_seed(seed)
     span = len(train_ids) - cfg.seq_len - 1
     if span <= 0:
         raise ValueError(f"a dataset has {len(train_ids)} characters; need more than seq_len={cfg.seq_len}")
     for _ in range(cfg.steps):
         starts = torch.randint(0, span, (cfg.batch_size,), generator=gen)
-        batch = torch.stack([train_ids[s : s + cfg.seq_len + 1] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    model.eval()
-    with torch.no_grad():
-        return float(model(input_ids=eval_windows, labels=eval_windows).loss)
+        train_step(model, opt, torch.stack([train_ids[s : s + cfg.seq_len + 1] for s in starts.tolist()]))
+    return held_out_loss(model, eval_windows)
 
 
 def compare(cfg: ProxyConfig, progress: bool = True) -> dict:
@@ -103,13 +140,7 @@ def compare(cfg: ProxyConfig, progress: bool = True) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tokenizer = tiny.build_tokenizer()
-    eval_ids = _encode(tokenizer, _texts(cfg.eval, cfg.text_key))
-    n = cfg.seq_len + 1
-    count = min(cfg.eval_windows, len(eval_ids) // n)
-    if count == 0:
-        raise ValueError(f"{cfg.eval}: fewer than seq_len+1={n} characters of evaluation text")
-    stride = (len(eval_ids) - n) // max(count - 1, 1) if count > 1 else 0
-    eval_windows = torch.stack([eval_ids[i * stride : i * stride + n] for i in range(count)])
+    eval_windows = windows(_encode(tokenizer, _texts(cfg.eval, cfg.text_key)), cfg, cfg.eval)
     train = {path: _encode(tokenizer, _texts(path, cfg.text_key)) for path in cfg.datasets}
     rates = [cfg.lr, *cfg.compare_lrs]
     runs = [(lr, path, seed) for lr in rates for path in cfg.datasets for seed in cfg.seeds]

@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from tidal.api import Task
 from tidal.tasks import TASKS
-from tidal.tasks.mixture import MixtureTask, mixture_weights, parse_components
+from tidal.tasks.aioli import AioliSchedule, AioliScheduleConfig
+from tidal.tasks.mixture import MixtureTask, parse_components
 from tidal.tasks.online import DifficultySampler, OnlineDifficultyConfig
 from tidal.types import Group, Prompt
 
@@ -37,8 +38,11 @@ class CurriculumConfig:
     """Components ``[{name, task: {task keys}, reward: {name, params}, weight}, ...]``; ``weight`` is a
     number or ``[[step, weight], ...]``. Empty: train on ``task`` alone. When set, ``task`` and
     ``reward`` are only the defaults of a component's seed and reward."""
-    mixture_schedule: Literal["linear", "stages"] = "linear"
-    """How ``[[step, weight], ...]`` weights move between points: ``linear`` ramps, ``stages`` steps."""
+    mixture_schedule: Literal["linear", "stages", "aioli"] = "linear"
+    """How ``[[step, weight], ...]`` weights move between points: ``linear`` ramps, ``stages`` steps;
+    ``aioli``: weights move by each task's measured learning progress (``tasks/aioli.py``)."""
+    aioli: AioliScheduleConfig = field(default_factory=AioliScheduleConfig)
+    """Aioli's rounds and step size, for ``mixture_schedule: aioli``."""
     difficulty: OnlineDifficultyConfig = field(default_factory=OnlineDifficultyConfig)
     """Online difficulty weighting of the prompts (Magistral's goldilocks band, done online)."""
 
@@ -54,7 +58,10 @@ def build_task(cfg) -> Task:
         return TASKS.get(cfg.task.name)(cfg.task)
     default_reward = {"name": cfg.reward.name, "params": dict(cfg.reward.params)}
     components = parse_components(cur.mixture, cfg.task.seed, default_reward)
-    return MixtureTask(components, cur.mixture_schedule, cfg.rollout.prompts_per_step, cfg.seed)
+    task = MixtureTask(components, cur.mixture_schedule, cfg.rollout.prompts_per_step, cfg.seed)
+    if cur.mixture_schedule == "aioli":
+        task.dynamic = AioliSchedule(len(components), [c.points[0][1] for c in components], cur.aioli, cfg.seed)
+    return task
 
 
 def run_reward(cfg) -> tuple[str, dict[str, Any]]:
@@ -72,6 +79,8 @@ class PromptSource:
     def __init__(self, task: Task, cfg):
         self.task, self.cfg = task, cfg
         self.mixture = task if isinstance(task, MixtureTask) else None
+        if self.mixture is not None and self.mixture.dynamic is not None:
+            self.task = self.mixture = self.mixture.fork()  # Aioli's weights apply to the RL draws from step 0
         d = cfg.curriculum.difficulty
         self.samplers: dict[str, DifficultySampler] = {}
         if d.enabled:
@@ -94,7 +103,13 @@ class PromptSource:
         return dataclasses.replace(prompt, meta={**prompt.meta, "pool_index": position})
 
     def observe(self, groups: list[Group]) -> None:
-        """Fold the step's drawn groups (trained or dropped) into the pass-rate counts."""
+        """Fold the step's drawn groups (trained or dropped) into the pass-rate counts and Aioli's progress."""
+        if self.mixture is not None and self.mixture.dynamic is not None:
+            rewards: dict[int, list[float]] = {}
+            for g in groups:
+                k = self.mixture.names.index(g.prompt.meta["task"])
+                rewards.setdefault(k, []).append(sum(g.rewards) / len(g.rewards))
+            self.mixture.dynamic.observe(rewards, self.mixture.first_free_step)
         if not self.samplers:
             return
         threshold = self.cfg.curriculum.difficulty.pass_threshold
@@ -106,8 +121,7 @@ class PromptSource:
         """Per-task reward means and mixture weights, and the samplers' summaries."""
         out: dict[str, float] = {}
         if self.mixture is not None:
-            for c, w in zip(self.mixture.components, mixture_weights(self.mixture.components, step,
-                                                                      self.mixture.schedule)):
+            for c, w in zip(self.mixture.components, self.mixture.weights_at(step)):
                 out[f"curriculum/{c.name}/weight"] = w
             by_task: dict[str, list[float]] = {}
             for g in groups:
@@ -121,9 +135,14 @@ class PromptSource:
         return out
 
     def state_dict(self) -> dict:
-        return {name: s.state_dict() for name, s in self.samplers.items()}
+        state = {name: s.state_dict() for name, s in self.samplers.items()}
+        if self.mixture is not None and self.mixture.dynamic is not None:
+            state["/aioli"] = self.mixture.dynamic.state_dict()  # "/" is never in a component name
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for name, s in self.samplers.items():
             if name in state:
                 s.load_state_dict(state[name])
+        if "/aioli" in state and self.mixture is not None and self.mixture.dynamic is not None:
+            self.mixture.dynamic.load_state_dict(state["/aioli"])

@@ -21,12 +21,15 @@ data cursor) continues the mixture exactly where it stopped:
 A weight is a number (constant) or ``[[step, weight], ...]``: with ``schedule: linear`` it is
 interpolated linearly between the points (a ramp) and held flat outside them; with ``stages`` each
 value holds from its step until the next point. Weights are relative: they are normalised over the
-components at each step (a step where all are 0 is an error naming the step).
+components at each step (a step where all are 0 is an error naming the step). With ``schedule:
+aioli`` the weights are Aioli's (``tasks/aioli.py``): the components' numbers are its prior and the
+proportions move by measured learning progress; ``dynamic`` holds that schedule.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import math
 from array import array
@@ -41,7 +44,7 @@ from tidal.types import Prompt
 from tidal.utils.seeding import stable_hash
 
 COMPONENT_KEYS = {"name", "task", "reward", "weight"}
-SCHEDULES = ("linear", "stages")
+SCHEDULES = ("linear", "stages", "aioli")
 
 
 @dataclass
@@ -154,6 +157,31 @@ class MixtureTask:
         self._position = array("q")  # its position in that component's stream
         self._next = [0] * len(components)  # next position of each component's stream
         self._cdf_step, self._cdf = -1, [1.0]
+        self.dynamic = None
+        if schedule == "aioli":
+            for i, c in enumerate(components):
+                if len(c.points) > 1:
+                    raise ConfigError(f"curriculum.mixture[{i}].weight: with mixture_schedule=aioli a weight is "
+                                      f"one number (Aioli's prior), not a schedule")
+
+    def weights_at(self, step: int) -> list[float]:
+        """The components' normalised weights at ``step`` (the schedule's, or Aioli's)."""
+        if self.dynamic is not None:
+            return self.dynamic.weights_at(step)
+        return mixture_weights(self.components, step, self.schedule)
+
+    def fork(self) -> MixtureTask:
+        """The same mixture with a stream of its own, no index drawn yet: an adaptive schedule's RL stream
+        must not inherit choices other readers (the warm start's random indices) fixed with older weights."""
+        other = copy.copy(self)
+        other._choice, other._position, other._next = array("b"), array("q"), [0] * len(self.components)
+        other._cdf_step, other._cdf = -1, [1.0]
+        return other
+
+    @property
+    def first_free_step(self) -> int:
+        """The first step none of whose indices has been drawn yet."""
+        return -(-len(self._choice) // self.groups_per_step)
 
     @property
     def names(self) -> list[str]:
@@ -166,7 +194,7 @@ class MixtureTask:
     def _cdf_at(self, step: int) -> list[float]:
         if step != self._cdf_step:
             acc, cdf = 0.0, []
-            for w in mixture_weights(self.components, step, self.schedule):
+            for w in self.weights_at(step):
                 acc += w
                 cdf.append(acc)
             self._cdf_step, self._cdf = step, cdf
