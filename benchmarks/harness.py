@@ -11,13 +11,23 @@ rollouts are:
   ``openai`` client request to the uvicorn/FastAPI server, validated, rendered by the chat template,
   queued to the engine thread and recorded.
 
+- ``verifiers`` (``--set verifiers=true``; off by default, as it needs the verifiers extra and its
+  tool server's start): ``HarnessEngine`` running the verifiers
+  environment ``examples/verifiers_calculator.py`` through ``env.name=verifiers`` (the same kind of
+  task: a 2-digit product with a calculator tool): every turn goes through verifiers' chat program
+  (in-process), its interception server, and tidal's endpoint; the tool is verifiers' MCP server; the
+  rubric scores each episode. Its tasks are the environment's own, its prompt carries the
+  environment's system prompt and its tool is named ``calc_calculator``, so the base (warm-started on
+  ``calculator`` conversations) succeeds less and its episodes' lengths differ: read the ratio with
+  the tokens per episode beside it. ``verifiers_over_builtin`` is its episodes/s over the built-in arm's.
+
 The arms alternate (``reps`` times each, after one unmeasured warm-up of each) and each generates the
 same ``prompts`` x ``group_size`` episodes. ``http_overhead_ratio`` is the built-in arm's episodes/s
 over the harness arm's (1.0: no overhead), from the median of each arm's repetitions. Tokens per
 episode and success are reported too, so a ratio is never read off episodes of different lengths.
 Wall-clock numbers: label them with the machine's load (2 shared cores make them noisy).
 
-    tidal bench harness [--set prompts=32] [--set reps=3] [--set threads=1]
+    tidal bench harness [--set prompts=32] [--set reps=3] [--set threads=1] [--set verifiers=true]
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ class Settings:
     """Measured repetitions per arm (alternating), after one warm-up of each."""
     threads: int = 1
     """torch threads for the engine in both arms (the harness arm's HTTP work needs the other core)."""
+    verifiers: bool = False
+    """Run the ``verifiers`` arm too (needs the verifiers extra)."""
 
 
 def builtin_engine(cfg, model, tokenizer) -> EpisodeEngine:
@@ -71,6 +83,20 @@ def harness_engine(cfg, model, tokenizer):
 
     return HarnessEngine(LocalEngine(model, tokenizer, cfg.rollout, cfg.seed, 0), tokenizer, harness_function(cfg),
                          cfg.harness, model_context(cfg), cfg.rollout.max_new_tokens)
+
+
+def verifiers_arm(cfg, model, tokenizer):
+    """(engine, task) of the verifiers arm: the example environment through ``env.name=verifiers``."""
+    from tidal.envs.verifiers_config import VerifiersConfig
+    from tidal.serve.engine import HarnessEngine
+    from tidal.serve.verifiers_bridge import VerifiersEpisodes
+    from tidal.tasks.verifiers_task import VerifiersTask
+
+    task = VerifiersTask(cfg.task, VerifiersConfig(id="examples/verifiers_calculator.py"))
+    engine = HarnessEngine(LocalEngine(model, tokenizer, cfg.rollout, cfg.seed, 0), tokenizer,
+                           VerifiersEpisodes(task.tasks, cfg.harness.serve.model_name).run_episode, cfg.harness,
+                           model_context(cfg), cfg.rollout.max_new_tokens)
+    return engine, task
 
 
 def measure(engine, tokenizer, prompts, group_size: int) -> dict:
@@ -96,19 +122,28 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
     engines = {"builtin": builtin_engine(cfg, model, tokenizer), "harness": harness_engine(cfg, model, tokenizer)}
+    tasks = {"builtin": task, "harness": task}
+    if s.verifiers:
+        engines["verifiers"], tasks["verifiers"] = verifiers_arm(cfg, model, tokenizer)
     table = []
     try:
         for rep in range(s.reps + 1):  # rep 0 warms both arms up (server start, first allocations)
             for arm, engine in engines.items():
-                prompts = [task.train_prompt(rep * s.prompts + i) for i in range(s.prompts)]
+                prompts = [tasks[arm].train_prompt(rep * s.prompts + i) for i in range(s.prompts)]
                 row = {"arm": arm, "rep": rep, **measure(engine, tokenizer, prompts, cfg.rollout.group_size)}
                 if rep > 0:
                     table.append(row)
     finally:
-        engines["harness"].close()
+        for arm in ("harness", "verifiers"):
+            if arm in engines:
+                engines[arm].close()
         torch.set_num_threads(threads)
     rate = {arm: statistics.median(r["episodes_per_s"] for r in table if r["arm"] == arm) for arm in engines}
-    return {"benchmark": "harness", "description": DESCRIPTION, "table": table,
+    extra = {}
+    if s.verifiers:
+        extra = {"verifiers_over_builtin": rate["verifiers"] / rate["builtin"],
+                 "verifiers_episodes_per_s": rate["verifiers"]}
+    return {"benchmark": "harness", "description": DESCRIPTION, "table": table, **extra,
             "http_overhead_ratio": rate["builtin"] / rate["harness"],
             "builtin_episodes_per_s": rate["builtin"], "harness_episodes_per_s": rate["harness"],
             "episodes_per_rep": s.prompts * cfg.rollout.group_size, "reps": s.reps, "threads": s.threads,

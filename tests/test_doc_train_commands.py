@@ -20,7 +20,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 @pytest.mark.parametrize("page, default_recipe, at_least", [("agentic.md", "agentic_quickstart", 3),
                                                             ("harness.md", "harness_quickstart", 3),
                                                             ("faults.md", "quickstart", 2),
-                                                            ("gpu.md", "quickstart", 4)])
+                                                            ("gpu.md", "quickstart", 4),
+                                                            ("environments.md", "verifiers_quickstart", 2)])
 def test_every_train_command_parses(page, default_recipe, at_least, monkeypatch):
     if page == "gpu.md":  # its commands name GPUs: validate them as on a machine with two
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.envs.verifiers_config import VerifiersConfig
+
 
 @dataclass
 class EnvConfig:
     """Multi-turn agent episodes (docs/agentic.md). ``name`` None: single-turn RL (the default)."""
 
     name: str | None = None
-    """Registered environment (``tidal.envs.ENVS``): ``calculator``, ``python_tool``, ``guess_number``."""
+    """Registered environment (``tidal.envs.ENVS``): ``calculator``, ``python_tool``, ``guess_number``; or
+    ``verifiers``: an environment written for PrimeIntellect's verifiers, named by ``env.verifiers.id``
+    (docs/environments.md)."""
     params: dict[str, Any] = field(default_factory=dict)
     """Passed to the environment's constructor: ``--set env.params.timeout_s=5``."""
     renderer: str = "plain"
@@ -39,3 +43,5 @@ class EnvConfig:
     latency_sigma: float = 1.3
     """Log-space spread of the simulated latency: 1.3 puts p99 at ~20x the median (median 100 ms ->
     p99 ~2 s, like sandboxes and search APIs)."""
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """``env.name=verifiers``: which verifiers environment, its taskset fields, its held-out split."""

@@ -110,8 +110,20 @@ def load_function(spec: str, roots: Sequence[Path] = ()) -> Callable[[Any, Any],
     return fn
 
 
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """What an agent may return instead of a bare number: the reward and the named parts it was made
+    of (a verifiers rubric's reward functions, ``serve/verifiers_bridge.py``). The parts go to the
+    trajectory's ``reward_details["components"]``, which the controller logs as ``reward/<name>/mean``."""
+
+    reward: float
+    components: Mapping[str, float]
+
+
 def as_reward(value: Any) -> float:
     """The agent's return value as a reward: a finite number (bools count as 0/1), else TypeError."""
+    if isinstance(value, Scored):
+        value = value.reward
     if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
         return float(value)
     raise TypeError(f"run_episode must return the episode's reward as a finite number, got {value!r}")
@@ -220,7 +232,7 @@ class HarnessEngine:
         once); each finished (or failed) episode goes to ``on_done`` as one Trajectory, on this thread."""
         server = self.server(greedy)
         client = (self._async_clients if self.is_async else self._clients)[greedy]
-        finished: queue.Queue = queue.Queue()  # (episode id, reward or None, error or None, seconds)
+        finished: queue.Queue = queue.Queue()  # (episode id, reward or None, error or None, seconds, details)
         live: dict[str, tuple[GenRequest, float]] = {}  # episode id -> (request, start time)
         tasks: dict[str, concurrent.futures.Future] = {}  # async agents' episodes, cancelled when hung
         exhausted = False
@@ -247,11 +259,11 @@ class HarnessEngine:
                 item = None
             while item is not None:
                 server.bridge.check()  # an agent that failed on a failed engine is not the agent's failure
-                episode_id, reward, error, seconds = item
+                episode_id, reward, error, seconds, details = item
                 if episode_id in live:  # else: already reported as hung; its late result is ignored
                     request, _ = live.pop(episode_id)
                     tasks.pop(episode_id, None)
-                    on_done(request, self._collect(server, request, episode_id, reward, error, seconds))
+                    on_done(request, self._collect(server, request, episode_id, reward, error, seconds, details))
                 try:
                     item = finished.get_nowait()
                 except queue.Empty:
@@ -284,7 +296,8 @@ class HarnessEngine:
                     reward = 0.0 if self.cfg.reward == "task" else as_reward(returned)
                 except TypeError as e:
                     error = f"TypeError: {e}"
-            finished.put((episode_id, reward, error, time.perf_counter() - start))
+            details = {"components": dict(returned.components)} if isinstance(returned, Scored) else None
+            finished.put((episode_id, reward, error, time.perf_counter() - start, details))
 
         def run() -> None:
             start = time.perf_counter()
@@ -311,7 +324,7 @@ class HarnessEngine:
         return episode_id
 
     def _collect(self, server: HarnessServer, request: GenRequest, episode_id: str, reward: float | None,
-                 error: str | None, seconds: float) -> Trajectory:
+                 error: str | None, seconds: float, details: dict | None = None) -> Trajectory:
         if error is not None:
             server.drop(episode_id, "crashed")
             self._count("crashed", f"episode {episode_id}: {error}")
@@ -334,6 +347,8 @@ class HarnessEngine:
                     tool_latency_s=0.0, episode_s=seconds, episode_id=episode_id)
         if self.cfg.reward == "task":  # the controller's reward pool scores it (Trajectory.score_text)
             info["final_answer"] = info["last_answer"]
+        if details is not None and self.cfg.reward == "agent":
+            traj.reward_details = details
         return dataclasses.replace(traj, prompt_uid=request.prompt.uid, sample_index=request.sample_index)
 
     def _count(self, key: str, line: str) -> None:

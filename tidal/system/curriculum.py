@@ -50,6 +50,10 @@ class CurriculumConfig:
 def build_task(cfg) -> Task:
     """The run's task: ``cfg.task``, or the mixture of ``cfg.curriculum.mixture``."""
     cur = cfg.curriculum
+    if cfg.env.name == "verifiers":  # the environment's own tasks (tasks/verifiers_task.py)
+        from tidal.tasks.verifiers_task import VerifiersTask
+
+        return VerifiersTask(cfg.task, cfg.env.verifiers)
     if not cur.mixture:
         return TASKS.get(cfg.task.name)(cfg.task)
     default_reward = {"name": cfg.reward.name, "params": dict(cfg.reward.params)}

@@ -97,15 +97,21 @@ def check_inputs(cfg: RunConfig):
     build_reward(*run_reward(cfg))
     ENGINES.get(cfg.rollout.engine)
     env_factory(cfg)
-    if cfg.harness.enabled:
+    if uses_harness(cfg):
         harness_function(cfg)
     return task
+
+
+def uses_harness(cfg: RunConfig) -> bool:
+    """Whether episodes run through the OpenAI endpoint: a harness agent, or a verifiers environment
+    (``env.name=verifiers``, ``serve/verifiers_bridge.py``)."""
+    return cfg.harness.enabled or cfg.env.name == "verifiers"
 
 
 def env_factory(cfg: RunConfig):
     """A zero-argument factory of ``cfg.env.name`` environments (one per episode), or None for
     single-turn runs. Built once here so a bad name or parameter fails before any work."""
-    if cfg.env.name is None:
+    if cfg.env.name in (None, "verifiers"):  # verifiers: the environment runs behind the endpoint
         return None
     cls, params = ENVS.get(cfg.env.name), dict(cfg.env.params)
     try:
@@ -127,7 +133,7 @@ def with_episodes(engine, cfg: RunConfig, tokenizer, make_env):
     """``engine`` itself for single-turn runs; for agent runs, an EpisodeEngine around it; for a
     harness run (``harness.function`` or ``harness.command``), a HarnessEngine: the user's agent behind
     the OpenAI endpoint."""
-    if cfg.harness.enabled:
+    if uses_harness(cfg):
         from tidal.serve.engine import HarnessEngine  # the harness extra (fastapi, uvicorn, openai)
 
         return HarnessEngine(engine, tokenizer, harness_function(cfg), cfg.harness, model_context(cfg) or 1 << 30,
@@ -143,7 +149,9 @@ _HARNESS_FUNCTIONS: dict[str, object] = {}
 
 def harness_function(cfg: RunConfig):
     """The agent ``harness.function`` names, imported once per process (a file is executed once), or the
-    one that runs ``harness.command`` per episode."""
+    one that runs ``harness.command`` per episode, or a verifiers environment's episodes."""
+    if cfg.env.name == "verifiers":
+        return verifiers_episodes(cfg)
     if cfg.harness.command is not None:
         from tidal.serve.process import process_agent
 
@@ -157,6 +165,21 @@ def harness_function(cfg: RunConfig):
                                          f"({e})") from None
         _HARNESS_FUNCTIONS[spec] = load_function(spec, roots=[Path(__file__).resolve().parents[2]])
     return _HARNESS_FUNCTIONS[spec]
+
+
+def verifiers_episodes(cfg: RunConfig):
+    """``run_episode`` for ``env.verifiers``'s environment (one per process and config)."""
+    from tidal.tasks.verifiers_task import loaded
+
+    key = f"verifiers:{cfg.env.verifiers!r}:{cfg.harness.serve.model_name}"
+    if key not in _HARNESS_FUNCTIONS:
+        try:
+            from tidal.serve.verifiers_bridge import VerifiersEpisodes
+        except ImportError as e:
+            raise config_lib.ConfigError(f"env.name=verifiers needs the harness and verifiers extras: pip install "
+                                         f"'tidal[harness,verifiers]' ({e})") from None
+        _HARNESS_FUNCTIONS[key] = VerifiersEpisodes(loaded(cfg.env.verifiers), cfg.harness.serve.model_name).run_episode
+    return _HARNESS_FUNCTIONS[key]
 
 
 def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
@@ -177,7 +200,7 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
         try:
             return greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]
         finally:
-            if cfg.harness.enabled:
+            if uses_harness(cfg):
                 engine.close()  # its HTTP servers (the model stays: the warm start goes on training it)
 
     try:

@@ -258,11 +258,15 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.weight_quant={r.weight_quant} needs rollout.engine=local (got {r.engine!r}): "
                           "vLLM loads block-FP8 weights from a checkpoint written by `tidal quantize` "
                           "(docs/quantization.md)")
-    if cfg.env.name is not None:
+    if cfg.env.name is not None and cfg.env.name != "verifiers":
         from tidal.envs import ENVS
 
         if cfg.env.name not in ENVS:
-            raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: {', '.join(ENVS.names())}")
+            raise ConfigError(f"env.name={cfg.env.name!r} is not a registered environment: "
+                              f"{', '.join(ENVS.names())}, or verifiers")
+    if cfg.env.name == "verifiers" and cfg.harness.reward != "agent":
+        raise ConfigError(f"harness.reward={cfg.harness.reward!r} with env.name=verifiers: the environment's rubric "
+                          "scores its episodes; leave harness.reward=agent")
     _check_harness(cfg)
     validate_trainer(cfg.trainer)
     _check_device(cfg)

@@ -13,13 +13,15 @@ from tidal.config import ConfigError
 def _encode(tokenizer, prompt_text: str, example) -> tuple[list[int], int]:
     """(ids, where the loss starts). ``example`` is the answer text ("<bos>prompt answer<eos>"), or a
     whole conversation as OpenAI messages (a tool-using agent's trace), rendered by the tokenizer's
-    chat template; the loss then covers everything after the first user turn's generation prompt
+    chat template; the loss then covers everything after the first assistant turn's generation prompt
     (the model's turns and, as in the plain tool traces, the tools' results between them)."""
     if isinstance(example, list):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("the task's warm-start example is a conversation, but the tokenizer has no chat "
                                  "template (set model.tokenizer=chat)")
-        head = tokenizer.apply_chat_template(example[:1], tokenize=False, add_generation_prompt=True)
+        # the prompt: everything before the first assistant turn (a system message, then the user's)
+        first = next((i for i, m in enumerate(example) if m.get("role") == "assistant"), 1)
+        head = tokenizer.apply_chat_template(example[:first], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(example, tokenize=False)
         assert full.startswith(head), "the chat template must render the first turn as a prefix"
         prompt_ids = tokenizer(head, add_special_tokens=False).input_ids
