@@ -51,9 +51,9 @@ class SFTConfig:
     with ``accuracy_band: null`` it trains exactly this many steps."""
     accuracy_band: list[float] | None = field(default_factory=lambda: [0.3, 0.45])
     """Stop at the first check whose held-out greedy accuracy is in ``[low, high]``: the partial base
-    RL starts from. The quickstart narrows it to [0.35, 0.45]: its bases at 0.31 needed 2-3x the RL
-    steps (issue 15: ``tidal bench quickstart``, ``recipes/quickstart.py``); null trains ``steps``
-    steps with no checks."""
+    RL starts from. The quickstart narrows it to [0.40, 0.46]: its bases at 0.31 needed 2-3x the RL
+    steps (issue 15) and those below 0.38 were its slow seeds over ten (issue 39; ``tidal bench
+    quickstart``, ``recipes/quickstart.py``); null trains ``steps`` steps with no checks."""
     check_every: int = 10
     """Steps between accuracy checks (one greedy pass over the held-out prompts, ~0.2 s for the tiny
     model). A jump over the whole band within one interval is replayed checking every step."""
