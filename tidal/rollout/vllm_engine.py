@@ -55,8 +55,7 @@ import torch
 from tidal.api import GenRequest
 from tidal.rollout.requests import generate_by_stream
 from tidal.rollout.segments import SegmentedRow, new_row
-from tidal.rollout.vllm_options import VllmOptions, read_checkpoint_dir  # noqa: F401 (re-exported)
-from tidal.rollout.vllm_options import spec_counts, speculative_config
+from tidal.rollout.vllm_options import VllmOptions, read_checkpoint_dir, spec_counts, speculative_config  # noqa: F401 (re-exported)
 from tidal.types import Trajectory
 
 INSTALL_HINT = (

@@ -49,8 +49,8 @@ from tidal.system.curriculum import PromptSource
 from tidal.system.journal import GroupJournal
 from tidal.system.length_growth import LengthGrowth
 from tidal.system.staleness import StalenessManager
-from tidal.train.batch import build_train_batch
 from tidal.train.async_checkpoint import AsyncCheckpointer
+from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
