@@ -221,12 +221,11 @@ def main_mixture(overrides: list[str], out: str | Path, progress: bool = True) -
 
     from tidal.config import apply_overrides
     from tidal.data.io import refuse_overwrite
+    from tidal.utils.files import replace_text
 
     cfg = apply_overrides(MixtureConfig(), [o.removeprefix("mixture.") for o in overrides])
     refuse_overwrite(out, {"mixture.eval": cfg.eval, **{f"mixture.domains[{i}]": p for i, p in enumerate(cfg.domains)}})
     report = run_mixture(cfg, progress)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(out) + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out)
+    replace_text(out, json.dumps(report, indent=2))
     return report

@@ -166,12 +166,11 @@ def main_compare(overrides: list[str], out: str | Path, progress: bool = True) -
 
     from tidal.config import apply_overrides
     from tidal.data.io import refuse_overwrite
+    from tidal.utils.files import replace_text
 
     cfg = apply_overrides(ProxyConfig(), [o.removeprefix("proxy.") for o in overrides])
     refuse_overwrite(out, {"proxy.eval": cfg.eval, **{f"proxy.datasets[{i}]": p for i, p in enumerate(cfg.datasets)}})
     result = compare(cfg, progress)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(out) + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
+    replace_text(out, json.dumps(result, indent=2))
     return result
