@@ -54,3 +54,17 @@ def test_driver_logs_acceptance_per_read():
 def test_no_counters_no_acceptance():
     assert spec_counts([SimpleNamespace(name="vllm:num_requests_running", value=1.0)]) is None
     assert spec_counts([SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=8.0)]) == (8.0, 0.0)
+
+
+def test_no_acceptance_read_when_vllm_stats_are_off():
+    """vLLM's ``LLM.get_metrics`` asserts ``log_stats`` (off unless speculative decoding turned it on): a run
+    without drafts must not ask (CI's vLLM quickstart crashed on that at its first logged step)."""
+    llm = _MetricsLLM()
+    llm.llm_engine = SimpleNamespace(log_stats=False)
+
+    def get_metrics():
+        raise AssertionError("Stat logging disabled")  # what vLLM 0.32 does with log_stats off
+
+    llm.get_metrics = get_metrics
+    stats = VllmDriver("unused", SamplingConfig(), llm=llm, sampling_params_cls=dict).stats()
+    assert "rollout/spec_acceptance" not in stats and "rollout/interruptions" in stats

@@ -239,7 +239,9 @@ class VllmDriver:
 
     def _spec_stats(self) -> dict[str, float]:
         """vLLM's draft acceptance since the last call (as the local engine's ``rollout/spec_acceptance``)."""
-        counts = spec_counts(self.llm.get_metrics()) if hasattr(self.llm, "get_metrics") else None
+        # ``get_metrics`` asserts ``log_stats``, which vLLM leaves off unless speculative decoding turned it on
+        readable = hasattr(self.llm, "get_metrics") and getattr(self.engine, "log_stats", True)
+        counts = spec_counts(self.llm.get_metrics()) if readable else None
         if counts is None:
             return {}
         before, self._spec_seen = self._spec_seen, counts
