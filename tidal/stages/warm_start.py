@@ -91,13 +91,20 @@ def validate(cfg: SFTConfig) -> None:
 
 
 FINGERPRINT_PROMPTS = 4096
+FINGERPRINT_DEMOS = 64
 
 
 def data_fingerprint(task: Task) -> int:
     """A hash of the training prompts the warm start can draw (up to the first 4,096): a data file
-    rewritten in place under the same path must not reuse a base trained on its old contents."""
+    rewritten in place under the same path must not reuse a base trained on its old contents. Where a
+    demonstration is more than the answer (a tool trace, a conversation behind an environment's system
+    prompt), the first 64 are hashed too: the same prompts with a demonstration changed in code (a tool
+    renamed, a prompt reworded) train another base. Demonstrations that are the answer add nothing, so
+    those tasks keep the keys their cached bases were saved under."""
     n = min(task.num_train, FINGERPRINT_PROMPTS)
-    return stable_hash(task.num_train, *((p.text, p.answer) for p in map(task.train_prompt, range(n))))
+    prompts = [task.train_prompt(i) for i in range(n)]
+    demos = [d for p in prompts[:FINGERPRINT_DEMOS] if (d := task.sft_example(p)) != p.answer]
+    return stable_hash(task.num_train, *((p.text, p.answer) for p in prompts), *([repr(demos)] if demos else []))
 
 
 def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task) -> Path:
