@@ -9,8 +9,8 @@ from tidal.system.config import RunConfig
 def calculator_demo(data) -> list[dict]:
     """A correct episode of ``examples/verifiers_calculator.py`` after its prompts: one ``calculator``
     call with the task's expression (the tool's name as verifiers' MCP server advertises it: the method's,
-    bare, as the toolset's ``TOOL_PREFIX = None`` asks), the tool's result, and the answer. The warm start renders it behind
-    the environment's own system prompt and prompt (``tasks/verifiers_task.py``)."""
+    bare, as the toolset's ``TOOL_PREFIX = None`` asks), the tool's result, and the answer. The warm start
+    renders it behind the environment's own system prompt and prompt (``tasks/verifiers_task.py``)."""
     expression = data.prompt.rstrip("=")
     call = {"id": "call_0", "type": "function",
             "function": {"name": "calculator", "arguments": {"expression": expression}}}
