@@ -217,3 +217,29 @@ def test_low_acceptance_pauses_drafting_not_samples(peaked, tokenizer):
     _same(plain, a)
     _same(plain, b)
     assert 0 < e_picky._spec.num_drafted < 0.6 * e_eager._spec.num_drafted  # 139 vs 260 drafted here
+
+
+def test_steps_without_drafts_are_plain_decode_steps(peaked, tokenizer):
+    """A step where no row drafted runs the plain one-column decode (no verify forward): here drafting pauses
+    after the first rejection (min_acceptance=1, no probes within the run), so nearly every step is plain."""
+    reqs = _requests(tokenizer)
+    picky = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=1.0, probe_every=10_000)
+    plain, spec, engine = _pair(peaked, tokenizer, reqs, spec=picky, max_new_tokens=21)
+    _same(plain, spec)
+    s = engine._spec
+    assert 1 <= s.num_verify_steps <= 3 < s._steps - 10  # verified until the first rejected draft, then plain
+    assert s.num_accepted < s.num_drafted
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_static_decode_steps_between_verify_steps(peaked, tokenizer, share):
+    """With static decode steps (``cuda_graphs=on``: CUDA graphs on a GPU, the same static step eagerly here),
+    a step without drafts is the static step, which masks the columns of rejected drafts like the verify does."""
+    reqs = _requests(tokenizer)
+    probing = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.99, probe_every=3)
+    plain, spec, engine = _pair(peaked, tokenizer, reqs, spec=probing, max_new_tokens=21, cuda_graphs="on",
+                                share_identical_rows=share)
+    _same(plain, spec)
+    s = engine._spec
+    assert engine._slots.static is not None and engine._slots.has_rejected
+    assert 0 < s.num_verify_steps < s._steps and 0 < s.num_accepted < s.num_drafted

@@ -83,6 +83,7 @@ class SlotCache(Cache):
         self.rejected = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         """[slots, columns]: columns a row's attention skips inside its span (draft tokens speculative decoding
         rejected, ``speculative.py``); all False without speculation."""
+        self.has_rejected = False  # any rejected column yet: only then does a plain decode step mask them
         self._width = 1  # columns each row writes in this forward (k + 1 while verifying k drafted tokens)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self.generation = 0  # bumped whenever the buffers are reallocated
@@ -124,6 +125,8 @@ class SlotCache(Cache):
         self._place(0, extra=1)
         n = self.n
         pos = self.last_pos[:n] + 1
+        if self.has_rejected:
+            self.rejected[:n, self.t] = False  # a stale mark from an earlier use of this column
         if self.static is not None:
             assert shared is None, "static decode runs every row (no shared contexts)"
             self.logits[:n] = self.static.decode(tokens_n, pos)
@@ -132,7 +135,10 @@ class SlotCache(Cache):
             return
         fed = slice(0, n) if shared is None else shared[0]
         cols = torch.arange(self.lo, self.t + 1, device=self.device)
-        mask = (cols[None, :] >= self.start[fed, None])[:, None, None, :]  # [rows fed, 1, q=1, span]
+        live = cols[None, :] >= self.start[fed, None]
+        if self.has_rejected:
+            live &= ~self.rejected[fed, self.lo : self.t + 1]
+        mask = live[:, None, None, :]  # [rows fed, 1, q=1, span]
         self._fed = None if shared is None else shared[0]
         try:
             logits = model(input_ids=tokens_n[fed, None], attention_mask=mask, position_ids=pos[fed, None],
@@ -188,6 +194,7 @@ class SlotCache(Cache):
         n = self.n
         offset = torch.arange(width, device=self.device)
         self.rejected[:n, self.t : self.t + width] = offset[None, :] >= kept_n[:, None]
+        self.has_rejected = self.has_rejected or width > 1
         self.t += width
         self.last_pos[:n] += kept_n
         self.logits[:n] = logits_nv

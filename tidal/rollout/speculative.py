@@ -217,6 +217,7 @@ class Speculator:
         self._window = (0, 0)  # (drafted, accepted) when ``stats`` was last read
         self._recent = 1.0  # running acceptance (optimistic start), for ``min_acceptance``
         self._steps = 0
+        self.num_verify_steps = 0  # steps with a draft to verify (the others are plain decode steps)
 
     def stats(self) -> dict[str, float]:
         """Acceptance since the last call (per training step: the controller reads it once a step), and
@@ -255,8 +256,14 @@ class Speculator:
             self._note_close(row)
         self._steps += 1
         paused = self._recent < self.cfg.min_acceptance and self._steps % self.cfg.probe_every
-        drafts = [[] for _ in rows] if paused else self.drafter.propose(rows, [self._draft_budget(r) for r in rows])
-        n, w = len(rows), 1 + max(map(len, drafts))
+        drafts = [] if paused else self.drafter.propose(rows, [self._draft_budget(r) for r in rows])
+        n = len(rows)
+        if not any(drafts):  # nothing to verify: the plain decode step, at its cost (a CUDA graph where it has one)
+            self.num_row_forwards += e._decode(rows, slots, tokens)
+            self.num_tokens += n
+            return rows
+        w = 1 + max(map(len, drafts))
+        self.num_verify_steps += 1
         fed = [[tok, *d] + [e.pad_id] * (w - 1 - len(d)) for tok, d in zip(tokens.tolist(), drafts)]
         shared = self._distinct(rows, fed)
         tokens_nw = torch.tensor(fed, dtype=torch.long, device=e.device)
@@ -300,8 +307,9 @@ class Speculator:
         return rows
 
     def _distinct(self, rows: list, fed: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rows holding the same context and fed the same tokens run once (``share_identical_rows``)."""
-        if not self.engine.cfg.share_identical_rows:
+        """Rows holding the same context and fed the same tokens run once (``share_identical_rows``; not with
+        static decode steps, which keep no context nodes)."""
+        if not self.engine.cfg.share_identical_rows or self.engine._static_decode:
             return None
         index: dict[tuple, int] = {}
         first: list[int] = []
