@@ -10,6 +10,7 @@ from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
+from tidal.rollout.slots import SlotCache
 from tidal.rollout.speculative import NgramIndex, SpeculativeConfig, acceptance_entropy_correlation
 from tidal.rollout.thinking import ThinkingConfig, close_ids, with_budgets
 from tidal.types import Prompt
@@ -243,3 +244,32 @@ def test_static_decode_steps_between_verify_steps(peaked, tokenizer, share):
     s = engine._spec
     assert engine._slots.static is not None and engine._slots.has_rejected
     assert 0 < s.num_verify_steps < s._steps and 0 < s.num_accepted < s.num_drafted
+
+
+def test_only_rows_with_drafts_run_wide(peaked, tokenizer):
+    """A verify step runs the rows that drafted k + 1 wide and the others one column wide, so a draft costs only
+    its own row: every wide forward holds exactly the rows that drafted at that step."""
+    reqs = _requests(tokenizer)
+    engine = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21, share_identical_rows=False,
+                                                           speculative=SpeculativeConfig(method="ngram")))
+    widths, drafting = [], []
+    propose = engine._spec.drafter.propose
+
+    def record(rows, k_n):
+        out = propose(rows, k_n)
+        drafting.append((sum(map(bool, out)), len(rows)))
+        return out
+
+    engine._spec.drafter.propose = record
+    def shape(module, args, kw, out):
+        if isinstance(kw.get("cache", kw.get("past_key_values")), SlotCache):  # decode steps, not prefills
+            widths.append(tuple(kw["input_ids"].shape))
+
+    hook = engine.model.register_forward_hook(shape, with_kwargs=True)
+    try:
+        _same(LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21)).generate(reqs), engine.generate(reqs))
+    finally:
+        hook.remove()
+    wide = [rows for rows, w in widths if w > 1]
+    split = [d for d, n in drafting if 0 < d < n]
+    assert split and wide == [d for d, n in drafting if d > 0]  # e.g. 3 of 12 rows drafted: a 3-row wide forward
