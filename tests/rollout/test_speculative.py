@@ -246,30 +246,33 @@ def test_static_decode_steps_between_verify_steps(peaked, tokenizer, share):
     assert 0 < s.num_verify_steps < s._steps and 0 < s.num_accepted < s.num_drafted
 
 
-def test_only_rows_with_drafts_run_wide(peaked, tokenizer):
-    """A verify step runs the rows that drafted k + 1 wide and the others one column wide, so a draft costs only
-    its own row: every wide forward holds exactly the rows that drafted at that step."""
+def test_rows_without_drafts_run_one_column_wide_when_most_rows_have_none(peaked, tokenizer):
+    """A verify step runs the rows that drafted k + 1 wide and, when padding the others would waste more columns
+    than the drafts fill ((n - d)(w - 1) > d w), the others in their own one-column forward: then a draft costs
+    only its own row. Otherwise all rows run in one padded forward."""
     reqs = _requests(tokenizer)
     engine = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21, share_identical_rows=False,
                                                            speculative=SpeculativeConfig(method="ngram")))
-    widths, drafting = [], []
+    widths, steps = [], []
     propose = engine._spec.drafter.propose
 
     def record(rows, k_n):
         out = propose(rows, k_n)
-        drafting.append((sum(map(bool, out)), len(rows)))
+        steps.append((sum(map(bool, out)), len(rows), 1 + max(map(len, out))))
         return out
 
-    engine._spec.drafter.propose = record
     def shape(module, args, kw, out):
         if isinstance(kw.get("cache", kw.get("past_key_values")), SlotCache):  # decode steps, not prefills
             widths.append(tuple(kw["input_ids"].shape))
 
+    engine._spec.drafter.propose = record
     hook = engine.model.register_forward_hook(shape, with_kwargs=True)
     try:
         _same(LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21)).generate(reqs), engine.generate(reqs))
     finally:
         hook.remove()
     wide = [rows for rows, w in widths if w > 1]
-    split = [d for d, n in drafting if 0 < d < n]
-    assert split and wide == [d for d, n in drafting if d > 0]  # e.g. 3 of 12 rows drafted: a 3-row wide forward
+    expected = [d if (n - d) * (w - 1) > d * w else n for d, n, w in steps if d]
+    assert wide == expected
+    assert any(rows < n for rows, (d, n, w) in zip(wide, [s for s in steps if s[0]])), "some steps must split"
+    assert any(rows == n for rows, (d, n, w) in zip(wide, [s for s in steps if s[0]])), "and some pad"
