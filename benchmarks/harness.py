@@ -16,10 +16,9 @@ rollouts are:
   environment ``examples/verifiers_calculator.py`` through ``env.name=verifiers`` (the same kind of
   task: a 2-digit product with a calculator tool): every turn goes through verifiers' chat program
   (in-process), its interception server, and tidal's endpoint; the tool is verifiers' MCP server; the
-  rubric scores each episode. Its tasks are the environment's own, its prompt carries the
-  environment's system prompt and its tool is named ``calc_calculator``, so the base (warm-started on
-  ``calculator`` conversations) succeeds less and its episodes' lengths differ: read the ratio with
-  the tokens per episode beside it. ``verifiers_over_builtin`` is its episodes/s over the built-in arm's.
+  rubric scores each episode. Its tasks are the environment's own and its prompt carries the
+  environment's system prompt, which the base (warm-started on the agent's conversations) never saw, so
+  it succeeds less and its episodes' lengths differ: read the ratio with the tokens per episode beside it. ``verifiers_over_builtin`` is its episodes/s over the built-in arm's.
 
 The arms alternate (``reps`` times each, after one unmeasured warm-up of each) and each generates the
 same ``prompts`` x ``group_size`` episodes. ``http_overhead_ratio`` is the built-in arm's episodes/s

@@ -26,7 +26,7 @@ class ProductData(vf.TaskData):
 
 
 class CalculatorToolset(vf.Toolset[vf.SharedToolsetConfig]):
-    TOOL_PREFIX = "calc"
+    TOOL_PREFIX = None  # advertise the tool bare, as ``calculator`` (one server: no name can collide)
 
     @vf.tool
     async def calculator(self, expression: str) -> str:

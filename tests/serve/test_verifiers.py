@@ -58,7 +58,7 @@ def calculator_reply(context: str) -> str:
     """A hermes call to the calculator, then its result back (right) for even products, result + "1" for odd."""
     if "<|im_start|>tool\n" not in context:
         question = re.findall(r"(\d+\*\d+)=", context)[-1]
-        call = {"name": "calc_calculator", "arguments": {"expression": question}}
+        call = {"name": "calculator", "arguments": {"expression": question}}
         return f"<tool_call>{json.dumps(call)}</tool_call>"
     result = context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
     return result if int(result) % 2 == 0 else result + "1"

@@ -36,3 +36,16 @@ def test_a_tokenizer_vocabulary_changed_in_code_changes_the_cache_key(tmp_path, 
     assert cache_path(model, cfg, sft, task) == first
     monkeypatch.setattr(tiny, "CHAT_WORDS", tiny.CHAT_WORDS[:-1])  # one chat token fewer
     assert cache_path(model, cfg, sft, task) != first
+
+
+def test_a_demonstration_changed_in_code_changes_the_cache_key(tmp_path, monkeypatch):
+    """The same prompts and answers but other demonstrations (a demo function, a tool renamed, a system
+    prompt reworded in an environment) train another base: it must not reuse the old one."""
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20)))
+    model, sft = ModelConfig(), SFTConfig(cache_dir=str(tmp_path / "cache"))
+    cfg, task = _task(path)
+    first = cache_path(model, cfg, sft, task)
+    demo = type(task).sft_example
+    monkeypatch.setattr(type(task), "sft_example", lambda self, p: "so " + demo(self, p))
+    assert cache_path(model, cfg, sft, task) != first

@@ -111,3 +111,25 @@ def test_concurrent_cold_starts_share_one_entry_and_a_truncated_one_is_rebuilt(t
     # rebuilt whole (not byte-equal: the two threads above shared torch's global RNG while initializing)
     assert again == outs[0] and weights.stat().st_size == len(before)
     assert load_file(weights)
+
+
+def test_band_checks_screen_a_base_that_cannot_do_the_task_yet():
+    from tidal.stages.warm_start import SCREEN_PROMPTS, screened_accuracy
+
+    prompts = list(range(200))
+    asked = []
+
+    def successes(right):  # prompts whose index is in ``right`` succeed
+        def count(some):
+            asked.append(len(some))
+            return sum(p in right for p in some)
+        return count
+
+    assert screened_accuracy(successes(set(range(100, 200))), prompts, 0.3) == 0.0  # 0 of the first 25
+    assert asked == [SCREEN_PROMPTS]  # the other 175 never ran
+    asked.clear()
+    assert screened_accuracy(successes({0, *range(100, 160)}), prompts, 0.3) == 61 / 200  # passes: all 200
+    assert asked == [SCREEN_PROMPTS, 200]
+    asked.clear()
+    assert screened_accuracy(successes(set(range(100, 200))), prompts, 0.0) == 0.5  # a band from 0: no screen
+    assert screened_accuracy(successes(set()), prompts[:60], 0.3) == 0.0 and asked == [200, 60]  # < 100 prompts

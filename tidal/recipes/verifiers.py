@@ -7,13 +7,13 @@ from tidal.system.config import RunConfig
 
 
 def calculator_demo(data) -> list[dict]:
-    """A correct episode of ``examples/verifiers_calculator.py`` after its prompts: one ``calc_calculator``
-    call with the task's expression (the tool's name as verifiers' MCP server advertises it: the toolset's
-    ``TOOL_PREFIX`` and the method), the tool's result, and the answer. The warm start renders it behind
+    """A correct episode of ``examples/verifiers_calculator.py`` after its prompts: one ``calculator``
+    call with the task's expression (the tool's name as verifiers' MCP server advertises it: the method's,
+    bare, as the toolset's ``TOOL_PREFIX = None`` asks), the tool's result, and the answer. The warm start renders it behind
     the environment's own system prompt and prompt (``tasks/verifiers_task.py``)."""
     expression = data.prompt.rstrip("=")
     call = {"id": "call_0", "type": "function",
-            "function": {"name": "calc_calculator", "arguments": {"expression": expression}}}
+            "function": {"name": "calculator", "arguments": {"expression": expression}}}
     return [{"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": data.answer},
             {"role": "assistant", "content": data.answer}]
@@ -26,7 +26,7 @@ def verifiers_quickstart() -> RunConfig:
 
     An episode is verifiers' own rollout (its chat program, run in-process; its interception server; its
     MCP tool server) against tidal's endpoint: the system prompt and ``37*54=`` from the environment, a
-    hermes call to ``calc_calculator``, the tool's result, the answer; the rubric's ``correct`` (weight 1)
+    hermes call to ``calculator``, the tool's result, the answer; the rubric's ``correct`` (weight 1)
     is the reward, ``used_tool`` (weight 0) is logged. The warm start trains on demonstrations in the
     environment's own prompts (``calculator_demo``) until held-out success is in [0.3, 0.5]; then async
     GRPO as ``harness_quickstart``. Not measured to its target yet (docs/environments.md says what was).

@@ -91,13 +91,20 @@ def validate(cfg: SFTConfig) -> None:
 
 
 FINGERPRINT_PROMPTS = 4096
+FINGERPRINT_DEMOS = 64
 
 
 def data_fingerprint(task: Task) -> int:
     """A hash of the training prompts the warm start can draw (up to the first 4,096): a data file
-    rewritten in place under the same path must not reuse a base trained on its old contents."""
+    rewritten in place under the same path must not reuse a base trained on its old contents. Where a
+    demonstration is more than the answer (a tool trace, a conversation behind an environment's system
+    prompt), the first 64 are hashed too: the same prompts with a demonstration changed in code (a tool
+    renamed, a prompt reworded) train another base. Demonstrations that are the answer add nothing, so
+    those tasks keep the keys their cached bases were saved under."""
     n = min(task.num_train, FINGERPRINT_PROMPTS)
-    return stable_hash(task.num_train, *((p.text, p.answer) for p in map(task.train_prompt, range(n))))
+    prompts = [task.train_prompt(i) for i in range(n)]
+    demos = [d for p in prompts[:FINGERPRINT_DEMOS] if (d := task.sft_example(p)) != p.answer]
+    return stable_hash(task.num_train, *((p.text, p.answer) for p in prompts), *([repr(demos)] if demos else []))
 
 
 def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task) -> Path:
@@ -116,6 +123,26 @@ def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task)
 Evaluate = Callable[[torch.nn.Module, object], float]
 """``evaluate(model, tokenizer) -> held-out greedy accuracy``: supplied by the run wiring
 (``system/run.py``), so the band is read with the same engine, prompts and reward as RL's step 0."""
+
+SCREEN_PROMPTS = 25
+"""Held-out prompts a band check tries first (``screened_accuracy``)."""
+
+
+def screened_accuracy(successes: Callable[[list], int], prompts: list, low: float) -> float:
+    """Held-out accuracy for a band check, screened: ``successes(prompts)`` counts the greedy successes
+    on some prompts. While the base cannot do the task at all (the first checks of every warm start),
+    a full evaluation is wasted; for an agent environment it is 200 episodes through its servers, most
+    of a warm start's time. So the first 25 prompts go first, and none right reads as 0.0. A base whose
+    accuracy is already at the band's low end (>= 0.3) gets 0 of 25 right with probability
+    0.7**25 < 1.4e-4, and then the next check (accuracy higher still) sees it. Otherwise every prompt
+    is evaluated, the screened ones again, so a check that passes the screen reads exactly what an
+    unscreened one would. No screen where it would not save much (fewer than 100 prompts) or for a
+    band starting at 0."""
+    if low <= 0 or len(prompts) < 4 * SCREEN_PROMPTS:
+        return successes(prompts) / max(len(prompts), 1)
+    if successes(prompts[:SCREEN_PROMPTS]) == 0:
+        return 0.0
+    return successes(prompts) / len(prompts)
 
 
 def warm_start(model_cfg: ModelConfig, task: Task, task_cfg, sft_cfg: SFTConfig,

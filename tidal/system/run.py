@@ -34,12 +34,12 @@ from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
 from tidal.rollout.episodes import EpisodeEngine
-from tidal.rollout.evaluate import greedy_accuracy
+from tidal.rollout.evaluate import greedy_samples
 from tidal.rollout.local import LocalEngine
 from tidal.rollout.requests import check_prompts_fit
 from tidal.rollout.thinking import close_ids
+from tidal.stages.warm_start import screened_accuracy, warm_start
 from tidal.stages.warm_start import validate as validate_sft
-from tidal.stages.warm_start import warm_start
 from tidal.system.config import RolloutConfig, RunConfig
 from tidal.system.controller import Controller, RunResult
 from tidal.system.curriculum import build_task, run_reward
@@ -197,8 +197,12 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
     def evaluate(model, tokenizer) -> float:
         engine = with_episodes(LocalEngine(model, tokenizer, sampling_for(cfg, make_env), cfg.seed, 0), cfg,
                                tokenizer, make_env)
+
+        def successes(some: list) -> int:  # as greedy_accuracy counts them: full reward
+            return sum(t.reward >= 1.0 for t in greedy_samples(engine, tokenizer, some, pool))
+
         try:
-            return greedy_accuracy(engine, tokenizer, prompts, pool)["eval/accuracy"]
+            return screened_accuracy(successes, prompts, cfg.sft.accuracy_band[0])
         finally:
             if uses_harness(cfg):
                 engine.close()  # its HTTP servers (the model stays: the warm start goes on training it)

@@ -13,10 +13,13 @@ cause; a ``.tmp_*`` left by a process that died mid-save is never read as a chec
 by the next save. Older checkpoints beyond ``keep`` are removed.
 
 Content hashes: every file a checkpoint restores from (``model.safetensors``, ``trainer_state.pt``, each
-``<name>.pt``) has its sha256 in ``hashes.json``, written inside the same atomic save, and is checked on
+``<name>.pt``) has its digest in ``hashes.json``, written inside the same atomic save, and is checked on
 load: a file changed on disk since (a flipped bit, a truncated copy) fails with ``CheckpointCorrupted``
-naming the file, instead of silently training on corrupted weights. A checkpoint without
-``hashes.json`` (written before hashes existed) loads unchecked.
+naming the file, instead of silently training on corrupted weights. The digest is xxh3-128 (``xxhash``):
+it detects corruption, which is all it is for (not tampering), at ~6 GB/s against sha256's ~0.45 GB/s on
+this machine, where hashing a 0.5B model's 2.35 GB state with sha256 was 5 s of every save's CPU.
+Checkpoints written with sha256 (bare hex digests) are still checked with it; one without ``hashes.json``
+(written before hashes existed) loads unchecked.
 
 Writing is split in two so that it can run in the background: ``capture`` (or ``snapshot.py``'s host copy)
 collects what a checkpoint holds, ``write_checkpoint`` writes it. ``save_checkpoint`` does both at once;
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from tidal.models import lora
 from tidal.train.data_parallel import root_of
@@ -58,23 +62,29 @@ HASHED = ("model.safetensors", lora.ADAPTER_WEIGHTS, "trainer_state.pt")
 """Files whose content hash a checkpoint records (plus every ``<component>.pt``)."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+DIGEST = "xxh3_128"
+"""The digest ``hashes.json`` records, as ``xxh3_128:<hex>`` (module docstring); a bare hex digest is sha256."""
+
+
+def file_digest(path: Path, algorithm: str = DIGEST, chunk: int = 1 << 22) -> str:
+    """``path``'s digest as ``hashes.json`` records it: ``xxh3_128:<hex>``, or bare hex for ``sha256``."""
+    h = xxhash.xxh3_128() if algorithm == DIGEST else hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    return f"{DIGEST}:{h.hexdigest()}" if algorithm == DIGEST else h.hexdigest()
 
 
 def write_hashes(directory: Path, names: list[str]) -> None:
-    """Record the sha256 of ``names`` (files in ``directory``) in ``directory/hashes.json``."""
-    hashes = {n: sha256_file(directory / n) for n in names if (directory / n).exists()}
+    """Record the digest of ``names`` (files in ``directory``) in ``directory/hashes.json``."""
+    hashes = {n: file_digest(directory / n) for n in names if (directory / n).exists()}
     (directory / HASHES).write_text(json.dumps(hashes, indent=1, sort_keys=True) + "\n")
 
 
 def verify_hashes(directory: str | Path) -> int:
-    """Check every file listed in ``hashes.json`` against its recorded sha256; returns how many were
-    checked (0: no hashes recorded). Raises ``CheckpointCorrupted`` naming the first bad or missing file."""
+    """Check every file listed in ``hashes.json`` against its recorded digest (xxh3-128, or sha256 for a
+    bare hex digest); returns how many were checked (0: no hashes recorded). Raises ``CheckpointCorrupted``
+    naming the first bad or missing file."""
     directory = Path(directory)
     if not (directory / HASHES).exists():
         return 0
@@ -82,10 +92,10 @@ def verify_hashes(directory: str | Path) -> int:
     for name, want in sorted(hashes.items()):
         if not (directory / name).exists():
             raise CheckpointCorrupted(f"checkpoint {directory}: {name} is missing (hashes.json lists it)")
-        got = sha256_file(directory / name)
+        got = file_digest(directory / name, DIGEST if want.startswith(f"{DIGEST}:") else "sha256")
         if got != want:
-            raise CheckpointCorrupted(f"checkpoint {directory}: {name} is corrupted (sha256 {got[:16]}..., "
-                                      f"written as {want[:16]}...); roll back to an earlier checkpoint")
+            raise CheckpointCorrupted(f"checkpoint {directory}: {name} is corrupted (digest {got[:25]}..., "
+                                      f"written as {want[:25]}...); roll back to an earlier checkpoint")
     return len(hashes)
 
 
