@@ -15,8 +15,7 @@ from tidal.rollout.speculative import NgramIndex, SpeculativeConfig, acceptance_
 from tidal.rollout.thinking import ThinkingConfig, close_ids, with_budgets
 from tidal.types import Prompt
 
-NGRAM = SpeculativeConfig(method="ngram", num_draft_tokens=4, ngram_min=1, compare_speed=False)
-"""``compare_speed`` off in these tests: which steps draft must not follow the machine's timing."""
+NGRAM = SpeculativeConfig(method="ngram", num_draft_tokens=4, ngram_min=1)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +162,7 @@ def test_draft_model_drafts_and_target_as_its_own_draft(peaked, small_model, tok
     reqs = _requests(tokenizer)
     draft = tiny.build_model(tiny.ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
                                               intermediate_size=64), tokenizer)
-    spec = SpeculativeConfig(method="draft_model", draft_model="unused: passed as a model", compare_speed=False)
+    spec = SpeculativeConfig(method="draft_model", draft_model="unused: passed as a model")
     plain = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=16)).generate(reqs)
     small = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=16, speculative=spec), draft_model=draft)
     _same(plain, small.generate(reqs))
@@ -212,8 +211,8 @@ def test_low_acceptance_pauses_drafting_not_samples(peaked, tokenizer):
     """``min_acceptance``: while recent drafts mostly fail, rows draft only on probe steps; which steps
     draft never changes a sample."""
     reqs = _requests(tokenizer)
-    eager = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.0, compare_speed=False)
-    picky = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.99, probe_every=4, compare_speed=False)
+    eager = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.0)
+    picky = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.99, probe_every=4)
     _, a, e_eager = _pair(peaked, tokenizer, reqs, spec=eager, max_new_tokens=21)
     plain, b, e_picky = _pair(peaked, tokenizer, reqs, spec=picky, max_new_tokens=21)
     _same(plain, a)
@@ -225,7 +224,7 @@ def test_steps_without_drafts_are_plain_decode_steps(peaked, tokenizer):
     """A step where no row drafted runs the plain one-column decode (no verify forward): here drafting pauses
     after the first rejection (min_acceptance=1, no probes within the run), so nearly every step is plain."""
     reqs = _requests(tokenizer)
-    picky = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=1.0, probe_every=10_000, compare_speed=False)
+    picky = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=1.0, probe_every=10_000)
     plain, spec, engine = _pair(peaked, tokenizer, reqs, spec=picky, max_new_tokens=21)
     _same(plain, spec)
     s = engine._spec
@@ -238,7 +237,7 @@ def test_static_decode_steps_between_verify_steps(peaked, tokenizer, share):
     """With static decode steps (``cuda_graphs=on``: CUDA graphs on a GPU, the same static step eagerly here),
     a step without drafts is the static step, which masks the columns of rejected drafts like the verify does."""
     reqs = _requests(tokenizer)
-    probing = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.99, probe_every=3, compare_speed=False)
+    probing = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.99, probe_every=3)
     plain, spec, engine = _pair(peaked, tokenizer, reqs, spec=probing, max_new_tokens=21, cuda_graphs="on",
                                 share_identical_rows=share)
     _same(plain, spec)
@@ -252,9 +251,8 @@ def test_rows_without_drafts_run_one_column_wide_when_most_rows_have_none(peaked
     than the drafts fill ((n - d)(w - 1) > d w), the others in their own one-column forward: then a draft costs
     only its own row. Otherwise all rows run in one padded forward."""
     reqs = _requests(tokenizer)
-    spec = SpeculativeConfig(method="ngram", compare_speed=False)
-    engine = LocalEngine(peaked, tokenizer,
-                         SamplingConfig(max_new_tokens=21, share_identical_rows=False, speculative=spec))
+    engine = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21, share_identical_rows=False,
+                                                           speculative=SpeculativeConfig(method="ngram")))
     widths, steps = [], []
     propose = engine._spec.drafter.propose
 
@@ -278,30 +276,3 @@ def test_rows_without_drafts_run_one_column_wide_when_most_rows_have_none(peaked
     assert wide == expected
     assert any(rows < n for rows, (d, n, w) in zip(wide, [s for s in steps if s[0]])), "some steps must split"
     assert any(rows == n for rows, (d, n, w) in zip(wide, [s for s in steps if s[0]])), "and some pad"
-
-
-def test_slower_verify_steps_pause_drafting_not_samples(peaked, tokenizer):
-    """``compare_speed``: while verify steps yield fewer new tokens per second than plain steps, rows draft only on
-    probe steps (and while drafting, every ``probe_every``-th step runs plain to measure plain steps). A clock on
-    which every verify step lasts 100 s (a plain step 1 s) makes them slower here."""
-    reqs = _requests(tokenizer)
-    runs = {}
-    for compare in (False, True):
-        spec = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.0, probe_every=4, compare_speed=compare)
-        engine = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21, speculative=spec))
-        s, ticks = engine._spec, [0]
-
-        def clock(s=s, ticks=ticks):
-            ticks[0] += 1
-            return ticks[0] + 100 * s.num_verify_steps  # read after a verify step: it took 100 s more
-
-        s._clock = clock
-        runs[compare] = engine.generate(reqs), s
-    plain = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21)).generate(reqs)
-    (eager, s_eager), (paced, s_paced) = runs[False], runs[True]
-    _same(plain, eager)
-    _same(plain, paced)
-    assert s_eager.num_verify_steps == s_eager._steps  # every step drafts something (1-grams, never paused)
-    assert s_paced._speed[True] < s_paced._speed[False]
-    # steps 1-3 verify, step 4 runs plain to measure plain steps, then only the probe steps 8, 12, ... verify
-    assert s_paced.num_verify_steps == 3 + sum(1 for k in range(5, s_paced._steps + 1) if k % 4 == 0) < s_paced._steps

@@ -39,7 +39,6 @@ counter only advances by the accepted tokens, so a rejected draft leaves no trac
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,14 +77,7 @@ class SpeculativeConfig:
     Adapting the speculation to its acceptance follows SmartSpec (Liu et al. 2024, arXiv 2406.14066);
     which steps draft never changes a sample."""
     probe_every: int = 8
-    """While drafting is paused (low acceptance, or slower than plain steps), draft on every this-many-th step to
-    re-measure it."""
-    compare_speed: bool = True
-    """Also pause drafting while recent verify steps yield fewer new tokens per second than recent plain steps:
-    SmartSpec's goodput rule (Liu et al. 2024, arXiv 2406.14066), measured rather than modelled. Where a forward
-    is compute-bound (a CPU at hundreds of rows) a drafted token costs almost what a generated one does, and
-    even 0.83 acceptance loses (``tidal bench generate``'s ``repeat`` at 512 rows: 0.79x without this rule).
-    Timing decides only which steps draft, never a sample."""
+    """While drafting is paused for low acceptance, draft on every this-many-th step to re-measure it."""
 
     @property
     def enabled(self) -> bool:
@@ -226,8 +218,6 @@ class Speculator:
         self._recent = 1.0  # running acceptance (optimistic start), for ``min_acceptance``
         self._steps = 0
         self.num_verify_steps = 0  # steps with a draft to verify (the others are plain decode steps)
-        self._clock = time.perf_counter
-        self._speed = {False: math.nan, True: math.nan}  # new tokens/s of recent plain and verify steps
 
     def stats(self) -> dict[str, float]:
         """Acceptance since the last call (per training step: the controller reads it once a step), and
@@ -258,29 +248,6 @@ class Speculator:
 
     @torch.no_grad()
     def step(self, rows: list, slots, temperature: float, on_done) -> list:
-        """One decode step: plain where no row drafted, else verifying the drafts. Its new tokens per second go
-        into ``_speed`` (an average over recent steps of its kind, halved weight per step)."""
-        start, tokens_before, verifies_before = self._clock(), self.engine.num_generated_tokens, self.num_verify_steps
-        rows = self._step(rows, slots, temperature, on_done)
-        seconds = self._clock() - start
-        if seconds > 0:
-            verified = self.num_verify_steps > verifies_before
-            speed = (self.engine.num_generated_tokens - tokens_before) / seconds
-            old = self._speed[verified]
-            self._speed[verified] = speed if math.isnan(old) else 0.5 * old + 0.5 * speed
-        return rows
-
-    def _paused(self) -> bool:
-        """No drafts on this step? While recent acceptance is below ``min_acceptance`` or (``compare_speed``) recent
-        verify steps were slower than plain ones, rows draft only on every ``probe_every``-th step, to re-measure.
-        Otherwise they draft on every step but those, which with ``compare_speed`` run plain, to re-measure."""
-        probe = self._steps % self.cfg.probe_every == 0
-        slow = self.cfg.compare_speed and self._speed[True] < self._speed[False]  # False while either is unknown
-        if self._recent < self.cfg.min_acceptance or slow:
-            return not probe
-        return probe and self.cfg.compare_speed
-
-    def _step(self, rows: list, slots, temperature: float, on_done) -> list:
         e = self.engine
         rows, tokens = e._sample_next(rows, slots, temperature, on_done)  # the target's token from held logits
         if not rows:
@@ -288,7 +255,8 @@ class Speculator:
         for row in rows:
             self._note_close(row)
         self._steps += 1
-        drafts = [] if self._paused() else self.drafter.propose(rows, [self._draft_budget(r) for r in rows])
+        paused = self._recent < self.cfg.min_acceptance and self._steps % self.cfg.probe_every
+        drafts = [] if paused else self.drafter.propose(rows, [self._draft_budget(r) for r in rows])
         n = len(rows)
         if not any(drafts):  # nothing to verify: the plain decode step, at its cost (a CUDA graph where it has one)
             self.num_row_forwards += e._decode(rows, slots, tokens)
