@@ -137,7 +137,7 @@ def measure(s: Settings, num_layers: int, root: Path) -> dict:
     first_snapshot_s = time.perf_counter() - start
     writer.wait()
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    snapshot_s, wait_s, write_s, sync_save_s, drain_s = [], [], [], [], []
+    snapshot_s, wait_s, write_s, sync_save_s, drain_s, write_cpu_s, step_cpu_s = [], [], [], [], [], [], []
     for _ in range(s.repeats):
         for arm in ARMS:
             _step(model, opt, sched, ids)  # warm-up, untimed
@@ -145,26 +145,30 @@ def measure(s: Settings, num_layers: int, root: Path) -> dict:
             if arm == "async":  # so every timed step runs beside the previous step's write, as at every step of a run
                 writer.save(root / "async", model, tokenizer, opt, sched, state(), keep=1)
             for _ in range(s.steps):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 _step(model, opt, sched, ids)
                 step_no += 1
+                if arm == "none":
+                    step_cpu_s.append(time.process_time() - cpu)
                 if arm == "sync":
                     saved = time.perf_counter()
                     save_checkpoint(root / "sync", model, tokenizer, opt, sched, state(), keep=1)
                     sync_save_s.append(time.perf_counter() - saved)
                 elif arm == "async":
-                    previous = writer.timings.get("write_s")
+                    previous = dict(writer.timings)
                     writer.save(root / "async", model, tokenizer, opt, sched, state(), keep=1)
                     snapshot_s.append(writer.timings["snapshot_s"])
                     wait_s.append(writer.timings["wait_s"])
-                    if previous is not None:
-                        write_s.append(previous)
+                    if "write_s" in previous:
+                        write_s.append(previous["write_s"])
+                        write_cpu_s.append(previous["write_cpu_s"])
                 times[arm].append(time.perf_counter() - start)
             if arm == "async":
                 start = time.perf_counter()
                 writer.wait()
                 drain_s.append(time.perf_counter() - start)
                 write_s.append(writer.timings["write_s"])
+                write_cpu_s.append(writer.timings["write_cpu_s"])
     writer.wait()
     checkpoint_bytes = sum(p.stat().st_size for p in (root / "async").rglob("*") if p.is_file())
 
@@ -187,6 +191,10 @@ def measure(s: Settings, num_layers: int, root: Path) -> dict:
         "async_snapshot_s_median": med(snapshot_s),
         "async_wait_for_previous_write_s_median": med(wait_s),
         "async_background_write_s_median": med(write_s),
+        # a CPU-bound step on every core cannot hide more than the idle share of its cores: this ratio bounds
+        # what an asynchronous write can save there
+        "async_background_write_cpu_s_median": med(write_cpu_s),
+        "none_step_cpu_s_median": med(step_cpu_s),
         "async_drain_s_median": med(drain_s),
         "sync_save_s_median": med(sync_save_s),
         "step_times_s": times,

@@ -66,7 +66,8 @@ class AsyncCheckpointer:
         self._fallback = False
         self.timings: dict[str, float] = {}
         """The last save's ``wait_s`` (for the previous write), ``snapshot_s`` and, once it finished,
-        ``write_s``: what a step paid and what the background did."""
+        ``write_s`` and ``write_cpu_s`` (the writer thread's CPU time): what a step paid and what the
+        background did."""
 
     @property
     def in_flight(self) -> bool:
@@ -109,7 +110,7 @@ class AsyncCheckpointer:
         return Path(root) / f"step_{state.step}"
 
     def _write(self, root, model, tokenizer, contents, keep, on_saved) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             path = write_checkpoint(root, model, tokenizer, contents, keep)
             if on_saved is not None:
@@ -117,6 +118,7 @@ class AsyncCheckpointer:
         except BaseException as e:  # noqa: BLE001  (re-raised on the caller's thread by wait())
             self._error = e
         self.timings["write_s"] = time.perf_counter() - start
+        self.timings["write_cpu_s"] = time.thread_time() - cpu  # this thread's CPU: what it can take from training
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is complete; raise its error if it failed."""
