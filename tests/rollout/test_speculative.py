@@ -10,6 +10,7 @@ from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
+from tidal.rollout.slots import SlotCache
 from tidal.rollout.speculative import NgramIndex, SpeculativeConfig, acceptance_entropy_correlation
 from tidal.rollout.thinking import ThinkingConfig, close_ids, with_budgets
 from tidal.types import Prompt
@@ -217,3 +218,61 @@ def test_low_acceptance_pauses_drafting_not_samples(peaked, tokenizer):
     _same(plain, a)
     _same(plain, b)
     assert 0 < e_picky._spec.num_drafted < 0.6 * e_eager._spec.num_drafted  # 139 vs 260 drafted here
+
+
+def test_steps_without_drafts_are_plain_decode_steps(peaked, tokenizer):
+    """A step where no row drafted runs the plain one-column decode (no verify forward): here drafting pauses
+    after the first rejection (min_acceptance=1, no probes within the run), so nearly every step is plain."""
+    reqs = _requests(tokenizer)
+    picky = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=1.0, probe_every=10_000)
+    plain, spec, engine = _pair(peaked, tokenizer, reqs, spec=picky, max_new_tokens=21)
+    _same(plain, spec)
+    s = engine._spec
+    assert 1 <= s.num_verify_steps <= 3 < s._steps - 10  # verified until the first rejected draft, then plain
+    assert s.num_accepted < s.num_drafted
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_static_decode_steps_between_verify_steps(peaked, tokenizer, share):
+    """With static decode steps (``cuda_graphs=on``: CUDA graphs on a GPU, the same static step eagerly here),
+    a step without drafts is the static step, which masks the columns of rejected drafts like the verify does."""
+    reqs = _requests(tokenizer)
+    probing = SpeculativeConfig(method="ngram", ngram_min=1, min_acceptance=0.99, probe_every=3)
+    plain, spec, engine = _pair(peaked, tokenizer, reqs, spec=probing, max_new_tokens=21, cuda_graphs="on",
+                                share_identical_rows=share)
+    _same(plain, spec)
+    s = engine._spec
+    assert engine._slots.static is not None and engine._slots.has_rejected
+    assert 0 < s.num_verify_steps < s._steps and 0 < s.num_accepted < s.num_drafted
+
+
+def test_rows_without_drafts_run_one_column_wide_when_most_rows_have_none(peaked, tokenizer):
+    """A verify step runs the rows that drafted k + 1 wide and, when padding the others would waste more columns
+    than the drafts fill ((n - d)(w - 1) > d w), the others in their own one-column forward: then a draft costs
+    only its own row. Otherwise all rows run in one padded forward."""
+    reqs = _requests(tokenizer)
+    engine = LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21, share_identical_rows=False,
+                                                           speculative=SpeculativeConfig(method="ngram")))
+    widths, steps = [], []
+    propose = engine._spec.drafter.propose
+
+    def record(rows, k_n):
+        out = propose(rows, k_n)
+        steps.append((sum(map(bool, out)), len(rows), 1 + max(map(len, out))))
+        return out
+
+    def shape(module, args, kw, out):
+        if isinstance(kw.get("cache", kw.get("past_key_values")), SlotCache):  # decode steps, not prefills
+            widths.append(tuple(kw["input_ids"].shape))
+
+    engine._spec.drafter.propose = record
+    hook = engine.model.register_forward_hook(shape, with_kwargs=True)
+    try:
+        _same(LocalEngine(peaked, tokenizer, SamplingConfig(max_new_tokens=21)).generate(reqs), engine.generate(reqs))
+    finally:
+        hook.remove()
+    wide = [rows for rows, w in widths if w > 1]
+    expected = [d if (n - d) * (w - 1) > d * w else n for d, n, w in steps if d]
+    assert wide == expected
+    assert any(rows < n for rows, (d, n, w) in zip(wide, [s for s in steps if s[0]])), "some steps must split"
+    assert any(rows == n for rows, (d, n, w) in zip(wide, [s for s in steps if s[0]])), "and some pad"

@@ -108,7 +108,10 @@ class StaticDecoder:
         cols = torch.arange(s.columns, device=s.device)
         start = torch.full((rows,), s.t, dtype=torch.long, device=s.device)  # padding rows see column t only
         start[:n] = s.start[:n]
-        step.mask.copy_(((cols >= start[:, None]) & (cols <= s.t))[:, None, None, :])
+        live = (cols >= start[:, None]) & (cols <= s.t)
+        if s.has_rejected:  # speculative decoding's rolled-back drafts (``slots.py``)
+            live[:n] &= ~s.rejected[:n]
+        step.mask.copy_(live[:, None, None, :])
         if step.graph is None:
             return self._run(step)[:n]
         step.graph.replay()

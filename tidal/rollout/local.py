@@ -184,9 +184,9 @@ class LocalEngine:
         self.num_reused_tokens = 0
         self.num_shared_decodes = 0  # row-steps whose decode was copied from an identical row
         self._next_node = 0
-        # Speculative decoding (off: None); its verify forward has a dynamic width, so no CUDA graphs with it
+        # Speculative decoding (off: None). Its verify forward has a dynamic width and runs eagerly; a step where no
+        # row drafted is a plain decode step, replayed from a CUDA graph where plain decoding would be
         self._spec = build_speculator(cfg.speculative, self, draft_model)
-        self._static_decode = self._static_decode and self._spec is None
 
     # ---- weights ---------------------------------------------------------------------------
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -311,11 +311,17 @@ class LocalEngine:
         """Sample one token for every running row, hand finished rows out, decode the rest one step."""
         rows, tokens = self._sample_next(rows, slots, temperature, on_done)
         if rows:
-            shared = self._distinct_contexts(rows, tokens.tolist())
-            if shared is not None:
-                self.num_shared_decodes += len(rows) - len(shared[0])
-            slots.decode(self.model, tokens, shared)
+            self._decode(rows, slots, tokens)
         return rows
+
+    def _decode(self, rows: list[_Row], slots: SlotCache, tokens: torch.Tensor) -> int:
+        """Feed each running row its newest token (one column; identical rows once); return the rows run. A
+        speculative step where no row drafted runs exactly this (``speculative.py``)."""
+        shared = self._distinct_contexts(rows, tokens.tolist())
+        if shared is not None:
+            self.num_shared_decodes += len(rows) - len(shared[0])
+        slots.decode(self.model, tokens, shared)
+        return len(rows) if shared is None else len(shared[0])
 
     def _sample_next(self, rows: list[_Row], slots: SlotCache, temperature: float,
                      on_done) -> tuple[list[_Row], torch.Tensor]:

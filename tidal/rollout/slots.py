@@ -83,6 +83,7 @@ class SlotCache(Cache):
         self.rejected = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         """[slots, columns]: columns a row's attention skips inside its span (draft tokens speculative decoding
         rejected, ``speculative.py``); all False without speculation."""
+        self.has_rejected = False  # any rejected column yet: only then does a plain decode step mask them
         self._width = 1  # columns each row writes in this forward (k + 1 while verifying k drafted tokens)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self.generation = 0  # bumped whenever the buffers are reallocated
@@ -124,6 +125,8 @@ class SlotCache(Cache):
         self._place(0, extra=1)
         n = self.n
         pos = self.last_pos[:n] + 1
+        if self.has_rejected:
+            self.rejected[:n, self.t] = False  # a stale mark from an earlier use of this column
         if self.static is not None:
             assert shared is None, "static decode runs every row (no shared contexts)"
             self.logits[:n] = self.static.decode(tokens_n, pos)
@@ -132,7 +135,10 @@ class SlotCache(Cache):
             return
         fed = slice(0, n) if shared is None else shared[0]
         cols = torch.arange(self.lo, self.t + 1, device=self.device)
-        mask = (cols[None, :] >= self.start[fed, None])[:, None, None, :]  # [rows fed, 1, q=1, span]
+        live = cols[None, :] >= self.start[fed, None]
+        if self.has_rejected:
+            live &= ~self.rejected[fed, self.lo : self.t + 1]
+        mask = live[:, None, None, :]  # [rows fed, 1, q=1, span]
         self._fed = None if shared is None else shared[0]
         try:
             logits = model(input_ids=tokens_n[fed, None], attention_mask=mask, position_ids=pos[fed, None],
@@ -150,44 +156,45 @@ class SlotCache(Cache):
         self.logits[:n] = logits
 
     # ---- speculative decoding (``speculative.py``) --------------------------------------------
+    def open_columns(self, width: int) -> None:
+        """Before a verify step: make room for ``width`` new columns [t, t + width) and clear their marks. Then
+        ``run`` feeds groups of rows (each group its own width <= ``width``) and ``accept`` closes the step."""
+        self._place(0, extra=width)
+        self.rejected[: self.n, self.t : self.t + width] = False
+
     @torch.no_grad()
-    def verify(self, model: torch.nn.Module, tokens_nw: torch.Tensor,
-               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """One forward over the running rows with w new tokens each (the newest sampled token and up to
-        w - 1 drafted ones, padded); writes columns [t, t + w) and returns the logits after each new
-        token, [n, w, vocab]. A row attends to its live span (not its rejected columns) and causally to
-        its new tokens. ``shared`` as in ``decode``. ``accept`` then keeps each row's accepted columns."""
-        n, w = tokens_nw.shape
-        assert n == self.n, f"{n} rows of tokens for {self.n} running rows"
-        self._place(0, extra=w)
-        fed = slice(0, n) if shared is None else shared[0]
-        pos_nw = self.last_pos[:n, None] + 1 + torch.arange(w, device=self.device)
+    def run(self, model: torch.nn.Module, tokens_uw: torch.Tensor, slots_u: torch.Tensor) -> torch.Tensor:
+        """One forward over the running rows in slots ``slots_u`` with w new tokens each (the newest sampled token
+        and up to w - 1 drafted ones, padded); writes their columns [t, t + w) and returns the logits after each
+        new token, [u, w, vocab]. A row attends to its live span (not its rejected columns) and causally to its
+        new tokens. Rows that drafted nothing run in a group of width 1, so they cost what a decode step costs."""
+        u, w = tokens_uw.shape
+        assert self.t + w <= self.columns, "open_columns first"
+        pos_uw = self.last_pos[slots_u, None] + 1 + torch.arange(w, device=self.device)
         cols = torch.arange(self.lo, self.t + w, device=self.device)
-        live = (cols[None, :] >= self.start[fed, None]) & ~self.rejected[fed, self.lo : self.t + w]
+        live = (cols[None, :] >= self.start[slots_u, None]) & ~self.rejected[slots_u, self.lo : self.t + w]
         causal = (cols[None, :] < self.t) | (cols[None, :] - self.t <= torch.arange(w, device=self.device)[:, None])
-        mask = (live[:, None, :] & causal[None])[:, None]  # [rows fed, 1, q=w, span]
-        self.rejected[:n, self.t : self.t + w] = False
-        self._fed, self._width = (None if shared is None else shared[0]), w
+        mask = (live[:, None, :] & causal[None])[:, None]  # [u, 1, q=w, span]
+        self._fed, self._width = slots_u, w
         try:
-            logits = model(input_ids=tokens_nw[fed], attention_mask=mask, position_ids=pos_nw[fed],
-                           use_cache=True, **cache_kwargs(model, self)).logits
+            return model(input_ids=tokens_uw, attention_mask=mask, position_ids=pos_uw,
+                         use_cache=True, **cache_kwargs(model, self)).logits
         finally:
             self._fed, self._width = None, 1
-        if shared is not None:
-            slots_u, inverse_n = shared
-            source_n = slots_u[inverse_n]
-            for buf in (*self.keys, *self.values):
-                buf[:n, :, self.t : self.t + w] = buf[source_n, :, self.t : self.t + w]
-            logits = logits[inverse_n]
-        return logits
+
+    def copy_columns(self, dst: torch.Tensor, src: torch.Tensor, width: int) -> None:
+        """Rows ``dst`` take the new columns [t, t + width) of rows ``src`` (identical rows that ``run`` ran once)."""
+        for buf in (*self.keys, *self.values):
+            buf[dst, :, self.t : self.t + width] = buf[src, :, self.t : self.t + width]
 
     def accept(self, kept_n: torch.Tensor, logits_nv: torch.Tensor, width: int) -> None:
-        """After ``verify`` of ``width`` columns: row i keeps its first ``kept_n[i]`` new columns (the tokens
+        """After ``run`` of groups at most ``width`` wide: row i keeps its first ``kept_n[i]`` new columns (the tokens
         it accepted) and the rest are rolled back (marked rejected: masked out from now on, their
         positions reused by the row's next tokens); ``logits_nv`` are the rows' next-token logits."""
         n = self.n
         offset = torch.arange(width, device=self.device)
         self.rejected[:n, self.t : self.t + width] = offset[None, :] >= kept_n[:, None]
+        self.has_rejected = self.has_rejected or width > 1
         self.t += width
         self.last_pos[:n] += kept_n
         self.logits[:n] = logits_nv

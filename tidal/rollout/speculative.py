@@ -217,6 +217,7 @@ class Speculator:
         self._window = (0, 0)  # (drafted, accepted) when ``stats`` was last read
         self._recent = 1.0  # running acceptance (optimistic start), for ``min_acceptance``
         self._steps = 0
+        self.num_verify_steps = 0  # steps with a draft to verify (the others are plain decode steps)
 
     def stats(self) -> dict[str, float]:
         """Acceptance since the last call (per training step: the controller reads it once a step), and
@@ -255,22 +256,27 @@ class Speculator:
             self._note_close(row)
         self._steps += 1
         paused = self._recent < self.cfg.min_acceptance and self._steps % self.cfg.probe_every
-        drafts = [[] for _ in rows] if paused else self.drafter.propose(rows, [self._draft_budget(r) for r in rows])
-        n, w = len(rows), 1 + max(map(len, drafts))
-        fed = [[tok, *d] + [e.pad_id] * (w - 1 - len(d)) for tok, d in zip(tokens.tolist(), drafts)]
-        shared = self._distinct(rows, fed)
-        tokens_nw = torch.tensor(fed, dtype=torch.long, device=e.device)
-        logits_nwv = slots.verify(e.model, tokens_nw, shared)
-        self.num_row_forwards += n if shared is None else len(shared[0])
+        drafts = [] if paused else self.drafter.propose(rows, [self._draft_budget(r) for r in rows])
+        n = len(rows)
+        if not any(drafts):  # nothing to verify: the plain decode step, at its cost (a CUDA graph where it has one)
+            self.num_row_forwards += e._decode(rows, slots, tokens)
+            self.num_tokens += n
+            return rows
+        w = 1 + max(map(len, drafts))
+        self.num_verify_steps += 1
+        fed = [[tok, *d] for tok, d in zip(tokens.tolist(), drafts)]
+        wide, narrow = self._split(drafts, w)
+        slots.open_columns(w)
+        logits_wwv = self._run_group(rows, fed, wide, w, slots)
+        logits_nv = self._run_group(rows, fed, narrow, 1, slots)[:, 0] if narrow else None
         # the target's own token at each drafted position, with that position's noise
-        flat = [(i, j) for i, d in enumerate(drafts) for j in range(len(d))]
-        if flat:
-            ii = torch.tensor([i for i, _ in flat], device=e.device)
-            jj = torch.tensor([j for _, j in flat], device=e.device)
-            keys = torch.tensor([rows[i].key for i, _ in flat], dtype=torch.int64, device=e.device)
-            pos = torch.tensor([len(rows[i].tokens) + j for i, j in flat], dtype=torch.int64, device=e.device)
-            target, logps = sample_tokens(logits_nwv[ii, jj], keys, pos, temperature, e.cfg.top_p)
-            target, logps = target.tolist(), logps.tolist()
+        flat = [(r, j) for r, i in enumerate(wide) for j in range(len(drafts[i]))]
+        rr = torch.tensor([r for r, _ in flat], device=e.device)
+        jj = torch.tensor([j for _, j in flat], device=e.device)
+        keys = torch.tensor([rows[wide[r]].key for r, _ in flat], dtype=torch.int64, device=e.device)
+        pos = torch.tensor([len(rows[wide[r]].tokens) + j for r, j in flat], dtype=torch.int64, device=e.device)
+        target, logps = sample_tokens(logits_wwv[rr, jj], keys, pos, temperature, e.cfg.top_p)
+        target, logps = target.tolist(), logps.tolist()
         drafted_before, accepted_before = self.num_drafted, self.num_accepted
         keep = torch.ones(n, dtype=torch.bool)
         kept = torch.ones(n, dtype=torch.long)  # columns whose keys and values stay: the newest token's ...
@@ -293,16 +299,58 @@ class Speculator:
             self._recent = 0.5 * self._recent + 0.5 * rate
         self.num_tokens += int(kept.sum()) + int((~keep).sum())
         e.num_generated_tokens += int(kept.sum()) - n + int((~keep).sum())
-        next_logits = logits_nwv[torch.arange(n, device=e.device), (kept - 1).to(e.device)]
+        next_logits = logits_wwv.new_empty((n, logits_wwv.shape[-1]))
+        next_logits[torch.tensor(wide, device=e.device)] = logits_wwv[torch.arange(len(wide), device=e.device),
+                                                                      (kept[wide] - 1).to(e.device)]
+        if narrow:
+            next_logits[torch.tensor(narrow, device=e.device)] = logits_nv
         slots.accept(kept.to(e.device), next_logits, w)
         self._renode(rows, fed, kept)
         rows, _ = e._retire(rows, keep, slots, on_done)
         return rows
 
-    def _distinct(self, rows: list, fed: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rows holding the same context and fed the same tokens run once (``share_identical_rows``)."""
-        if not self.engine.cfg.share_identical_rows:
-            return None
+    @staticmethod
+    def _split(drafts: list[list[int]], w: int) -> tuple[list[int], list[int]]:
+        """The rows verified ``w`` wide and the rows run one column wide. Rows without drafts run apart, in their
+        own one-column forward, when padding them would waste more columns than the drafting rows fill
+        ((n - d)(w - 1) > d w): then a draft costs only its own row (a forward costs about linearly in rows x
+        width on the tiny model). Otherwise one padded forward is cheaper than a second forward and the
+        gathers two row subsets need (measured on ``tidal bench generate``: the ``repeat`` task, where most rows
+        draft, lost a fifth of its speedup to always splitting)."""
+        drafting = [i for i, d in enumerate(drafts) if d]
+        idle = [i for i, d in enumerate(drafts) if not d]
+        if len(idle) * (w - 1) > len(drafting) * w:
+            return drafting, idle
+        return list(range(len(drafts))), []
+
+    def _run_group(self, rows: list, fed: list[list[int]], group: list[int], width: int, slots) -> torch.Tensor:
+        """Run the rows at indices ``group`` (ascending), each fed its tokens padded to ``width``; return their
+        logits [len(group), width, vocab]. Rows holding the same context and fed the same tokens run once
+        (``share_identical_rows``; not with static decode steps, which keep no context nodes)."""
+        e = self.engine
+        padded = [fed[i] + [e.pad_id] * (width - len(fed[i])) for i in group]
+        first, inverse = self._distinct([rows[i] for i in group], padded)
+        at = torch.tensor(group, device=e.device)
+        if first is None:  # every row runs; all of them: the cache's own prefix (a view, not a gather)
+            run = slice(0, slots.n) if len(group) == slots.n else at
+            logits = slots.run(e.model, torch.tensor(padded, dtype=torch.long, device=e.device), run)
+        else:
+            run = at[torch.tensor(first, device=e.device)]
+            tokens = torch.tensor([padded[f] for f in first], dtype=torch.long, device=e.device)
+            logits = slots.run(e.model, tokens, run)
+            inverse_t = torch.tensor(inverse, device=e.device)
+            source = run[inverse_t]
+            copies = source != at  # the rows that did not run
+            slots.copy_columns(at[copies], source[copies], width)
+            logits = logits[inverse_t]
+        self.num_row_forwards += len(group) if first is None else len(first)
+        return logits
+
+    def _distinct(self, rows: list, fed: list[list[int]]) -> tuple[list[int] | None, list[int] | None]:
+        """(The first of each set of identical rows, each row's set), or (None, None) when all are distinct or
+        sharing is off."""
+        if not self.engine.cfg.share_identical_rows or self.engine._static_decode:
+            return None, None
         index: dict[tuple, int] = {}
         first: list[int] = []
         inverse = []
@@ -312,9 +360,9 @@ class Speculator:
                 first.append(slot)
             inverse.append(j)
         if len(first) == len(rows):
-            return None
+            return None, None
         self.engine.num_shared_decodes += len(rows) - len(first)
-        return torch.tensor(first), torch.tensor(inverse)
+        return first, inverse
 
     def _renode(self, rows: list, fed: list[list[int]], kept: torch.Tensor) -> None:
         """A row's new context node: rows of one node that kept the same tokens still share a context."""
