@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -15,6 +16,14 @@ from tidal.models import tiny
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
     torch.set_num_threads(2)
+
+
+# A shell starts background jobs (``make test &``, ``nohup ... &``) with SIGINT ignored, and an ignored signal
+# stays ignored across exec: the Ctrl-C tests' runs then never see their SIGINT and finish with exit 0, or time
+# out. A handler is not inherited (exec resets it to the default), so with one here every child starts as a
+# terminal's foreground job does, with SIGINT delivered.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
