@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -215,3 +216,28 @@ def test_run_config_rules():
     with pytest.raises(ConfigError, match="harness.function and env.name='verifiers' are both set"):
         validate_run_config(apply_overrides(RECIPES.get("verifiers_quickstart")(),
                                             ["harness.function=examples/calculator_agent.py:run_episode"]))
+
+
+def open_sockets() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc")
+def test_episodes_leave_no_connection_open():
+    """verifiers' interception server keeps one client per endpoint config, and tidal's endpoint gives each
+    episode its own URL: every episode used to leave a connection (its socket and the server's) open until
+    a long run hit "Too many open files" (verifiers_quickstart, ~35 RL steps at 512 episodes)."""
+    vcfg, reply, _ = CASES["single_turn"]
+    task = VerifiersTask(TaskConfig(), vcfg)
+    prompts = [task.train_prompt(i % task.num_train) for i in range(48)]
+    engine = HarnessEngine(ScriptedEngine(TOK, reply), TOK, VerifiersEpisodes(task.tasks).run_episode,
+                           HarnessConfig(episode_timeout_s=60.0), 4096, 64)
+    try:
+        engine.generate(requests_for(prompts[:8]))  # servers and pools started
+        before = open_sockets()
+        trajs = engine.generate(requests_for(prompts))
+        assert all(not t.infra_failed for t in trajs)
+        assert open_sockets() - before < 16, f"{open_sockets() - before} sockets more after {len(prompts)} episodes"
+    finally:
+        engine.close()

@@ -128,6 +128,33 @@ class VerifiersEpisodes:
         loop = await asyncio.to_thread(self._vf_loop)  # the first call starts the tool servers: seconds
         env, task = self.task_of(prompt)
         config = EvalClientConfig(base_url=str(client.base_url).rstrip("/"), api_key_var=key_variable(client.api_key))
-        future = asyncio.run_coroutine_threadsafe(env.run_episode(task, vf.ModelContext(model=self.model_name,
-                                                                                          client=config)), loop)
+        ctx = vf.ModelContext(model=self.model_name, client=config)
+        future = asyncio.run_coroutine_threadsafe(self._episode(env, task, ctx), loop)
         return episode_outcome(await asyncio.wrap_future(future))
+
+    @staticmethod
+    async def _episode(env, task, ctx):
+        """``env.run_episode``, then close the model client verifiers opened for it (``release_client``)."""
+        try:
+            return await env.run_episode(task, ctx)
+        finally:
+            await release_client(env, ctx.client)
+
+
+async def release_client(env, config) -> int:
+    """Close the client verifiers' interception server made for ``config``; how many were closed.
+
+    The server keeps one model client per endpoint config, for reuse by every rollout under it, and closes
+    them when it stops. tidal's endpoint gives each episode its own URL (``/episodes/<id>/v1``), so each
+    episode is a config of its own and its client, with its open connection (a socket here and one in
+    tidal's server), would stay until the run ended: two file descriptors per episode, until a long run fails
+    with "Too many open files". No other episode uses that config, so it is closed as the episode ends (the
+    server closes it again at its own stop, which is harmless)."""
+    key = config.model_dump_json()
+    closed = 0
+    for server in getattr(getattr(env, "_interception", None), "servers", None) or []:
+        client = getattr(server, "clients", {}).pop(key, None)
+        if client is not None:
+            await client.close()
+            closed += 1
+    return closed
