@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from tidal.recipes import RECIPES
+from tidal.recipes.harness import harness_quickstart
 from tidal.system.config import RunConfig
+from tidal.tasks.config import TaskConfig
 
 
 def calculator_demo(data) -> list[dict]:
@@ -33,33 +35,21 @@ def verifiers_quickstart() -> RunConfig:
     30 RL steps) but not yet within its 10 minutes: a 512-episode step takes ~30 s on 2 cores, most of it
     inside verifiers (docs/environments.md has the measurements).
     """
-    cfg = RunConfig()
-    cfg.max_steps = 200
-    cfg.max_time_s = 540.0
-    cfg.target_accuracy = 0.8
-    cfg.eval_every = 10
-    cfg.checkpoint_every = 50
-    cfg.num_eval = 200
+    cfg = harness_quickstart()  # its run length, band, batch, lr and async mode; the episodes come from verifiers
+    cfg.task = TaskConfig()
+    cfg.harness.function = None
     cfg.env.name = "verifiers"
     cfg.env.verifiers.id = "examples/verifiers_calculator.py"
     cfg.env.verifiers.num_eval = 200
     cfg.env.verifiers.demos = "tidal.recipes.verifiers:calculator_demo"
-    cfg.model.tokenizer = "chat"
     cfg.model.max_position_embeddings = 256  # the environment's system prompt is ~50 tokens of the episode
-    cfg.sft.accuracy_band = [0.3, 0.5]
-    cfg.rollout.max_new_tokens = 32
-    cfg.rollout.group_size = 8
-    cfg.rollout.prompts_per_step = 64
-    cfg.rollout.max_staleness = 1
     # every episode opens its own MCP session to the one tool server; 128 at once under load (average 18 on
     # 2 cores) took past the chat program's 60 s connect timeout (tidal bench harness, verifiers arm)
     cfg.harness.max_concurrent_episodes = 64
-    cfg.optim.lr = 2e-4
     # The band's base (0.315 greedy) succeeds in 1.2% of temperature-1 samples (0.027 at 0.7, 0.098 at 0.5): at
     # 1.0 RL's first 7 steps saw 0.2-0.8% reward, nothing to learn from. Sampled at 0.6 (the trainer's
     # log-probs at the same temperature, so the ratio compares one distribution), held-out went 0.315 ->
     # 0.505 / 0.655 / 0.74 at steps 10 / 20 / 30 (docs/environments.md).
     cfg.rollout.temperature = 0.6
     cfg.trainer.temperature = 0.6
-    cfg.system.mode = "async"
     return cfg
