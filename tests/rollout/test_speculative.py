@@ -11,7 +11,7 @@ from tidal.models import tiny
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
 from tidal.rollout.slots import SlotCache
-from tidal.rollout.speculative import NgramIndex, SpeculativeConfig, acceptance_entropy_correlation
+from tidal.rollout.speculative import NgramIndex, SharedNgrams, SpeculativeConfig, acceptance_entropy_correlation
 from tidal.rollout.thinking import ThinkingConfig, close_ids, with_budgets
 from tidal.types import Prompt
 
@@ -302,5 +302,25 @@ def test_rejected_columns_are_reclaimed(peaked, tokenizer, monkeypatch):
     _same(plain.generate(reqs), engine.generate(reqs))
     assert engine._spec.num_accepted < engine._spec.num_drafted and len(spans) > 20
     assert all(span <= 2 * live for span, live in spans)
-    assert columns["spec"].columns <= columns["plain"].columns
+    assert columns["spec"].columns <= columns["plain"].columns + 2 * eager.num_draft_tokens  # room for a verify step
     assert columns["spec"].num_compactions > 0
+
+
+def test_ngram_lookup_across_rows():
+    """Where a row's own context has no match, the suffix is looked up in the other rows' contexts (the latest
+    occurrence); the row's own match wins, and a full table is forgotten rather than grown."""
+    shared = SharedNgrams(range(2, 4))
+    a = NgramIndex([1, 5, 6, 7, 8, 9], range(2, 4), shared)
+    assert a.propose(3) == []  # indexes a's n-grams; (8, 9) occurs nowhere earlier
+    b = NgramIndex([2, 5, 6], range(2, 4), shared)
+    assert b.propose(3) == [7, 8, 9]  # b has no earlier (5, 6); a has, followed by 7 8 9
+    c = NgramIndex([3, 6, 7, 4, 6, 7], range(2, 4), shared)
+    assert c.propose(2) == [4, 6]  # c's own (6, 7) wins over a's
+    d = NgramIndex([0, 9, 5, 6, 7], range(2, 4), shared)
+    assert d.propose(4) == [8, 9]  # the longest suffix first: (5, 6, 7), in a, which has only 2 tokens after it
+    assert NgramIndex([4, 8, 9], range(2, 4)).propose(2) == []  # without the shared table: nothing
+    small = SharedNgrams(range(2, 3), max_entries=3)
+    NgramIndex([1, 2, 3, 4], range(2, 3), small).propose(1)  # (1,2), (2,3) indexed: 2 entries
+    assert small.entries == 2
+    NgramIndex([7, 8, 9, 1], range(2, 3), small).propose(1)  # (7,8), (8,9): 4 > 3, forgotten
+    assert small.entries == 0 and not small.tables[2]
