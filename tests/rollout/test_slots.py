@@ -69,3 +69,18 @@ def test_compaction_moves_each_rows_live_columns_in_order(small_model):
         assert buf[0, 0, 0:4, 0].tolist() == [1.0, 2.0, 5.0, 6.0]
         assert buf[1, 0, 2:4, 0].tolist() == [4.0, 6.0]
     assert not cache.rejected.any() and not cache.has_rejected
+
+
+def test_buffers_are_kept_across_calls(small_model, tokenizer):
+    """Each ``generate`` reuses the engine's slot cache (allocating and zero-filling its buffers on every call took
+    10-20% of a call on the CPU), and the samples are those of a fresh engine."""
+    requests = group_requests(tokenizer, [Prompt(f"p{i}", f"{i}+{i}=", "") for i in range(6)], 3)
+    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12))
+    first = engine.generate(requests)
+    cache, generation = engine._slots, engine._slots.generation
+    again = engine.generate(requests[::-1])[::-1]
+    assert engine._slots is cache and cache.generation == generation, "the buffers were allocated again"
+    fresh = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12)).generate(requests)
+    for a, b, c in zip(first, again, fresh, strict=True):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=1e-5)
