@@ -15,6 +15,8 @@ Layout, per layer: keys and values of shape [slots, heads, columns, head_dim].
   earliest start of a running row.
 - When ``t`` reaches the end of the buffer the live span moves back to column 0 (a copy once every
   few dozen steps); when it does not fit, the buffers grow (doubling).
+- Speculative decoding writes k + 1 columns per row and step and marks the rejected ones (``rejected``); they
+  are compacted out when the span must move anyway or when they are over half of it (``_compact``).
 
 The model sees a Hugging Face ``Cache`` whose ``update`` writes in place and returns the live span,
 and a ready 4-D boolean attention mask (so Hugging Face builds none). Only full-attention layers are

@@ -34,6 +34,8 @@ is logged each step next to ``train/entropy`` so a run shows it (``acceptance_en
 Rolling back: drafts are written to the slot cache (``slots.py``) at shared columns; the columns of a
 row's rejected drafts are marked rejected (masked out of its attention from then on) and its position
 counter only advances by the accepted tokens, so a rejected draft leaves no trace in what it attends to.
+The slot cache later compacts those columns out (``SlotCache._compact``), so its width follows the accepted
+tokens rather than k + 1 columns per verify step.
 """
 
 from __future__ import annotations
