@@ -287,17 +287,19 @@ class LocalEngine:
                 self._slots_in_use = False
 
     def _slot_cache(self) -> SlotCache:
-        """A fresh slot cache (it grows to fit: memory follows the live rows), or with static decode the
-        engine's own, emptied, whose recorded graphs stay valid (weights are updated in place). A second
-        ``stream`` running at the same time on this engine gets a fresh one."""
+        """The engine's own slot cache, emptied: its buffers are allocated (and zero-filled) once, not on every
+        call, which took 10-20% of a call's time on the CPU (``tidal bench generate``, 512 rows; docs/speculative.md),
+        and with static decode its recorded graphs stay valid (weights are updated in place). It keeps the largest
+        size it grew to. A second ``stream`` running at the same time on this engine gets a fresh one."""
         with self._lock:
-            shared = self._static_decode and not self._slots_in_use
+            shared = not self._slots_in_use
             self._slots_in_use = self._slots_in_use or shared
         if not shared:
             return SlotCache(self.model, self.cfg.max_batch_size)
         if self._slots is None:
             self._slots = SlotCache(self.model, self.cfg.max_batch_size)
-            self._slots.use_static_decode(self.model)
+            if self._static_decode:
+                self._slots.use_static_decode(self.model)
         self._slots.clear()
         return self._slots
 

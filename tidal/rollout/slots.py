@@ -15,6 +15,8 @@ Layout, per layer: keys and values of shape [slots, heads, columns, head_dim].
   earliest start of a running row.
 - When ``t`` reaches the end of the buffer the live span moves back to column 0 (a copy once every
   few dozen steps); when it does not fit, the buffers grow (doubling).
+- Speculative decoding writes k + 1 columns per row and step and marks the rejected ones (``rejected``); they
+  are compacted out when the span must move anyway or when they are over half of it (``_compact``).
 
 The model sees a Hugging Face ``Cache`` whose ``update`` writes in place and returns the live span,
 and a ready 4-D boolean attention mask (so Hugging Face builds none). Only full-attention layers are
@@ -83,7 +85,8 @@ class SlotCache(Cache):
         self.rejected = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         """[slots, columns]: columns a row's attention skips inside its span (draft tokens speculative decoding
         rejected, ``speculative.py``); all False without speculation."""
-        self.has_rejected = False  # any rejected column yet: only then does a plain decode step mask them
+        self.has_rejected = False  # any rejected column in the live span: only then does a plain decode step mask them
+        self.num_compactions = 0  # times the rejected columns were compacted out (``_compact``)
         self._width = 1  # columns each row writes in this forward (k + 1 while verifying k drafted tokens)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self.generation = 0  # bumped whenever the buffers are reallocated
@@ -254,7 +257,12 @@ class SlotCache(Cache):
 
     def _place(self, min_t: int, extra: int) -> None:
         """Make ``t >= min_t`` (room for a prefill of width ``min_t`` to end at t) and leave ``extra``
-        free columns from ``t``, moving the live span left or right and growing if needed."""
+        free columns from ``t``, moving the live span left or right and growing if needed. Rejected
+        columns are compacted out first when the span must move anyway, or when they are over half of it."""
+        if self.has_rejected and self.n:
+            live = int(self.last_pos[: self.n].max()) + 1  # the longest row's live columns (positions 0..last_pos)
+            if self.t < min_t or self.t + extra > self.columns or 2 * live < self.t - self.lo:
+                self._compact(min_t)
         span = self.t - self.lo if self.n else 0
         if self.t >= min_t and self.t + extra <= self.columns:
             return
@@ -269,6 +277,29 @@ class SlotCache(Cache):
             self.rejected[: self.n, dst : dst + span] = self.rejected[: self.n, self.lo : self.t].clone()
         self.start[: self.n] += dst - self.lo
         self.lo, self.t = dst, dst + span
+
+    def _compact(self, min_t: int) -> None:
+        """Move each running row's live columns (its span without the rejected ones, in order) to end at one
+        column, at least ``min_t``, as far left as that allows: rolled-back drafts then cost neither attention
+        width nor buffer growth, and the cache follows the accepted tokens as in plain decoding. Keys carry their
+        rotary position, not their column, so moving them changes no result. In place: recorded graphs stay valid."""
+        n, lo, t = self.n, self.lo, self.t
+        cols = torch.arange(lo, t, device=self.device)
+        live = (cols[None, :] >= self.start[:n, None]) & ~self.rejected[:n, lo:t]
+        lengths = live.sum(dim=1)
+        width = int(lengths.max())
+        dst = max(0, min_t - width)
+        # a stable sort puts each row's dead columns first and its live ones last, in order; the last ``width``
+        # are the row's live columns, left-padded with dead ones (masked: they lie left of its new start)
+        order = live.to(torch.uint8).sort(dim=1, stable=True).indices[:, t - lo - width :]
+        for buf in (*self.keys, *self.values):
+            index = order[:, None, :, None].expand(n, buf.shape[1], width, buf.shape[3])
+            buf[:n, :, dst : dst + width] = buf[:n, :, lo:t].gather(2, index)
+        self.start[:n] = dst + width - lengths
+        self.rejected[:n] = False
+        self.has_rejected = False
+        self.lo, self.t = int(self.start[:n].min()), dst + width
+        self.num_compactions += 1
 
     def _resize(self, slots: int, columns: int, dst: int | None = None) -> None:
         """Reallocate with ``slots`` x ``columns``, copying the live span to start at column ``dst``."""

@@ -34,6 +34,8 @@ is logged each step next to ``train/entropy`` so a run shows it (``acceptance_en
 Rolling back: drafts are written to the slot cache (``slots.py``) at shared columns; the columns of a
 row's rejected drafts are marked rejected (masked out of its attention from then on) and its position
 counter only advances by the accepted tokens, so a rejected draft leaves no trace in what it attends to.
+The slot cache later compacts those columns out (``SlotCache._compact``), so its width follows the accepted
+tokens rather than k + 1 columns per verify step.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ class SpeculativeConfig:
     ngram_min: int = 2
     """Shortest suffix matched: a single-token match proposes mostly noise on small vocabularies (vLLM's
     ``prompt_lookup_min``; measured on the quickstart, 1 cost speed and rarely matched)."""
+    ngram_across_rows: bool = True
+    """``ngram``: where the row's own context has no match, look the suffix up in every row's context
+    (``SharedNgrams``; SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975, looks up earlier outputs of
+    other requests). Measured on ``tidal bench generate`` (docs/speculative.md): acceptance on the agentic
+    episodes 0.20 -> 0.39, and ``repeat`` drafts its first tokens from its group's other samples; the samples
+    are the same either way."""
     draft_model: str | None = None
     """``draft_model``: a Hugging Face model directory with the policy's tokenizer (vocabulary)."""
     min_acceptance: float = 0.25
@@ -101,14 +109,47 @@ def check_config(cfg: SpeculativeConfig) -> None:
 
 
 # ---- drafters ---------------------------------------------------------------------------------------
-class NgramIndex:
-    """One row's context and, per n, the end of the latest occurrence of each n-gram (prompt lookup)."""
+class SharedNgrams:
+    """Per n, the latest occurrence of each n-gram in any row's context, as (that context, the n-gram's end):
+    prompt lookup across rows. RL samples many rows of one task at once, and their text shares structure
+    the row's own context may not hold yet (a tool call's syntax, an answer's format, the closing tag after an
+    argument); a lookup over earlier outputs of other requests is SuffixDecoding's (Oliaro et al. 2024, arXiv
+    2411.04975), which it finds strongest on agentic workloads. Forgotten whole past ``max_entries`` n-grams, so
+    its memory stays bounded over a long run."""
 
-    def __init__(self, prompt: Sequence[int], sizes: range):
+    def __init__(self, sizes: range, max_entries: int = 1 << 18):
+        self.tables: dict[int, dict[tuple[int, ...], tuple[list[int], int]]] = {n: {} for n in sizes}
+        self.max_entries = max_entries
+        self.entries = 0
+
+    def add(self, n: int, gram: tuple[int, ...], context: list[int], end: int) -> None:
+        table = self.tables[n]
+        self.entries += gram not in table
+        table[gram] = (context, end)
+        if self.entries > self.max_entries:
+            for t in self.tables.values():
+                t.clear()
+            self.entries = 0
+
+    def continuation(self, n: int, gram: tuple[int, ...], k: int, own: list[int]) -> list[int]:
+        """Up to k tokens that followed ``gram``'s latest occurrence in a context other than ``own``."""
+        hit = self.tables[n].get(gram)
+        if hit is None or hit[0] is own:
+            return []
+        context, end = hit
+        return context[end : end + k]
+
+
+class NgramIndex:
+    """One row's context and, per n, the end of the latest occurrence of each n-gram (prompt lookup); with
+    ``shared``, also the other rows' (``SharedNgrams``), consulted where the row's own context has no match."""
+
+    def __init__(self, prompt: Sequence[int], sizes: range, shared: SharedNgrams | None = None):
         self.context = list(prompt)
         self.sizes = sizes
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
         self.indexed = 0  # n-grams ending before this position are in the tables
+        self.shared = shared
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.context.extend(tokens)
@@ -121,7 +162,10 @@ class NgramIndex:
         for e in range(max(self.indexed, 1), end):  # index every n-gram ending at e < end (not the suffix)
             for n in self.sizes:
                 if e >= n:
-                    self.tables[n][tuple(ctx[e - n : e])] = e
+                    gram = tuple(ctx[e - n : e])
+                    self.tables[n][gram] = e
+                    if self.shared is not None:
+                        self.shared.add(n, gram, ctx, e)
         self.indexed = max(self.indexed, end)
         if k <= 0:
             return []
@@ -134,6 +178,12 @@ class NgramIndex:
                 for j in range(k):
                     out.append(ctx[e + j] if e + j < end else out[e + j - end])
                 return out
+        if self.shared is not None:
+            for n in reversed(self.sizes):
+                if end >= n:
+                    out = self.shared.continuation(n, tuple(ctx[end - n :]), k, ctx)
+                    if out:
+                        return out
         return []
 
 
@@ -142,13 +192,14 @@ class NgramDrafter:
 
     def __init__(self, cfg: SpeculativeConfig):
         self.sizes = range(cfg.ngram_min, cfg.ngram_max + 1)
+        self.shared = SharedNgrams(self.sizes) if cfg.ngram_across_rows else None
 
     def propose(self, rows, k_n: list[int]) -> list[list[int]]:
         out = []
         for row, k in zip(rows, k_n):
             index = row.draft_state
             if index is None:
-                index = row.draft_state = NgramIndex(row.request.prompt_ids, self.sizes)
+                index = row.draft_state = NgramIndex(row.request.prompt_ids, self.sizes, self.shared)
             index.extend(row.tokens[len(index.context) - len(row.request.prompt_ids) :])
             out.append(index.propose(k))
         return out
