@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # reward workers unpickle Prompts; they should not pay for importing torch
     import torch
 
+DEMONSTRATION = -2
+"""The version of a demonstration's trained tokens: no policy sampled them (``train/guidance.py``); the
+trainer takes their behaviour log-probs from the policy it updates."""
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -114,7 +118,8 @@ class Group:
 
     @property
     def oldest_version(self) -> int:
-        return min(t.oldest_version for t in self.trajectories)
+        """The oldest sampled token's version; a demonstration (``train/guidance.py``) has none and no age."""
+        return min((v for v in (t.oldest_version for t in self.trajectories) if v >= 0), default=-1)
 
 
 @dataclass

@@ -214,6 +214,15 @@ class AlgoConfig:
     """Weight of the configured estimator's reward advantage added to the distillation advantage (0: the
     teacher's signal alone; > 0 mixes in the verifier, as GKD's RL + distillation objective does)."""
 
+    # --- guidance: demonstrations where every sample failed (tidal/train/guidance.py) ---
+    guidance: Literal["none", "all_fail"] = "none"
+    """``all_fail``: a group in which no sample reached ``guidance_reward`` gets the task's demonstration as one
+    more member, trained at importance ratio 1 (LUFFY's mixed-policy groups, arXiv 2504.14945, spent only where
+    the policy fails, as ReLIFT does, arXiv 2506.07527). ``none`` (off): GRPO and DAPO learn from samples only."""
+    guidance_reward: float = 1.0
+    """The reward a demonstration gets, and the bar a group's samples must all miss for it to get one: tidal's
+    success line (held-out accuracy counts reward >= 1.0)."""
+
     def kwargs_for(self, fn: Callable[..., Any]) -> dict[str, Any]:
         """The fields ``fn`` accepts as keyword arguments, under the names ``fn`` uses."""
         accepted = _keyword_params(fn)

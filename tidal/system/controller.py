@@ -52,6 +52,7 @@ from tidal.system.staleness import StalenessManager
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState
+from tidal.train.guidance import Guidance, sampled
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
 from tidal.utils.device import resolve_dtype
@@ -104,6 +105,9 @@ class Controller:
                               else None)
         # at most one checkpoint write in flight, in the background (``train/async_checkpoint.py``)
         self.ckpt_writer = AsyncCheckpointer() if cfg.async_checkpoint else None
+        agentic = cfg.env.name is not None or cfg.harness.enabled  # its demonstrations must be conversations
+        self.guidance = (Guidance(task, tokenizer, cfg.algo.guidance_reward, agentic)
+                         if cfg.algo.guidance != "none" else None)
         self._setup_curriculum()
 
     # ---- the curriculum: what is drawn, how long, how it is scored (restored on resume) -------------
@@ -192,7 +196,7 @@ class Controller:
         def take_and_record(index: int, need: int) -> Group:
             group = take(index, need)
             self._drawn.append(group)
-            return group
+            return group if self.guidance is None else self.guidance.guide(group)
 
         got = collect_batch(take_and_record, self.state.next_group, step, r.prompts_per_step, r.dynamic_sampling,
                             r.max_draws_per_step, max_staleness, on_stale)
@@ -229,7 +233,9 @@ class Controller:
         return {**accuracy_metrics(trajs, len(self.eval_prompts)), **per_task_accuracy(trajs, self.eval_prompts)}
 
     def _train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
-        """Train on one batch, publish the new weights, return the step's metrics."""
+        """Train on one batch, publish the new weights, return the step's metrics. ``groups`` may hold
+        demonstrations (``train/guidance.py``): they are trained on, but the metrics describe the samples."""
+        trained_groups, groups = groups, sampled(groups)
         trajs = [t for g in groups for t in g.trajectories]
         staleness = [step - t.oldest_version for t in trajs] or [0]
         eta = self.cfg.rollout.max_staleness if self.cfg.system.mode == "async" else 0
@@ -264,8 +270,11 @@ class Controller:
             metrics.update(distill_metrics(trajs, self.teacher))
         if self.cfg.env.name is not None or self.cfg.harness.enabled:
             metrics["agent/infra_failures"] = float(self._infra_failed)
-        batch, algo_metrics = build_train_batch(groups, self.cfg.algo, self.tokenizer.pad_token_id)
+        batch, algo_metrics = build_train_batch(trained_groups, self.cfg.algo, self.tokenizer.pad_token_id)
         metrics.update(algo_metrics)
+        if self.guidance is not None:
+            metrics["algo/guided_groups"] = float(sum(len(a.trajectories) > len(b.trajectories)
+                                                      for a, b in zip(trained_groups, groups)))
         self._unlogged = (step + 1, metrics)  # filled in place: what a Ctrl-C after the update logs
         if batch is not None:
             version = self.trainer.version
@@ -273,14 +282,14 @@ class Controller:
                 self.sdc.before_step(step + 1, batch)
             metrics.update(self.trainer.step(batch))
             if self.sdc is not None:
-                metrics.update(self.sdc.rollout_check(groups, batch, getattr(self.trainer, "last_logp_bt", None),
-                                                      version))
+                logp_bt = getattr(self.trainer, "last_logp_bt", None)
+                metrics.update(self.sdc.rollout_check(trained_groups, batch, logp_bt, version))
                 metrics.update(self.sdc.after_step(step + 1, batch, metrics))
         else:
             self.trainer.skip_step()
         self._after_update(step, trajs, metrics)
         if self.samples is not None and self.samples.wants_train(step + 1):
-            self.samples.record_train(step + 1, step, groups, batch, self.trainer)
+            self.samples.record_train(step + 1, step, trained_groups, batch, self.trainer)
         t0 = time.perf_counter()
         self.engine.request_weight_update(
             self.trainer.state_dict_for_engine(self.cfg.rollout.weight_quant, self._engine_dtype), self.trainer.version)

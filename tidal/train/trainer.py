@@ -81,6 +81,7 @@ from tidal.train.data_parallel import (
     state_dict_bytes,
     validate_elastic,
 )
+from tidal.train.guidance import demonstration_rows
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import PACKED_ATTENTION, pack, packed_attention_mask, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
@@ -330,15 +331,16 @@ class Trainer:
         return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad) if ent is not None else None
 
     @torch.no_grad()
-    def _scores(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs of the whole batch under ``model``, without gradient, one micro-batch at a time."""
-        everything = torch.arange(batch.num_sequences)
+    def _scores(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-probs of ``rows`` (default: the whole batch) under ``model``, without gradient, one micro-batch
+        at a time; other rows are 0."""
+        rows = torch.arange(batch.num_sequences) if rows is None else rows
         out = torch.zeros_like(batch.behav_logp_bt)
-        for micro in self._my_micro_batches(batch, everything):
+        for micro in self._my_micro_batches(batch, rows):
             if micro is None:  # nothing left on this rank: a pass for the collectives only
-                self._forward(model, batch, everything[:1])
+                self._forward(model, batch, rows[:1])
                 continue
-            out[micro] = self._forward(model, batch, micro)[0]
+            out[rows[micro]] = self._forward(model, batch, rows[micro])[0]
         return self.dp.sum_(out)  # each row is non-zero on exactly one rank
 
     def _reference_scores(self, batch: TrainBatch) -> torch.Tensor | None:
@@ -389,6 +391,9 @@ class Trainer:
         prox_bt = None  # with one minibatch the weights do not change before its loss: prox = logp.detach()
         if self._needs_prox and (len(chunks) > 1 or _accepts(self.advantage, "seq_is_weight_b")):
             prox_bt = self._scores(self.model, batch)
+        if (demos := demonstration_rows(batch)) is not None:  # guidance: a demonstration's ratio starts at 1
+            now_bt = prox_bt if prox_bt is not None else self._scores(self.model, batch, demos[0])
+            batch.behav_logp_bt = torch.where(demos[1], now_bt, batch.behav_logp_bt)
         ref_bt = self._reference_scores(batch)
 
         rewards_b = batch.rewards_b
