@@ -54,7 +54,8 @@ def test_bind_data_wins_and_unknown_data_is_ignored():
 
 
 def test_every_field_reaches_some_component():
-    """No dead knobs: each field is a registry choice, read by the trainer, or a parameter of some function."""
+    """No dead knobs: each field is a registry choice, read by the trainer or controller, or a parameter of some
+    function."""
     import tidal.algo.correction as correction
     import tidal.algo.distill as distill
     import tidal.algo.entropy as entropy
@@ -70,7 +71,7 @@ def test_every_field_reaches_some_component():
             value.value_loss, distill.distill_advantage]
     params = set().union(*(inspect.signature(f).parameters for f in fns))
     trainer_side = {"advantage", "policy_loss", "correction", "skip_zero_adv_groups", "overlong_filter", "kl_in_reward",
-                    "ess_lr_scaling"}
+                    "ess_lr_scaling", "guidance", "guidance_reward"}  # guidance: system/controller.py
     for f in dataclasses.fields(AlgoConfig):
         assert f.name in trainer_side or f.metadata.get("param", f.name) in params, f"{f.name} reaches nothing"
 
