@@ -50,6 +50,8 @@ class ProductTask(vf.Task[ProductData]):
 class ProductConfig(vf.TasksetConfig):
     num_tasks: int = 2000
     seed: int = 0
+    min_operand: int = 10
+    """Smallest operand (the largest is 99). 32 makes every product 4 digits (32*32 = 1024)."""
     tools: vf.SharedToolsetConfig = vf.SharedToolsetConfig()
 
 
@@ -62,7 +64,7 @@ class ProductTaskset(vf.Taskset[ProductTask, ProductConfig]):
         rng = random.Random(self.config.seed)
         tasks = []
         for i in range(self.config.num_tasks):
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            a, b = rng.randint(self.config.min_operand, 99), rng.randint(self.config.min_operand, 99)
             data = ProductData(idx=i, prompt=f"{a}*{b}=", system_prompt=SYSTEM, answer=str(a * b))
             tasks.append(ProductTask(data, self.config.task))
         return tasks

@@ -118,14 +118,17 @@ def quickstart() -> RunConfig:
     worse on both slow bases (seed 5: not in 100 steps; seed 7: 80). Nor are dead prompts the cause: RL's
     first step had no all-fail group on either slow base, and appending the task's demonstration to every
     all-fail group (off-policy guidance as in LUFFY, arXiv 2504.14945, restricted to the prompts RL fails
-    as in ReLIFT, arXiv 2506.07527; trained at ratio 1; a patch, not in tidal) moved seeds 5 and 7 only
-    from 80 / 70 to 70 / 60 steps to 0.8. On seed 5, per-position partial credit (``reward.name=digit_match``;
-    held-out accuracy still exact) took 90 steps and KL-Cov (``algo.policy_loss=kl_cov``, Cui et al. 2025,
+    as in ReLIFT, arXiv 2506.07527; trained at ratio 1; then a patch, now ``algo.guidance=all_fail``) moved
+    seeds 5 and 7 only from 80 / 70 to 70 / 60 steps to 0.8. On seed 5, per-position partial credit
+    (``reward.name=digit_match``; held-out accuracy still exact) took 90 steps and KL-Cov
+    (``algo.policy_loss=kl_cov``, Cui et al. 2025,
     arXiv 2505.22617, made against entropy collapse) did not reach 0.8 in 100 (0.776). Pass@k advantages
     (``algo.advantage=pass_at_k``, k = 4, arXiv 2508.10751) on all ten bases: 10/30/30/20/20/70/30/60/30/40
     steps to 0.8, median 30, slowest 2.3x (the recipe's 2.7x), 0.85 by step 100 on every seed; the two slow
     seeds gain one evaluation each, within the held-out noise (standard error ~0.018 at 0.8), so the recipe
-    keeps GRPO (``benchmarks/results/quickstart_pass_at_k.json``). And no measure of the base other than its
+    keeps GRPO (``benchmarks/results/quickstart_pass_at_k.json``). Pass@k with tidal's guidance
+    (``algo.guidance=all_fail``, the patch above made a feature): seeds 5 / 7 at 70 / 50 steps to 0.8, 0.85 at
+    90 / 70; seed 5 stays at 70 under every variant tried. And no measure of the base other than its
     warm start's length ranks the ten seeds' RL speed (Spearman with steps to 0.8: held-out answer NLL -0.18,
     mean chance of sampling the whole right answer 0.16, answer-token entropy -0.31, accuracy 0.08), so a band
     on loss or sampled success would not pick faster bases either.

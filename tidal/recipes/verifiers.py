@@ -43,6 +43,7 @@ def verifiers_quickstart() -> RunConfig:
     cfg.env.name = "verifiers"
     cfg.env.verifiers.id = "examples/verifiers_calculator.py"
     cfg.env.verifiers.num_eval = 200
+    cfg.env.verifiers.kwargs = {"min_operand": 32}  # 4-digit products only (docstring)
     cfg.env.verifiers.demos = "tidal.recipes.verifiers:calculator_demo"
     cfg.model.max_position_embeddings = 256  # the environment's system prompt is ~50 tokens of the episode
     # every episode opens its own MCP session to the one tool server; 128 at once under load (average 18 on
