@@ -18,7 +18,8 @@ def documented() -> list[re.Pattern]:
 def test_every_logged_key_is_documented(tmp_path):
     patterns = documented()
     logged = set()
-    for extra in (["system.mode=async", "rollout.dynamic_sampling=true", "algo.correction=tis", "algo.guidance=all_fail"],
+    for extra in (["system.mode=async", "rollout.dynamic_sampling=true", "algo.correction=tis",
+                   "algo.guidance=all_fail"],
                   ["system.mode=sync", "algo.policy_loss=decoupled_ppo", "trainer.num_minibatches=2",
                    "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"],
                   ["system.mode=async", "task.name=sum_chain", "env.name=calculator"],

@@ -99,8 +99,14 @@ def test_bad_demonstrations_fail_at_start_with_one_line():
         def sft_example(self, prompt):
             return None
 
+    class Raises(TextTask):
+        def sft_example(self, prompt):
+            raise ConfigError("no reference responses")
+
     with pytest.raises(ConfigError, match="has no demonstrations"):
         Guidance(NoDemos(), build_chat_tokenizer())
+    with pytest.raises(ConfigError, match=r"needs the task's demonstrations.*no reference responses.*guidance=none"):
+        Guidance(Raises(), build_chat_tokenizer())
     with pytest.raises(ConfigError, match="needs demonstrations as conversations"):
         Guidance(TextTask(), build_chat_tokenizer(), agentic=True)
     with pytest.raises(ConfigError, match="no assistant message"):

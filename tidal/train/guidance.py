@@ -77,8 +77,9 @@ class Guidance:
         """(token ids after the prompt, loss mask: None when every token is trained)."""
         try:
             example = self.task.sft_example(prompt)
-        except NotImplementedError:
-            example = None
+        except (NotImplementedError, ConfigError) as e:  # e.g. a verifiers environment without env.verifiers.demos
+            raise ConfigError(f"algo.guidance=all_fail needs the task's demonstrations, and task {self.task.name!r} "
+                              f"has none ({e}); set algo.guidance=none") from None
         if example is None:
             raise ConfigError(f"algo.guidance: task {self.task.name!r} has no demonstrations (its sft_example "
                               "gives none); set algo.guidance=none")
