@@ -165,3 +165,16 @@ def test_a_run_guides_its_all_fail_groups_and_reports_only_samples(tmp_path):
     assert len(rows) == 3 and all(r["algo/guided_groups"] == 4.0 for r in rows)
     assert all(r["reward/mean"] <= 1.0 and r["algo/zero_adv_groups"] == 0.0 for r in rows)
     assert all(r["train/grad_norm"] > 0 for r in rows)
+
+
+def test_a_resumed_guided_run_equals_an_uninterrupted_one(tmp_path):
+    """Demonstrations are derived from the journaled groups, so a resume adds the same ones."""
+    from tests.system.test_controller import comparable, params, run, tiny_cfg
+
+    guided = ("system.mode=sync", "algo.guidance=all_fail", "algo.guidance_reward=2.0")
+    full_c, full_r = run(tiny_cfg(tmp_path, *guided), tmp_path / "full")
+    run(tiny_cfg(tmp_path, *guided, "max_steps=2"), tmp_path / "split")
+    resumed_c, resumed_r = run(tiny_cfg(tmp_path, *guided), tmp_path / "split", resume=True)
+    assert comparable(resumed_r.history)[-2:] == comparable(full_r.history)[-2:]
+    a, b = params(full_c), params(resumed_c)
+    assert all(torch.equal(a[k], b[k]) for k in a)
