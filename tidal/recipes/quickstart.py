@@ -127,8 +127,10 @@ def quickstart() -> RunConfig:
     steps to 0.8, median 30, slowest 2.3x (the recipe's 2.7x), 0.85 by step 100 on every seed; the two slow
     seeds gain one evaluation each, within the held-out noise (standard error ~0.018 at 0.8), so the recipe
     keeps GRPO (``benchmarks/results/quickstart_pass_at_k.json``). Pass@k with tidal's guidance
-    (``algo.guidance=all_fail``, the patch above made a feature): seeds 5 / 7 at 70 / 50 steps to 0.8, 0.85 at
-    90 / 70; seed 5 stays at 70 under every variant tried. And no measure of the base other than its
+    (``algo.guidance=all_fail``, the patch above made a feature) on all ten bases: 10/30/20/20/20/70/30/50/30/30
+    steps to 0.8, median 30, slowest 2.3x, 0.85 by step 90 on every seed, finals 0.852-0.982
+    (``benchmarks/results/quickstart_guidance_pass_at_k.json``); seed 5 stays at 70
+    under every variant tried. And no measure of the base other than its
     warm start's length ranks the ten seeds' RL speed (Spearman with steps to 0.8: held-out answer NLL -0.18,
     mean chance of sampling the whole right answer 0.16, answer-token entropy -0.31, accuracy 0.08), so a band
     on loss or sampled success would not pick faster bases either.
