@@ -52,7 +52,7 @@ from tidal.system.staleness import StalenessManager
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState
-from tidal.train.guidance import Guidance, sampled
+from tidal.train.guidance import Guidance, num_guided, sampled
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
 from tidal.utils.device import resolve_dtype
@@ -106,8 +106,8 @@ class Controller:
         # at most one checkpoint write in flight, in the background (``train/async_checkpoint.py``)
         self.ckpt_writer = AsyncCheckpointer() if cfg.async_checkpoint else None
         agentic = cfg.env.name is not None or cfg.harness.enabled  # its demonstrations must be conversations
-        self.guidance = (Guidance(task, tokenizer, cfg.algo.guidance_reward, agentic)
-                         if cfg.algo.guidance != "none" else None)
+        guide = cfg.algo.guidance != "none"
+        self.guidance = Guidance(task, tokenizer, cfg.algo.guidance_reward, agentic) if guide else None
         self._setup_curriculum()
 
     # ---- the curriculum: what is drawn, how long, how it is scored (restored on resume) -------------
@@ -233,8 +233,7 @@ class Controller:
         return {**accuracy_metrics(trajs, len(self.eval_prompts)), **per_task_accuracy(trajs, self.eval_prompts)}
 
     def _train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
-        """Train on one batch, publish the new weights, return the step's metrics. ``groups`` may hold
-        demonstrations (``train/guidance.py``): they are trained on, but the metrics describe the samples."""
+        """Train on one batch (with its demonstrations: train/guidance.py), publish, return the samples' metrics."""
         trained_groups, groups = groups, sampled(groups)
         trajs = [t for g in groups for t in g.trajectories]
         staleness = [step - t.oldest_version for t in trajs] or [0]
@@ -273,8 +272,7 @@ class Controller:
         batch, algo_metrics = build_train_batch(trained_groups, self.cfg.algo, self.tokenizer.pad_token_id)
         metrics.update(algo_metrics)
         if self.guidance is not None:
-            metrics["algo/guided_groups"] = float(sum(len(a.trajectories) > len(b.trajectories)
-                                                      for a, b in zip(trained_groups, groups)))
+            metrics["algo/guided_groups"] = float(num_guided(trained_groups))
         self._unlogged = (step + 1, metrics)  # filled in place: what a Ctrl-C after the update logs
         if batch is not None:
             version = self.trainer.version

@@ -51,6 +51,11 @@ def sampled(groups: list[Group]) -> list[Group]:
             else replace(g, trajectories=[t for t in g.trajectories if not is_demonstration(t)]) for g in groups]
 
 
+def num_guided(groups: list[Group]) -> int:
+    """Groups that hold a demonstration."""
+    return sum(any(map(is_demonstration, g.trajectories)) for g in groups)
+
+
 class Guidance:
     """Appends the task's demonstration to groups in which every sample failed (module docstring)."""
 
