@@ -134,6 +134,22 @@ def quickstart() -> RunConfig:
     warm start's length ranks the ten seeds' RL speed (Spearman with steps to 0.8: held-out answer NLL -0.18,
     mean chance of sampling the whole right answer 0.16, answer-token entropy -0.31, accuracy 0.08), so a band
     on loss or sampled success would not pick faster bases either.
+
+    Nor is the slowness in the init or in the data order alone: seed 5's init warm-started on seed 0's data
+    order (``--set 'seeds=[5]' --set sft.seed=0``) took 500 steps to the band and RL reached only 0.794 by
+    step 80, and seed 0's init on seed 5's order took 570 steps and reached 0.798; only the pair init 0 with
+    order 0 (313 steps) is fast. Those two long warm starts are slow in RL too, as the warm-start-length
+    correlation says. The weight norms do not explain it: they grow with the warm start's length, but only
+    from 42.0 to 43.4. Reading the band on an exponential moving average of the warm start's weights
+    (decay 0.98) and starting RL from that average made the slow bases slower still (seeds 5 / 7: 0.748 /
+    0.692 after 100 steps). With pass@k and guidance, the mean held-out curve over the ten seeds is
+    0.012-0.022 above GRPO's at every step from 10 to 70. For the slow seeds 5 and 7 the gain is 0.014-0.059
+    from step 20 on (0.044 at step 50). Their steps to 0.8 over three runs each were seed 5: 70 / 50 / 60
+    and seed 7: 50 / 60 / 50: the run above, then two runs with a demonstration in every group rather than
+    only in the all-fail ones (a patch, not a setting: its ten-seed mean curve is the same to within 0.006),
+    with RL sampling seeds 5 / 7 and 105 / 107 (``--set seed=105``; its ten seeds gave 2.0x). So
+    the slowest seed sits at 2.0-2.3x the median of 30, and which side of 2x it lands on depends on a
+    500-prompt evaluation's noise.
     """
     cfg = RunConfig()
     cfg.max_steps = 400
