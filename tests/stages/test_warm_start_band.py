@@ -6,6 +6,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tidal.models.tiny import ModelConfig
@@ -42,9 +43,10 @@ def _straight_run_steps(tmp_path, steps):
 
 def scripted(step_of, accuracy_at_step, calls):
     """An evaluator that reads the step from the weights (so a non-reproducible replay fails) and
-    returns a scripted accuracy for it."""
+    returns a scripted accuracy for it; weights the straight run never had (a step retaken at a lower
+    learning rate) read as step None."""
     def evaluate(model, tokenizer):
-        step = step_of[_fingerprint(model)]
+        step = step_of.get(_fingerprint(model))
         calls.append(step)
         return accuracy_at_step(step)
     return evaluate
@@ -72,17 +74,40 @@ def test_a_jump_over_the_band_is_replayed_step_by_step_from_the_last_check(tmp_p
     assert json.loads((out / "tidal_sft.json").read_text())["steps"] == 13
 
 
+def test_a_step_that_jumps_over_the_band_is_retaken_at_half_the_learning_rate(tmp_path):
+    step_of = _straight_run_steps(tmp_path / "rec", 12)
+    seen = {}
+
+    def evaluate(model, tokenizer):  # 0.1 on the straight run's first 5 steps, 0.9 after; 0.42 off it
+        fp = _fingerprint(model)
+        seen[step_of.get(fp)] = [p.detach().clone() for p in model.parameters()]
+        step = step_of.get(fp)
+        return 0.42 if step is None else 0.1 if step < 6 else 0.9
+
+    sft = SFTConfig(steps=12, accuracy_band=[0.4, 0.46], check_every=4, batch_size=8, cache_dir=str(tmp_path))
+    out = warm_start(MODEL, _task(), TASK_CFG, sft, evaluate, progress=False)
+    saved = json.loads((out / "tidal_sft.json").read_text())
+    assert saved["steps"] == 6 and saved["lr_halvings"] == 1 and saved["accuracy"] == pytest.approx(0.42)
+    assert [s for s, _ in saved["checks"]] == [4, 8, 5, 6, 6]
+    # the retaken step is step 6's batch from step 5's state, at half the rate: with the same gradient and
+    # Adam moments, AdamW (no weight decay) moves every weight exactly half as far
+    for before, full, half in zip(seen[5], seen[6], seen[None]):
+        assert torch.allclose(half - before, (full - before) / 2, atol=1e-6)
+
+
 def test_failures_name_the_band_and_what_to_change(tmp_path):
     step_of = _straight_run_steps(tmp_path / "rec", 12)
     sft = SFTConfig(steps=12, accuracy_band=[0.3, 0.45], check_every=4, batch_size=8, cache_dir=str(tmp_path))
     with pytest.raises(WarmStartError, match=r"never entered sft.accuracy_band=\[0.3, 0.45\].*best 0.200"):
         warm_start(MODEL, _task(), TASK_CFG, sft, scripted(step_of, lambda s: 0.2, []), progress=False)
-    jump = lambda s: 0.1 if s < 6 else 0.9  # noqa: E731
+    jump = lambda s: 0.1 if s is not None and s < 6 else 0.9  # noqa: E731  (over the band at every lr)
+    calls = []
     with pytest.raises(WarmStartError, match="jumped over sft.accuracy_band"):
-        warm_start(MODEL, _task(), TASK_CFG, sft, scripted(step_of, jump, []), progress=False)
+        warm_start(MODEL, _task(), TASK_CFG, sft, scripted(step_of, jump, calls), progress=False)
+    assert calls == [4, 8, 5, 6, None, None, None]  # step 6 retaken at lr/2, lr/4, lr/8, then it gives up
     # the jump is at the replay's first step: "from" is the step before it (4), not the overshooting check (8)
-    at_once = lambda s: 0.1 if s < 5 else 0.9  # noqa: E731
-    with pytest.raises(WarmStartError, match=r"from 0.100 to 0.900 at step 5\)"):
+    at_once = lambda s: 0.1 if s is not None and s < 5 else 0.9  # noqa: E731
+    with pytest.raises(WarmStartError, match=r"from 0.100 to 0.900 at step 5, also at sft.lr/8\)"):
         warm_start(MODEL, _task(), TASK_CFG, sft, scripted(step_of, at_once, []), progress=False)
     every_step = SFTConfig(steps=12, accuracy_band=[0.3, 0.45], check_every=1, batch_size=8, cache_dir=str(tmp_path))
     with pytest.raises(WarmStartError, match="from nan to 0.900 at step 1"):  # over the band at the first check
