@@ -75,3 +75,37 @@ def test_first_step_reads_the_first_trained_step():
                 "train/entropy": 0.6}, {"step": 2, "reward/accuracy": 0.3}]
     assert qs.first_step(history) == {"step1_sampled_acc": 0.25, "step1_zero_adv_frac": 0.25, "step1_entropy": 0.6}
     assert qs.first_step([])["step1_sampled_acc"] is None
+
+
+def test_replicates_resample_rl_on_the_same_base():
+    _, first = qs.resolve(["replicates=3"], 4, 0)
+    _, third = qs.resolve(["replicates=3"], 4, 2)
+    assert (first.seed, third.seed) == (4, 2004)  # RL's sampling moves
+    assert (third.model.init_seed, third.sft.seed) == (4, 4)  # the warm-started base does not
+    with pytest.raises(ValueError, match="replicates=0"):
+        qs.resolve(["replicates=0"], 0)
+
+
+def test_a_base_is_reported_by_the_median_of_its_replicates():
+    reps = [{"seed": 5, "replicate": r, "warm_start_steps": 448, "base": 0.426, "steps_to_0.8": s8,
+             "s_to_0.8": t8, "steps_to_0.85": s85, "s_to_0.85": s85, "final": f, "best": f, "late_swing": 0.0,
+             "step1_entropy": None}
+            for r, s8, t8, s85, f in [(0, 70, 75.0, None, 0.84), (1, 50, 52.0, 80, 0.88), (2, 60, 66.0, 90, 0.86)]]
+    row = qs.over_replicates(reps)
+    assert row["steps_to_0.8"] == 60 and row["s_to_0.8"] == 66.0
+    assert row["steps_to_0.85"] == 90  # the run that never got there counts as the slowest, not as missing
+    assert row["replicate_steps_to_0.8"] == [70, 50, 60] and row["replicate_steps_to_0.85"] == [None, 80, 90]
+    assert row["final"] == 0.86 and row["seed"] == 5 and "replicate" not in row
+    assert row["step1_entropy"] is None
+    reps[1]["steps_to_0.8"] = None
+    assert qs.over_replicates(reps)["steps_to_0.8"] == 70  # median of 60, 70, never
+
+
+def test_replicates_on_a_toy_size(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = qs.run([*TOY, "seeds=[0]", "steps=1", "replicates=2"], tmp_path / "results" / "quickstart")
+    assert [(r["seed"], r["replicate"]) for r in result["runs"]] == [(0, 0), (0, 1)]
+    assert len(result["table"]) == 1 and len(result["table"][0]["replicate_steps_to_0.8"]) == 2
+    assert set(result["curves"]) == {"0/0", "0/1"} and result["replicates"] == 2
+    assert "slowest_run_over_median_steps_to_0.8" in result
+    json.dumps(result)
