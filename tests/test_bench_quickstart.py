@@ -9,7 +9,7 @@ from tidal import bench
 qs = bench.load("quickstart")
 TOY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
        "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null", "sft.batch_size=8", "num_eval=8",
-       "rollout.prompts_per_step=2", "rollout.group_size=2", "eval_every=1", "reward.num_workers=0"]
+       "rollout.prompts_per_step=2", "rollout.group_size=2", "algo.passk_k=2", "eval_every=1", "reward.num_workers=0"]
 
 
 def test_summary_of_one_curve():

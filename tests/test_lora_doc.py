@@ -21,8 +21,8 @@ DOC = (ROOT / "docs" / "lora.md").read_text()
 RESULT = ROOT / "benchmarks" / "results" / "lora.json"
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
         "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null", "sft.batch_size=8", "max_steps=2",
-        "eval_every=1", "num_eval=8", "rollout.prompts_per_step=2", "rollout.group_size=2", "log.progress=false",
-        "log.report=false", "log.tensorboard=false", "reward.num_workers=0"]
+        "eval_every=1", "num_eval=8", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "algo.passk_k=2", "log.progress=false", "log.report=false", "log.tensorboard=false", "reward.num_workers=0"]
 
 
 def commands() -> list[list[str]]:

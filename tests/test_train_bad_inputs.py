@@ -43,7 +43,7 @@ def cache(tmp_path_factory):
     return d
 
 
-def _argv(out: Path, extra: list[str], cache: Path, *sets: str, recipe: str = "quickstart") -> list[str]:
+def _argv(out: Path, extra: list[str], cache: Path, *sets: str, recipe: str = "quickstart_grpo") -> list[str]:
     sets_ = [a for s in [*TINY, f"sft.cache_dir={cache}", *sets] for a in ("--set", s)]
     return [sys.executable, "-m", "tidal.cli", "train", recipe, "--out", str(out), *sets_, *extra]
 
@@ -52,7 +52,7 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _start(out: Path, extra: list[str], cache: Path, *sets: str, recipe: str = "quickstart", **kw):
+def _start(out: Path, extra: list[str], cache: Path, *sets: str, recipe: str = "quickstart_grpo", **kw):
     return subprocess.Popen(_argv(out, extra, cache, *sets, recipe=recipe), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True, **kw)
 
@@ -219,7 +219,7 @@ def test_ctrl_c_is_one_line_with_the_resume_command_and_exit_130(tmp_path, cache
     (line,) = err.strip().splitlines()
     saved = (out / "checkpoints" / "latest").read_text()
     assert line == (f"interrupted; checkpoint saved in {out / 'checkpoints' / saved}; resume with: "
-                    f"tidal train quickstart --out {out} --resume")
+                    f"tidal train quickstart_grpo --out {out} --resume")
     step = int(saved.removeprefix("step_"))
 
     command = shlex.split(line.split("resume with: ")[1])

@@ -32,7 +32,7 @@ COMPARABLE = ("reward/", "algo/", "train/", "eval/", "rollout/response", "async/
 
 def _start(out: Path, cache: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     sets = [a for s in [*TINY, f"sft.cache_dir={cache}"] for a in ("--set", s)]
-    return subprocess.Popen([sys.executable, "-m", "tidal.cli", "train", "quickstart", "--out", str(out), *sets,
+    return subprocess.Popen([sys.executable, "-m", "tidal.cli", "train", "quickstart_grpo", "--out", str(out), *sets,
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})},
                             start_new_session=True)

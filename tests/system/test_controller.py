@@ -24,7 +24,7 @@ def TINY_OVERRIDES(tmp_path):  # noqa: N802  (a constant list, parametrized by t
 
 
 def tiny_cfg(tmp_path, *extra):
-    return apply_overrides(RECIPES.get("quickstart")(), [*TINY_OVERRIDES(tmp_path), *extra])
+    return apply_overrides(RECIPES.get("quickstart_grpo")(), [*TINY_OVERRIDES(tmp_path), *extra])
 
 
 def comparable(history):

@@ -89,6 +89,7 @@ BAD_TOGETHER = [  # (overrides, the key the error must name): knobs that only ma
     (["algo.offpolicy_mask_delta=1e-4"], "algo.offpolicy_mask_delta"),
     (["algo.is_batch_norm=true"], "algo.is_batch_norm"),
     (["algo.correction=reject"], "algo.correction"),
+    (["distill.teacher=quickstart", "algo.skip_zero_adv_groups=false"], "algo.guidance"),  # quickstart's guidance
 ]
 
 

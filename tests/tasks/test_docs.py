@@ -12,7 +12,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
         "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null", "sft.batch_size=8", "max_steps=1",
         "eval_every=1",
-        "num_eval=8", "rollout.prompts_per_step=2", "rollout.group_size=2", "log.progress=false",
+        "num_eval=8", "rollout.prompts_per_step=2", "rollout.group_size=2", "algo.passk_k=2", "log.progress=false",
         "log.report=false", "log.tensorboard=false"]
 
 

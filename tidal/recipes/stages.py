@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from tidal.recipes import RECIPES
-from tidal.recipes.quickstart import quickstart
+from tidal.recipes.quickstart import quickstart_grpo
 from tidal.system.config import RunConfig
 
 
 @RECIPES.register("stages_rl")
 def stages_rl() -> RunConfig:
-    """The quickstart's async RL on the stage chain's domain (``task.path``: its ``rl.jsonl``); set model.path."""
-    cfg = quickstart()
+    """The quickstart's async RL on the stage chain's domain (``task.path``: its ``rl.jsonl``); set model.path.
+    Plain GRPO (``quickstart_grpo``): a user's RL rows need no demonstrations."""
+    cfg = quickstart_grpo()
     cfg.task.name = "jsonl"
     cfg.task.path = "runs/stages/domain/rl.jsonl"
     cfg.task.eval_path = "runs/stages/domain/eval.jsonl"

@@ -354,6 +354,9 @@ def _check_distill(cfg: RunConfig) -> None:
                           "use a model directory, or `quickstart` to build the quickstart teacher")
     if not (isinstance(d.micro_batch, int) and d.micro_batch >= 1):
         raise ConfigError(f"distill.micro_batch must be >= 1, got {d.micro_batch}")
+    if cfg.algo.guidance != "none":
+        raise ConfigError(f"algo.guidance={cfg.algo.guidance} with distill.teacher: a demonstration has no teacher "
+                          "scores to learn from; set algo.guidance=none (the on_policy_distill recipe does)")
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         raise ConfigError(f"distill.teacher with algo.advantage={cfg.algo.advantage}: on-policy distillation gives "
                           "per-token advantages itself; use a group estimator (grpo)")
