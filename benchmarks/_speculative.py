@@ -24,10 +24,10 @@ import time
 from tidal.config import apply_overrides
 
 TASK_RECIPES = {
-    "repeat": ("quickstart", ["task.name=repeat", "task.max_repeat=48", "task.num_eval=200", "sft.steps=300",
+    "repeat": ("quickstart_grpo", ["task.name=repeat", "task.max_repeat=48", "task.num_eval=200", "sft.steps=300",
                               "sft.accuracy_band=null", "rollout.max_new_tokens=56"]),
     "agentic": ("agentic_quickstart", []),
-    "quickstart": ("quickstart", []),
+    "quickstart": ("quickstart_grpo", []),
 }
 
 

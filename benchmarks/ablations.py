@@ -47,7 +47,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "dapo_symmetric_clip": ("dapo", [*SYNC, "algo.eps_high=0.2"]),
     "dapo_no_dynamic_sampling": ("dapo", [*SYNC, "rollout.dynamic_sampling=false", "algo.skip_zero_adv_groups=false"]),
     "cispo": ("cispo", SYNC),
-    "ppo_eta8": ("quickstart", [*STALE, "algo.policy_loss=ppo_clip"]),
+    "ppo_eta8": ("quickstart_grpo", [*STALE, "algo.policy_loss=ppo_clip"]),
     "decoupled_ppo_eta8": ("areal", STALE),
     # DAPO's recipe with the objective swapped; null clip ranges / aggregation = each loss's paper defaults
     # (Clip-Cov: PPO range 1.0 / 1.0, token mean; SAPO has no clip and averages per sequence).

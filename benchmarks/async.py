@@ -36,7 +36,7 @@ MODES = {
 def run(overrides: list[str], out_dir: Path) -> dict:
     rows = []
     for mode, mode_overrides in MODES.items():
-        cfg = apply_overrides(RECIPES.get("quickstart")(), [*BASE, *mode_overrides, *overrides])
+        cfg = apply_overrides(RECIPES.get("quickstart_grpo")(), [*BASE, *mode_overrides, *overrides])
         if mode == "sync":  # warm start outside the timed region (cached for the async run)
             from tidal.system.run import base_model_path
             from tidal.tasks import TASKS

@@ -89,7 +89,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
 def run_config(s: Settings, train_path: Path, eval_path: Path, extra: list[str]):
     from tidal.recipes import RECIPES
 
-    return apply_overrides(RECIPES.get("quickstart")(), [
+    return apply_overrides(RECIPES.get("quickstart_grpo")(), [
         "task.name=jsonl", f"task.path={train_path}", f"task.eval_path={eval_path}", "task.fields.prompt=question",
         "task.fields.solution=answer", "reward.name=reasoning_gym", "rollout.max_new_tokens=8",
         "rollout.prompts_per_step=32",  # the quickstart's batch when the results were measured

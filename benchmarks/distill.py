@@ -110,7 +110,7 @@ def resolve(overrides: list[str]) -> tuple[Settings, object]:
     unknown = set(s.methods) - set(METHODS)
     if unknown:
         raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {METHODS}")
-    cfg = apply_overrides(RECIPES.get("quickstart")(), [
+    cfg = apply_overrides(RECIPES.get("quickstart_grpo")(), [
         f"seed={s.seed}", f"max_steps={s.rl_steps}", f"max_time_s={s.budget_s}", "target_accuracy=null",
         f"eval_every={s.eval_every_rl}", "checkpoint_every=100000", "log.progress=false", "log.tensorboard=false",
         "log.report=false", *(o for o in overrides if o not in mine)])

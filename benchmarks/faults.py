@@ -92,7 +92,7 @@ class Settings:
 
 
 def _cfg(s: Settings, out: Path, *extra: str):
-    return apply_overrides(RECIPES.get("quickstart")(), [*s.model_sets, f"sft.cache_dir={out / 'cache'}",
+    return apply_overrides(RECIPES.get("quickstart_grpo")(), [*s.model_sets, f"sft.cache_dir={out / 'cache'}",
                                                           f"max_steps={s.steps}", f"eval_every={s.steps}",
                                                           f"checkpoint_every={s.checkpoint_every}",
                                                           "keep_checkpoints=3", *extra])

@@ -98,7 +98,7 @@ def _prompts(s: Settings):
     from tidal.system.run import base_model_path
     from tidal.tasks import TASKS
 
-    cfg = apply_overrides(RECIPES.get("quickstart")(), [
+    cfg = apply_overrides(RECIPES.get("quickstart_grpo")(), [
         "task.name=repeat", f"task.max_repeat={s.max_repeat}", "task.num_eval=200", f"sft.steps={s.sft_steps}",
         "sft.accuracy_band=null"])
     task = TASKS.get(cfg.task.name)(cfg.task)

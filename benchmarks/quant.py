@@ -9,11 +9,11 @@ rotation, FP8 and INT4), and the quickstart trained with and without FP8 rollout
    quickstart model's linear weights and over random matrices with 4 planted outlier input
    channels (x20), for FP8 128 x 128 blocks and INT4 1 x 128 groups, each without and with the
    randomized Hadamard rotation (undone after dequantizing).
-3. *Training*: ``quickstart_sync`` (sync mode, so the result does not depend on thread timing),
-   1 torch thread, the same number of steps, seeds 0 and 1, with ``rollout.weight_quant`` none and
-   fp8_block: held-out greedy accuracy along the way, the engine/trainer log-prob gap
-   (``train/logp_mismatch_mean`` / ``_max``, on the tokens of the version being trained) and the
-   bytes per sync.
+3. *Training*: ``quickstart_grpo`` in sync mode (``SYNC``: plain GRPO, as measured; sync so that the
+   result does not depend on thread timing), 1 torch thread, the same number of steps, seeds 0 and 1,
+   with ``rollout.weight_quant`` none and fp8_block: held-out greedy accuracy along the way, the
+   engine/trainer log-prob gap (``train/logp_mismatch_mean`` / ``_max``, on the tokens of the version
+   being trained) and the bytes per sync.
 
     tidal bench quant [--set max_steps=40 ...]
 """
@@ -38,6 +38,8 @@ DESCRIPTION = "block-FP8 rollout weights: bytes per sync, quantization error, qu
 BASE = ["rollout.prompts_per_step=32", "max_steps=40", "eval_every=10", "max_time_s=null", "target_accuracy=null",
         "checkpoint_every=1000",
         "system.num_threads=1", "log.progress=false", "log.tensorboard=false", "log.report=false"]
+# quickstart_sync as it was measured: plain GRPO (the quickstart took pass@k and guidance in issue 39).
+SYNC = ["system.mode=sync", "rollout.max_staleness=0"]
 ARMS = {"none": [], "fp8_block": ["rollout.weight_quant=fp8_block"]}
 SEEDS = (0, 1)
 """Two run seeds (prompt order and sampling noise; the warm-started base is the same): one run per
@@ -87,7 +89,7 @@ def _planted(seed: int) -> torch.Tensor:
 
 
 def run(overrides: list[str], out_dir: Path) -> dict:
-    cfg0 = apply_overrides(RECIPES.get("quickstart_sync")(), [*BASE, *overrides])
+    cfg0 = apply_overrides(RECIPES.get("quickstart_grpo")(), [*SYNC, *BASE, *overrides])
     base = base_model_path(cfg0, TASKS.get(cfg0.task.name)(cfg0.task), progress=False)
     model, _ = tiny.load(base)
     sizes = {"quickstart (float32 trainer)": _sync_bytes(model, torch.float32),
@@ -108,7 +110,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
 
 
 def _train_arm(arm: str, seed: int, overrides: list[str], out_dir: Path) -> dict:
-    cfg = apply_overrides(RECIPES.get("quickstart_sync")(), overrides)
+    cfg = apply_overrides(RECIPES.get("quickstart_grpo")(), [*SYNC, *overrides])
     start = time.perf_counter()
     result = train(cfg, out_dir)
     wall = time.perf_counter() - start

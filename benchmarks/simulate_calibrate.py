@@ -66,7 +66,7 @@ def _setup():
     from tidal.tasks import TASKS
 
     base = load("async")
-    cfg = apply_overrides(RECIPES.get("quickstart")(), [*base.BASE, *base.MODES["async"]])
+    cfg = apply_overrides(RECIPES.get("quickstart_grpo")(), [*base.BASE, *base.MODES["async"]])
     task = TASKS.get(cfg.task.name)(cfg.task)
     model, tokenizer = tiny.load(base_model_path(cfg, task, progress=False))
     return cfg, task, model, tokenizer

@@ -64,7 +64,7 @@ def run_config(s: Settings, seed: int, extra: list[str]):
     """The run: the quickstart's RL settings on ``sum_think``, scored by ``answer_match``."""
     from tidal.recipes import RECIPES
 
-    return apply_overrides(RECIPES.get("quickstart")(), [
+    return apply_overrides(RECIPES.get("quickstart_grpo")(), [
         "task.name=sum_think", "task.max_operand=9", f"task.max_terms={s.max_terms}",
         f"task.num_eval={s.eval_problems}", f"num_eval={s.eval_problems}", "reward.name=answer_match",
         f"rollout.max_new_tokens={s.max_new_tokens}", f"rollout.prompts_per_step={s.prompts_per_step}",

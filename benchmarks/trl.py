@@ -5,7 +5,8 @@ and cached), train on the same 2-digit addition prompts in the same order, with 
 (exact match), prompts per step, samples per prompt, learning rate, AdamW settings, clip range,
 response budget, temperature and thread count, one after the other: TRL first, in a subprocess in the
 benchmark's own virtual environment (``.tidal_cache/bench-trl-venv``: TRL is pinned there and is no
-dependency of tidal; CPU, no vLLM), then tidal's quickstart recipe (async, eta = 1) in this process.
+dependency of tidal; CPU, no vLLM), then tidal's quickstart recipe with plain GRPO in this process
+(``quickstart_grpo``: async, eta = 1; the objective TRL has, without the quickstart's pass@k and guidance).
 
 How time and accuracy are measured, identically for both (see ``trl_grpo.py``):
 
@@ -118,7 +119,7 @@ class Settings:
     (issue 15), and both frameworks train from it. Results are reported per base and as medians."""
 
 
-RUN = [  # the quickstart recipe as is, except what makes the comparison exact
+RUN = [  # quickstart_grpo as is, except what makes the comparison exact
     "max_time_s=300", "target_accuracy=null", "max_steps=100000000", "eval_every=100000000",
     "checkpoint_every=100000000", "log.progress=false", "log.tensorboard=false", "log.report=false",
 ]
@@ -130,7 +131,7 @@ def resolve(overrides: list[str], seed: int | None = None) -> tuple[Settings, Ru
     mine = [o for o in overrides if o.partition("=")[0].strip() in own]
     s = apply_overrides(Settings(), mine)
     seeded = [] if seed is None else [f"seed={seed}", f"model.init_seed={seed}", f"sft.seed={seed}"]
-    cfg = apply_overrides(RECIPES.get("quickstart")(), [*RUN, f"system.num_threads={s.threads}", *seeded,
+    cfg = apply_overrides(RECIPES.get("quickstart_grpo")(), [*RUN, f"system.num_threads={s.threads}", *seeded,
                                                        *(o for o in overrides if o not in mine)])
     return s, cfg
 

@@ -35,7 +35,7 @@ def test_train_and_bench_overrides_exist():
         apply_overrides(RECIPES.get(argv[0])(), _sets(argv))
     for argv in benches:
         assert argv[0] == "quant"
-        apply_overrides(RECIPES.get("quickstart_sync")(), _sets(argv))
+        apply_overrides(RECIPES.get("quickstart_grpo")(), _sets(argv))
 
 
 def test_quantize_commands_run(tmp_path, tokenizer):
