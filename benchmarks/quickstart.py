@@ -202,11 +202,12 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     target = RECIPES.get(s.recipe)().target_accuracy or max(s.thresholds)
     thresholds = sorted({*s.thresholds, target})
     for seed in s.seeds:
+        _, cfg = resolve(overrides, seed)  # the base: the same for every replicate (RL's seed does not enter it)
+        base_dir = base_model_path(cfg, TASKS.get(cfg.task.name)(cfg.task), progress=False)
+        sft = json.loads((base_dir / "tidal_sft.json").read_text())
         replicate_rows = []
         for rep in range(s.replicates):
             _, cfg = resolve(overrides, seed, rep)
-            base_dir = base_model_path(cfg, TASKS.get(cfg.task.name)(cfg.task), progress=False)
-            sft = json.loads((base_dir / "tidal_sft.json").read_text())
             name = f"{seed}" if s.replicates == 1 else f"{seed}/{rep}"
             result = train(cfg, out_dir / f"seed{name.replace('/', '_rep')}")
             curve = [(h["step"], h.get("time/elapsed_s", 0.0), h["eval/accuracy"])
