@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,14 @@ def open_sockets() -> int:
                if os.path.exists(f"/proc/self/fd/{fd}"))
 
 
+def settled(count, below: int, timeout_s: float) -> int:
+    """``count()`` once it is under ``below``, or its value when ``timeout_s`` ran out."""
+    deadline = time.monotonic() + timeout_s
+    while (value := count()) >= below and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc")
 def test_episodes_leave_no_connection_open():
     """verifiers' interception server keeps one client per endpoint config, and tidal's endpoint gives each
@@ -238,6 +247,10 @@ def test_episodes_leave_no_connection_open():
         before = open_sockets()
         trajs = engine.generate(requests_for(prompts))
         assert all(not t.infra_failed for t in trajs)
-        assert open_sockets() - before < 16, f"{open_sockets() - before} sockets more after {len(prompts)} episodes"
+        # The endpoint's side of a closed connection closes when its server thread reads the EOF, which a
+        # loaded 2-core CI machine can delay past ``generate``'s return: wait for it, then judge. A leak
+        # (two sockets per episode, 96 here) never settles.
+        extra = settled(lambda: open_sockets() - before, below=16, timeout_s=20.0)
+        assert extra < 16, f"{extra} sockets more after {len(prompts)} episodes"
     finally:
         engine.close()
