@@ -166,7 +166,7 @@ def test_pass_at_k_without_a_choice_to_make_is_zero():
 
 
 def test_pass_at_k_rejects_what_it_cannot_score():
-    with pytest.raises(ValueError, match="binary"):
+    with pytest.raises(ValueError, match=r"\(0 or 1\), got 0.5: for a graded reward set algo.advantage=grpo"):
         ADVANTAGES["pass_at_k"](t([1.0, 0.5, 0.0, 0.0]), t([0] * 4))
     with pytest.raises(ValueError, match="passk_k=4 needs groups of at least 4"):
         ADVANTAGES["pass_at_k"](t([1.0, 0.0, 0.0]), t([0] * 3))

@@ -292,7 +292,8 @@ def pass_at_k(
     rewards_b = torch.as_tensor(rewards_b, dtype=torch.get_default_dtype())
     binary_b = (rewards_b == 0) | (rewards_b == 1)
     if not binary_b.all():
-        raise ValueError(f"pass_at_k needs binary rewards (0 or 1), got {rewards_b[~binary_b][0].item()!r}")
+        raise ValueError(f"pass_at_k needs binary rewards (0 or 1), got {rewards_b[~binary_b][0].item()!r}: for a "
+                         "graded reward set algo.advantage=grpo (or start from the quickstart_grpo recipe)")
     inverse_b, count_g = _group_index(group_ids_b, rewards_b.device)
     correct_g = _group_sum(rewards_b, inverse_b, len(count_g)).round().long()
     adv_g = torch.zeros(len(count_g), 2, dtype=rewards_b.dtype, device=rewards_b.device)
