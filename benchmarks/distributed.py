@@ -36,7 +36,8 @@ from tidal.config import apply_overrides
 from tidal.models import tiny
 from tidal.optim import OptimConfig
 from tidal.parallel.fsdp import LOCAL, DataParallel, init_distributed, teardown
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 from tidal.types import TrainBatch
 
 DESCRIPTION = "1 process vs N FSDP processes (gloo): step time, tokens/s, weight gather time and bytes"

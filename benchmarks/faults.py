@@ -180,7 +180,8 @@ def overhead(s: Settings) -> dict:
     from tidal.algo.config import AlgoConfig
     from tidal.models import tiny
     from tidal.optim import OptimConfig
-    from tidal.train.trainer import Trainer, TrainerConfig
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
     from tidal.types import TrainBatch
 
     torch.set_num_threads(1)

@@ -319,7 +319,8 @@ def train_batch(s: Settings, vocab: int):
 def make_trainer(model: torch.nn.Module, s: Settings, device: torch.device):
     from tidal.algo.config import AlgoConfig
     from tidal.optim import OptimConfig
-    from tidal.train.trainer import Trainer, TrainerConfig
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
 
     cfg = TrainerConfig(precision=s.precision, packing=True, pack_tokens=s.pack_tokens,
                         micro_batch_tokens=s.micro_batch_tokens, head_matmul=s.head_matmul)

@@ -190,7 +190,8 @@ def _one_step(s: Settings, rank: int | None) -> dict:
     from tidal.algo.config import AlgoConfig
     from tidal.models import lora
     from tidal.optim import OptimConfig
-    from tidal.train.trainer import Trainer, TrainerConfig
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
     from tidal.utils.memory import optimizer_state_bytes, tensor_peak_bytes
 
     model = _shaped_model(s.memory_model)

@@ -48,10 +48,11 @@ from tidal.config import apply_overrides
 from tidal.models import tiny
 from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig
+from tidal.train.config import TrainerConfig
 from tidal.train.microbatch import greedy_collation, pack_sequences, padded_tokens
 from tidal.train.packing import pack, packed_attention_mask
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.trainer import Trainer
 from tidal.types import TrainBatch
 from tidal.utils.memory import tensor_peak_bytes
 

@@ -59,7 +59,8 @@ def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl(tmp_path, cfg_for)
 def test_trainer_advantages_are_the_distillation_advantage():
     from tidal.algo.config import AlgoConfig
     from tidal.optim import OptimConfig
-    from tidal.train.trainer import Trainer, TrainerConfig
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
 
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tiny.ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,

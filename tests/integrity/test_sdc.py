@@ -24,7 +24,8 @@ from tidal.integrity.sdc import (
 from tidal.optim import OptimConfig
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.train.batch import build_train_batch
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 
 
 def test_checksum_by_hand():

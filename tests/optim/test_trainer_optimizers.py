@@ -11,7 +11,8 @@ from tidal.optim import OptimConfig
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
 from tidal.train.batch import build_train_batch
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt
 
 

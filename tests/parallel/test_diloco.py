@@ -278,7 +278,8 @@ def _rl_trainer():
     from tidal.algo.config import AlgoConfig
     from tidal.models import tiny
     from tidal.optim import OptimConfig
-    from tidal.train.trainer import Trainer, TrainerConfig
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
 
     tok = tiny.build_tokenizer()
     cfg = tiny.ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64)

@@ -25,7 +25,7 @@ from tests.parallel.test_fsdp import _free_port, make_batch, spawn
 from tidal.cli import main
 from tidal.config import ConfigError
 from tidal.parallel.diloco import outer_step_reference, pseudo_gradient
-from tidal.train.trainer import TrainerConfig, validate
+from tidal.train.config import TrainerConfig, validate
 
 needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                    reason="torchft not installed (pip install -e '.[dev]')")

@@ -19,7 +19,8 @@ pytest.importorskip("torchft", reason="torchft not installed (pip install -e '.[
 from tidal.algo.config import AlgoConfig  # noqa: E402
 from tidal.models import tiny  # noqa: E402
 from tidal.optim import OptimConfig  # noqa: E402
-from tidal.train.trainer import Trainer, TrainerConfig  # noqa: E402
+from tidal.train.config import TrainerConfig  # noqa: E402
+from tidal.train.trainer import Trainer  # noqa: E402
 from tidal.types import TrainBatch  # noqa: E402
 
 STEPS = 5  # the 5th step carries an injected flip

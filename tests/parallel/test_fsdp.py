@@ -29,7 +29,8 @@ from tidal.parallel.fsdp import (
     teardown,
 )
 from tidal.train.checkpoint import TrainingState, save_checkpoint
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 from tidal.types import TrainBatch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")

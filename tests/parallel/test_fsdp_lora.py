@@ -15,7 +15,8 @@ from tidal.models import lora, tiny
 from tidal.optim import OptimConfig
 from tidal.parallel.fsdp import LOCAL, LeaderTrainer, follow, init_distributed, teardown
 from tidal.train.checkpoint import TrainingState, save_checkpoint
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 
 from .test_fsdp import _free_port, assert_state_dicts_close, make_batch, spawn
 

@@ -15,7 +15,8 @@ from tidal.models.quant import dequantize_state_dict, linear_weight_names
 from tidal.optim import OptimConfig
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.system.run import prepare
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 from tidal.types import Prompt
 
 from .test_controller import run, tiny_cfg

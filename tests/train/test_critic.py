@@ -14,8 +14,9 @@ from tidal.optim import OptimConfig
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.train.batch import build_train_batch
 from tidal.train.checkpoint import TrainingState
+from tidal.train.config import TrainerConfig
 from tidal.train.critic import CriticConfig, check_supported
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.trainer import Trainer
 
 from .test_trainer import _groups
 

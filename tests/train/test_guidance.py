@@ -15,8 +15,9 @@ from tidal.rollout.requests import group_requests
 from tidal.system.batching import too_stale
 from tidal.tasks.supervised import _encode
 from tidal.train.batch import build_train_batch
+from tidal.train.config import TrainerConfig
 from tidal.train.guidance import Guidance, conversation_tokens, is_demonstration, sampled
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.trainer import Trainer
 from tidal.types import DEMONSTRATION, Group, Prompt, Trajectory
 
 CALL = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "37*54"}}}

@@ -11,10 +11,11 @@ from tidal.algo.config import AlgoConfig
 from tidal.config import ConfigError
 from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig
+from tidal.train.config import TrainerConfig, validate
 from tidal.train.critic import CriticConfig
 from tidal.train.microbatch import balanced_partition, greedy_collation, pack_sequences, padded_tokens
 from tidal.train.packing import pack, packed_attention_mask, unpack
-from tidal.train.trainer import Trainer, TrainerConfig, validate
+from tidal.train.trainer import Trainer
 from tidal.types import TrainBatch
 
 

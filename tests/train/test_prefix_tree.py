@@ -12,6 +12,7 @@ from tidal.config import ConfigError
 from tidal.models.attention import interval_mask
 from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig
+from tidal.train.config import TrainerConfig
 from tidal.train.prefix_tree import (
     ancestor_mask,
     group_micro_batches,
@@ -20,7 +21,7 @@ from tidal.train.prefix_tree import (
     trie,
     unpack_trees,
 )
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.trainer import Trainer
 
 from .test_packing import step_results
 

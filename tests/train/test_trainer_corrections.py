@@ -10,7 +10,8 @@ import torch
 
 from tidal.algo.config import AlgoConfig
 from tidal.optim import OptimConfig
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 
 from . import test_microbatching, test_trainer_objectives
 from .test_trainer_objectives import ADV, assert_same, grads_of, logp_of, trainer_grads

@@ -12,7 +12,8 @@ from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.train.batch import build_train_batch
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 
 from .test_trainer import _groups
 

@@ -12,7 +12,8 @@ import torch
 
 from tidal.algo.config import AlgoConfig
 from tidal.optim import OptimConfig
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 
 from . import test_microbatching
 

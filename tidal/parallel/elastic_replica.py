@@ -34,7 +34,8 @@ from tidal.models import tiny
 from tidal.optim import OptimConfig
 from tidal.parallel.elastic_dp import ElasticDP, ElasticTrainer, leader_present, load_trainer_state, replica_manager
 from tidal.parallel.fsdp import DEFAULT_TIMEOUT_S
-from tidal.train.trainer import Trainer, TrainerConfig
+from tidal.train.config import TrainerConfig
+from tidal.train.trainer import Trainer
 from tidal.utils.seeding import seed_everything
 
 HEARTBEAT_INTERVAL_S = 0.1

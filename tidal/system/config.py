@@ -21,8 +21,8 @@ from tidal.stages.warm_start import SFTConfig
 from tidal.system.curriculum import CurriculumConfig
 from tidal.system.length_growth import LengthGrowthConfig
 from tidal.tasks.arithmetic import TaskConfig
+from tidal.train.config import TrainerConfig
 from tidal.train.critic import CriticConfig
-from tidal.train.trainer import TrainerConfig
 
 
 @dataclass

@@ -21,7 +21,7 @@ from tidal.integrity.guard import SDCConfig
 from tidal.models.lora import check_device as check_lora_device
 from tidal.models.lora import check_run as check_lora
 from tidal.system.config import RunConfig
-from tidal.train.trainer import validate as validate_trainer
+from tidal.train.config import validate as validate_trainer
 from tidal.utils.device import resolve_device, resolve_dtype
 
 Rule = tuple[str, Callable[[Any], bool], str]

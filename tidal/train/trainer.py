@@ -37,7 +37,6 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,20 +69,18 @@ from tidal.models.quant import linear_weight_names, quantize_state_dict
 from tidal.optim import OptimConfig, build_optimizer
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from tidal.train.config import TrainerConfig, validate
 from tidal.train.critic import Critic, CriticConfig, CriticTargets, check_supported
 from tidal.train.data_parallel import (
     LOCAL,
     DataParallel,
-    DiLoCoConfig,
-    ElasticConfig,
     local_value,
     root_of,
     state_dict_bytes,
-    validate_elastic,
 )
 from tidal.train.guidance import demonstration_rows
 from tidal.train.microbatch import greedy_collation, pack_sequences
-from tidal.train.packing import PACKED_ATTENTION, pack, packed_attention_mask, unpack
+from tidal.train.packing import pack, packed_attention_mask, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
 from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
@@ -93,90 +90,6 @@ from tidal.utils.memory import PeakMemory, optimizer_state_bytes
 def _flash_attention(model: torch.nn.Module) -> bool:
     """Whether the model runs varlen flash attention (which takes no explicit mask)."""
     return str(getattr(model.config, "_attn_implementation", "")).startswith("flash")
-
-
-@dataclass
-class TrainerConfig:
-    num_minibatches: int = 1
-    """Optimizer steps per batch (PPO-style reuse; 1 keeps every update on fresh samples)."""
-    temperature: float = 1.0
-    """Must equal the sampling temperature so trainer and engine score the same distribution."""
-    micro_batch_tokens: int | None = None
-    """Token budget of one forward/backward pass; a minibatch is split into micro-batches (Magistral's
-    greedy collation: sorted by length, filled to this many padded tokens; with ``packing``, real
-    tokens; with ``share_prefixes``, whole groups by trie nodes) and their gradients accumulated,
-    weighted so the result equals the whole minibatch's.
-    None: the whole minibatch in one pass."""
-    packing: bool = False
-    """Pack sequences end to end without padding (position ids restart per sequence, block-diagonal
-    causal attention; see ``train/packing.py``). Same loss and gradients as padded. How attention is
-    isolated inside a row: ``packed_attention``."""
-    share_prefixes: bool = False
-    """Pack each group's sequences as one token trie, so the prompt and every other prefix the samples
-    share is computed once (``train/prefix_tree.py``; Prefix Grouper, arXiv 2506.05433). Same loss and
-    gradients as padded; needs SDPA or eager attention (a trie is not a varlen flash segment). Rows
-    hold at most ``pack_tokens`` trie nodes; with ``packed_attention=block`` they may be long (no
-    [L, L] mask: a node's ancestors are an interval of columns)."""
-    pack_tokens: int = 512
-    """Longest packed row, in tokens. With ``packed_attention=dense`` attention inside a row costs an
-    [L, L] mask and O(row^2) work, so rows stay short (a 32k row is 1 GiB of mask); with ``block``
-    (the default on CUDA) or varlen flash attention, memory is linear in the row and long rows are
-    cheap."""
-    packed_attention: str = "auto"
-    """How a packed row (``packing``, ``share_prefixes``) isolates its sequences in attention: ``dense``,
-    the boolean [R, 1, L, L] mask through SDPA; ``block``, no [L, L] tensor: a block mask built from each
-    token's interval of visible queries (``models/attention.py``), run by FlexAttention on CUDA and by
-    query-chunked SDPA on CPU; same log-probs and gradients. ``auto``: ``block`` when the model is on
-    CUDA, ``dense`` otherwise, decided at each forward from the model's device. ``block`` switches an
-    SDPA or eager model to the ``tidal_packed`` attention, which runs SDPA for every other mask.
-    Flash-attention models take packed rows without a mask either way."""
-    logprob_chunk_size: int = 1024
-    """Tokens per chunk of the FP32 LM head + log-softmax (``models/logprobs.py``): the full
-    [tokens x vocab] logits are never materialized (about 3 x chunk x vocab x 4 bytes at peak)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in the backward pass: same gradients, far less activation memory,
-    about one extra forward of compute."""
-    precision: str = "auto"
-    """``fp32``, or ``bf16``: bf16 autocast around every forward (policy, reference, critic) with float32
-    master weights and optimizer state; the LM head and log-softmax stay float32 (``models/logprobs.py``).
-    ``auto``: bf16 on CUDA, fp32 on CPU (``utils/device.py``)."""
-    head_matmul: str = "fp32"
-    """The float32 LM-head matmul on CUDA: ``fp32`` (IEEE float32 products on the CUDA cores, ~67 TFLOP/s on an
-    H100/H200) or ``tf32`` (tensor cores: inputs rounded to 10 mantissa bits, float32 accumulation and output,
-    several times faster). The body runs under bf16 autocast, so the head (and the critic's value head) are the
-    only float32 matmuls this affects; with a 152k vocabulary the head is a quarter of a 0.5B model's FLOPs
-    and an fp32 head caps its MFU near 0.2 (docs/gpu.md). Applied as PyTorch's process-wide TF32 switch for the
-    duration of ``step``: a float32 rollout engine decoding meanwhile would use TF32 too (a bf16 one is
-    unaffected). No effect on CPU."""
-    data_parallel: str = "fsdp"
-    """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
-    ``parallel/fsdp.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
-    every ``diloco.sync_every`` optimizer steps, ``parallel/diloco_trainer.py``); both are ignored in one
-    process. ``elastic`` is launched without torchrun: the run's process starts ``elastic.replicas - 1``
-    replica processes and keeps training when one dies (``parallel/elastic_leader.py``, docs/faults.md)."""
-    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
-    """The outer loop with ``data_parallel=diloco``. ``sync_every`` counts optimizer steps
-    (``num_minibatches`` per trainer step); the default H=500 is the paper's, far apart for an RL run."""
-    elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    """The replicas with ``data_parallel=elastic``: how many, failure timeouts, restarts."""
-
-
-def validate(cfg: TrainerConfig) -> None:
-    """Raise a ConfigError naming the key when the trainer config cannot run (overrides bypass __init__)."""
-    if cfg.precision not in ("auto", "fp32", "bf16"):
-        raise ConfigError(f"trainer.precision must be auto, fp32 or bf16, got {cfg.precision!r}")
-    if cfg.head_matmul not in ("fp32", "tf32"):
-        raise ConfigError(f"trainer.head_matmul must be fp32 or tf32, got {cfg.head_matmul!r}")
-    if cfg.data_parallel not in ("fsdp", "diloco", "elastic"):
-        raise ConfigError(f"trainer.data_parallel must be fsdp, diloco or elastic, got {cfg.data_parallel!r}")
-    if cfg.packed_attention not in PACKED_ATTENTION:
-        raise ConfigError(f"trainer.packed_attention must be one of {', '.join(PACKED_ATTENTION)}, "
-                          f"got {cfg.packed_attention!r}")
-    validate_elastic(cfg.elastic)
-    try:
-        cfg.diloco.__post_init__()
-    except ValueError as e:
-        raise ConfigError(f"trainer.{e}") from None
 
 
 def _accepts(fn, name: str) -> bool:
