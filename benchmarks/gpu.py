@@ -31,8 +31,8 @@ goes under its key) so one part's crash never loses the others' numbers.
      reference model) ``Trainer.step`` takes pi_prox from the training forward itself (``logp.detach()``),
      so no extra scoring pass runs. A hook counts the decoder's forwards and the part asserts there is
      exactly one per micro-batch, so a changed trainer cannot silently make the FLOP count wrong.
-   Peaks: the bf16 dense datasheet figure for the detected GPU (``DATASHEET_BF16_TFLOPS``; None when the
-   name is not in the table, and on CPU) and a measured one, the median of timed ``matmul_size``^3 matmuls
+   Peaks: the bf16 dense datasheet figure for the detected GPU (``_roofline.DATASHEET_BF16_TFLOPS``; None when
+   the name is not in the table, and on CPU) and a measured one, the median of timed ``matmul_size``^3 matmuls
    in the autocast dtype (about 790 TFLOP/s on an H100 or H200, FACTS.md). ``trainer_mfu`` uses the
    datasheet peak (the measured one where there is none, as on a CPU: ``trainer_mfu_peak`` says which),
    ``trainer_mfu_vs_measured_matmul`` the measured one.
@@ -90,14 +90,13 @@ import random
 import statistics
 import time
 import traceback
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 import transformers
 
+from tidal.bench import load
 from tidal.config import apply_overrides
 from tidal.utils.device import resolve_device, resolve_dtype
 
@@ -115,11 +114,7 @@ MODELS = {
 MODEL_NOTES = {"qwen2.5-0.5b": "Qwen2.5-0.5B's shapes, random weights",
                "stand-in": "a small stand-in for CPU runs, random weights: not Qwen2.5-0.5B's shapes"}
 
-DATASHEET_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0),
-                         ("H200", 989.0), ("A100", 312.0)]
-"""Dense BF16 tensor-core peaks by device-name substring, first match wins (NVIDIA's H100/H200 datasheets
-list 1,979 TFLOP/s for SXM "with sparsity", twice the dense rate; the A100's is 312 dense). The SXM H100
-calls itself "NVIDIA H100 80GB HBM3"."""
+roofline = load("_roofline")  # benchmarks/_roofline.py: the FLOP, byte and peak accounting
 
 
 @dataclass
@@ -180,104 +175,9 @@ CPU_DEFAULTS = [
 
 
 # ---- formulas (pure) -------------------------------------------------------------------------------------
-def matmul_params(model: torch.nn.Module) -> int:
-    """N: every parameter outside the input embedding, plus the LM head's weight (counted even when tied to the
-    embedding: the head's matmul runs on every token either way)."""
-    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    rest = sum(p.numel() for p in model.parameters() if p is not emb and p is not head)
-    return rest + head.numel()
-
-
-def training_flops(num_params: int, num_layers: int, attn_dim: int, lengths: list[int]) -> float:
-    """Model FLOPs of one forward + backward over packed sequences of ``lengths`` (module docstring, part 1):
-    6 N per token plus 12 * layers * d_attn per attended (query, key) pair, L (L + 1) / 2 pairs per sequence."""
-    tokens = sum(lengths)
-    pairs = sum(n * (n + 1) // 2 for n in lengths)
-    return 6.0 * num_params * tokens + 12.0 * num_layers * attn_dim * pairs
-
-
 def long_tailed(rng: random.Random, count: int, top: int) -> list[int]:
     """``count`` lengths n in [1, top] with P(n) proportional to 1/n (most short, a few near ``top``)."""
     return rng.choices(range(1, top + 1), [1 / n for n in range(1, top + 1)], k=count)
-
-
-def decode_steps(prompt_lens: list[int], budgets: list[int], max_rows: int) -> list[tuple[int, int]]:
-    """The engine's decode schedule as (live rows, total context tokens of those rows) per step: requests join
-    in order while fewer than ``max_rows`` run, each live row makes one token per step and leaves after its
-    budget (its slot is free at the next step). A row's context is its prompt plus its tokens so far."""
-    pending = deque(zip(prompt_lens, budgets))
-    live: list[list[int]] = []  # [context, tokens left]
-    steps = []
-    while pending or live:
-        while pending and len(live) < max_rows:
-            live.append(list(pending.popleft()))
-        steps.append((len(live), sum(ctx for ctx, _ in live)))
-        live = [[ctx + 1, left - 1] for ctx, left in live if left > 1]
-    return steps
-
-
-def roofline_tokens_per_s(weight_bytes: float, kv_bytes_per_token: float, steps: list[tuple[int, int]],
-                          bandwidth: float) -> float:
-    """Tokens/s if every decode step only moved its bytes at ``bandwidth`` (bytes/s): each step reads all weights
-    once plus every live row's keys and values (module docstring, part 2)."""
-    seconds = sum(weight_bytes + kv_bytes_per_token * context for _, context in steps) / bandwidth
-    return sum(rows for rows, _ in steps) / seconds
-
-
-def datasheet_tflops(name: str) -> float | None:
-    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS if key in name), None)
-
-
-# ---- measuring -------------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable, device: torch.device):
-    """(fn(), seconds), with the device synchronized before and after."""
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - start
-
-
-def profile_table(fn: Callable, device: torch.device, top: int = 20) -> list[dict]:
-    """The ``top`` operations of one ``fn()`` by self device time (host time on a CPU), with call counts."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn()
-        sync(device)
-    rows = []
-    for e in prof.key_averages():
-        device_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-        rows.append({"op": e.key[:80], "calls": e.count, "self_device_ms": device_us / 1e3,
-                     "self_host_ms": e.self_cpu_time_total / 1e3})
-    key = "self_device_ms" if device.type == "cuda" else "self_host_ms"
-    return sorted(rows, key=lambda r: -r[key])[:top]
-
-
-def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5, per_sample: int = 10) -> float:
-    """Median TFLOP/s of ``per_sample`` back-to-back n x n x n matmuls (2 n^3 FLOPs each), ``repeats`` samples."""
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    a @ b  # warm-up (library handles, kernel selection)
-
-    def burst():
-        for _ in range(per_sample):
-            a @ b
-
-    return statistics.median(2 * n**3 * per_sample / timed(burst, device)[1] / 1e12 for _ in range(repeats))
-
-
-def copy_bandwidth(device: torch.device, megabytes: int, repeats: int = 5) -> float:
-    """Median bytes/s of a device-to-device ``copy_``, counting bytes read plus bytes written."""
-    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return statistics.median(2 * src.numel() / timed(lambda: dst.copy_(src), device)[1] for _ in range(repeats))
 
 
 def build_model(s: Settings) -> torch.nn.Module:
@@ -285,11 +185,6 @@ def build_model(s: Settings) -> torch.nn.Module:
     torch.manual_seed(s.seed)
     config = transformers.Qwen2Config(**MODELS[s.model])
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
 
 
 # ---- part 1: the trainer ---------------------------------------------------------------------------------
@@ -336,23 +231,23 @@ def part_train(s: Settings, base: torch.nn.Module, device: torch.device, peaks: 
     forwards = [0]
     hook = trainer.model.get_decoder().register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     try:
-        _, warm_s = timed(lambda: trainer.step(batch), device)
+        _, warm_s = roofline.timed(lambda: trainer.step(batch), device)
         forwards[0] = 0
         times, metrics = [], {}
         for _ in range(s.train_steps):
-            metrics, seconds = timed(lambda: trainer.step(batch), device)
+            metrics, seconds = roofline.timed(lambda: trainer.step(batch), device)
             times.append(seconds)
     finally:
         hook.remove()
-    profiled = profile_table(lambda: trainer.step(batch), device) if s.profile else None
+    profiled = roofline.profile_table(lambda: trainer.step(batch), device) if s.profile else None
     micro_batches = len(pack_sequences(lengths, s.micro_batch_tokens))
     assert forwards[0] == micro_batches * s.train_steps, (
         f"{forwards[0] / s.train_steps} decoder forwards per step, {micro_batches} micro-batches: the step does "
         "more than one forward + backward, and the 6N FLOP count would be wrong")
-    n = matmul_params(trainer.model)
+    n = roofline.matmul_params(trainer.model)
     attn_dim = config.num_attention_heads * (getattr(config, "head_dim", None)
                                              or config.hidden_size // config.num_attention_heads)
-    flops = training_flops(n, config.num_hidden_layers, attn_dim, lengths)
+    flops = roofline.training_flops(n, config.num_hidden_layers, attn_dim, lengths)
     step_s = statistics.median(times)
     achieved = flops / step_s / 1e12
     datasheet, measured = peaks["peak_tflops_datasheet"], peaks["matmul_tflops_measured"]
@@ -397,10 +292,11 @@ def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) ->
     engine = LocalEngine(model, tokenizer, cfg, seed=s.seed)
     engine.eos_id = None  # ignore EOS: a random model would stop at random (the budget ends every request)
     engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests[:8]])
-    trajs, seconds = timed(lambda: engine.generate(requests), device)
+    trajs, seconds = roofline.timed(lambda: engine.generate(requests), device)
     useful = sum(len(t.token_ids) for t in trajs)
     assert useful == sum(r.max_new_tokens for r in requests), "the engine stopped a request before its budget"
-    profiled = profile_table(lambda: engine.generate(requests[: s.gen_max_batch_size]), device) if s.profile else None
+    few = requests[: s.gen_max_batch_size]
+    profiled = roofline.profile_table(lambda: engine.generate(few), device) if s.profile else None
     return useful, seconds, profiled
 
 
@@ -423,7 +319,7 @@ def hf_arm(model, requests, s: Settings, device: torch.device) -> tuple[int, int
         useful, computed, seconds = 0, 0, 0.0
         for start in range(0, len(requests), s.gen_max_batch_size):
             rows = slice(start, start + s.gen_max_batch_size)
-            width, sec = timed(lambda rows=rows: generate(rows, max(budgets[rows])), device)
+            width, sec = roofline.timed(lambda rows=rows: generate(rows, max(budgets[rows])), device)
             useful += sum(min(b, width) for b in budgets[rows])
             computed += width * len(budgets[rows])
             seconds += sec
@@ -439,11 +335,11 @@ def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peak
     engine_tokens, engine_s, profiled = engine_arm(model, tiny.build_tokenizer(), requests, s, device)
     model.to(dtype)
     hf_tokens, hf_computed, hf_s = hf_arm(model, requests, s, device)
-    weight_bytes = matmul_params(model) * dtype.itemsize
-    kv = kv_bytes_per_token(model.config, dtype)
-    steps = decode_steps([len(r.prompt_ids) for r in requests], [r.max_new_tokens for r in requests],
+    weight_bytes = roofline.matmul_params(model) * dtype.itemsize
+    kv = roofline.kv_bytes_per_token(model.config, dtype)
+    steps = roofline.decode_steps([len(r.prompt_ids) for r in requests], [r.max_new_tokens for r in requests],
                          s.gen_max_batch_size)
-    ceiling = roofline_tokens_per_s(weight_bytes, kv, steps, peaks["copy_bandwidth_bytes_per_s"])
+    ceiling = roofline.roofline_tokens_per_s(weight_bytes, kv, steps, peaks["copy_bandwidth_bytes_per_s"])
     engine_rate, hf_rate = engine_tokens / engine_s, hf_tokens / hf_s
     return {
         "engine_over_hf_generate": engine_rate / hf_rate, "engine_tokens_per_s": engine_rate,
@@ -478,10 +374,10 @@ def rl_step(trainer, engine, pool, requests, s: Settings, pad_id: int, device: t
     from tidal.train.batch import build_train_batch
     from tidal.types import Group
 
-    trajs, gen_s = timed(lambda: engine.generate(requests), device)
+    trajs, gen_s = roofline.timed(lambda: engine.generate(requests), device)
     items = [(t.text, dataclasses.replace(r.prompt, meta={**r.prompt.meta, "num_tokens": t.num_tokens}))
              for t, r in zip(trajs, requests)]  # the controller hands the reward each response's length the same way
-    scores, score_s = timed(lambda: pool.score(items), device)
+    scores, score_s = roofline.timed(lambda: pool.score(items), device)
     for t, (reward, _) in zip(trajs, scores):
         t.reward = reward
     groups = [Group(requests[i].prompt, trajs[i : i + s.rl_group_size]) for i in range(0, len(trajs), s.rl_group_size)]
@@ -491,13 +387,13 @@ def rl_step(trainer, engine, pool, requests, s: Settings, pad_id: int, device: t
         assert batch is not None, "every group's rewards were equal: nothing to train on"
         return trainer.step(batch)
 
-    _, train_s = timed(train, device)
+    _, train_s = roofline.timed(train, device)
 
     def weight_sync():
         engine.request_weight_update(trainer.state_dict_for_engine(dtype=engine.dtype), trainer.version)
         assert engine._apply_pending_update(), "the weight update was not applied"
 
-    _, sync_s = timed(weight_sync, device)
+    _, sync_s = roofline.timed(weight_sync, device)
     split = {"generate": gen_s, "score": score_s, "train": train_s, "weight_sync": sync_s}
     total = sum(split.values())
     return {"seconds": split, "fractions": {k: v / total for k, v in split.items()}, "total_s": total,
@@ -548,10 +444,10 @@ def resolve(overrides: list[str]) -> tuple[Settings, torch.device]:
 def measure_peaks(s: Settings, device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     dtype = resolve_dtype(s.precision, device, "precision")
-    return {"device": name, "peak_tflops_datasheet": datasheet_tflops(name) if device.type == "cuda" else None,
-            "matmul_tflops_measured": matmul_tflops(device, dtype, s.matmul_size), "matmul_dtype": str(dtype),
-            "matmul_tflops_measured_fp32": matmul_tflops(device, torch.float32, s.matmul_size),
-            "copy_bandwidth_bytes_per_s": copy_bandwidth(device, s.copy_mb)}
+    return {"device": name, "peak_tflops_datasheet": roofline.datasheet_tflops(name) if device.type == "cuda" else None,
+            "matmul_tflops_measured": roofline.matmul_tflops(device, dtype, s.matmul_size), "matmul_dtype": str(dtype),
+            "matmul_tflops_measured_fp32": roofline.matmul_tflops(device, torch.float32, s.matmul_size),
+            "copy_bandwidth_bytes_per_s": roofline.copy_bandwidth(device, s.copy_mb)}
 
 
 def table(result: dict) -> list[dict]:

@@ -10,6 +10,7 @@ import transformers
 from tidal import bench
 
 gpu = bench.load("gpu")
+roofline = bench.load("_roofline")
 
 TOY = ["device=cpu", "precision=bf16", "engine_dtype=bf16", "matmul_size=64", "copy_mb=8",
        "train_groups=2", "group_size=4", "prompt_len=8", "max_response=24", "pack_tokens=64", "micro_batch_tokens=64",
@@ -26,29 +27,29 @@ def test_matmul_params_and_training_flops_by_hand(tied):
     config = transformers.Qwen2Config(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                       intermediate_size=16, vocab_size=10, tie_word_embeddings=tied)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    assert gpu.matmul_params(model) == 1304
+    assert roofline.matmul_params(model) == 1304
     # sequences of 3 and 4 tokens: 7 tokens; causal (query, key) pairs 3*4/2 + 4*5/2 = 16
     # 6 * 1304 * 7 + 12 * 2 layers * 8 * 16 = 54768 + 3072
-    assert gpu.training_flops(1304, 2, 8, [3, 4]) == 57840
+    assert roofline.training_flops(1304, 2, 8, [3, 4]) == 57840
 
 
 def test_decode_schedule_and_roofline_by_hand():
     # prompts of 2 and 3 tokens, budgets 1 and 2. One slot: the second request waits for the first.
-    assert gpu.decode_steps([2, 3], [1, 2], max_rows=1) == [(1, 2), (1, 3), (1, 4)]
-    steps = gpu.decode_steps([2, 3], [1, 2], max_rows=2)
+    assert roofline.decode_steps([2, 3], [1, 2], max_rows=1) == [(1, 2), (1, 3), (1, 4)]
+    steps = roofline.decode_steps([2, 3], [1, 2], max_rows=2)
     assert steps == [(2, 5), (1, 4)]
     # weights 100 B, 10 B of KV per context token, 1000 B/s: (100 + 50) + (100 + 40) B = 0.29 s for 3 tokens
-    assert gpu.roofline_tokens_per_s(100, 10, steps, 1000) == pytest.approx(3 / 0.29)
+    assert roofline.roofline_tokens_per_s(100, 10, steps, 1000) == pytest.approx(3 / 0.29)
     config = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                                       num_key_value_heads=2)
-    assert gpu.kv_bytes_per_token(config, torch.bfloat16) == 2 * 24 * 2 * 64 * 2  # K and V, 24 layers, 2 heads of 64
+    assert roofline.kv_bytes_per_token(config, torch.bfloat16) == 2 * 24 * 2 * 64 * 2  # K, V; 24 layers, 2 heads of 64
 
 
 def test_datasheet_peaks_by_device_name():
-    assert gpu.datasheet_tflops("NVIDIA H100 80GB HBM3") == 989.0  # the SXM part
-    assert gpu.datasheet_tflops("NVIDIA H100 PCIe") == 756.0
-    assert gpu.datasheet_tflops("NVIDIA H200") == 989.0
-    assert gpu.datasheet_tflops("Tesla T4") is None
+    assert roofline.datasheet_tflops("NVIDIA H100 80GB HBM3") == 989.0  # the SXM part
+    assert roofline.datasheet_tflops("NVIDIA H100 PCIe") == 756.0
+    assert roofline.datasheet_tflops("NVIDIA H200") == 989.0
+    assert roofline.datasheet_tflops("Tesla T4") is None
 
 
 def test_cpu_defaults_sit_under_the_command_line():
@@ -121,5 +122,5 @@ def test_documented_commands_name_real_settings():
 
 def test_profile_table_names_the_costliest_ops():
     a = torch.randn(256, 256)
-    rows = gpu.profile_table(lambda: [a @ a for _ in range(3)], torch.device("cpu"), top=3)
+    rows = roofline.profile_table(lambda: [a @ a for _ in range(3)], torch.device("cpu"), top=3)
     assert len(rows) <= 3 and rows[0]["op"] in ("aten::mm", "aten::matmul") and rows[0]["calls"] >= 3
