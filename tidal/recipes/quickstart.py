@@ -196,6 +196,10 @@ def quickstart_grpo() -> RunConfig:
     a higher band, [0.46, 0.52] (its warm start stopped at 0.472 after 450 steps; GRPO took 70 steps to
     0.8 and was at 0.824 after 80), and teacher-forced per-digit accuracy does not single it out (units
     digit 0.50-0.61 and tens 0.69-0.88 over the ten bases, seed 5 at 0.51 and 0.82, split by carry or not).
+    The every-group patch with pass@k, three runs on each slow base: seed 5 at 50 / 70 / 50 steps to 0.8 and
+    seed 7 at 60 / 50 / 60, so 2x a median of 30 at best, on the 10-step evaluation grid; and one of the six
+    runs ended at 0.748 after a best of 0.872 (the thirty all-fail-guidance runs all ended at 0.874 or above).
+    Not adopted.
     """
     cfg = RunConfig()
     cfg.max_steps = 400
