@@ -296,14 +296,12 @@ def pass_at_k(
                          "graded reward set algo.advantage=grpo (or start from the quickstart_grpo recipe)")
     inverse_b, count_g = _group_index(group_ids_b, rewards_b.device)
     correct_g = _group_sum(rewards_b, inverse_b, len(count_g)).round().long()
-    adv_g = torch.zeros(len(count_g), 2, dtype=rewards_b.dtype, device=rewards_b.device)
-    for g, (n, c) in enumerate(zip(count_g.tolist(), correct_g.tolist())):
-        if n == 1:
-            continue  # no group to compare with
-        if n < passk_k:
+    table = []  # (A_pos, A_neg) per group, on the host: one transfer to the device, not one per group
+    for n, c in zip(count_g.tolist(), correct_g.tolist()):
+        if 1 < n < passk_k:
             raise ValueError(f"passk_k={passk_k} needs groups of at least {passk_k} samples, got a group of {n}")
-        adv_g[g] = torch.tensor(_pass_at_k_advantages(n, c, passk_k, adv_eps))
-    adv_g = adv_g.to(rewards_b.device)
+        table.append((0.0, 0.0) if n == 1 else _pass_at_k_advantages(n, c, passk_k, adv_eps))  # n = 1: no group
+    adv_g = torch.tensor(table, dtype=rewards_b.dtype, device=rewards_b.device).reshape(-1, 2)
     return torch.where(rewards_b == 1, adv_g[inverse_b, 0], adv_g[inverse_b, 1])
 
 
