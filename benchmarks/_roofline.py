@@ -18,7 +18,6 @@ list 1,979 TFLOP/s for SXM "with sparsity", twice the dense rate; the A100's is 
 calls itself "NVIDIA H100 80GB HBM3"."""
 
 
-
 def matmul_params(model: torch.nn.Module) -> int:
     """N: every parameter outside the input embedding, plus the LM head's weight (counted even when tied to the
     embedding: the head's matmul runs on every token either way)."""
