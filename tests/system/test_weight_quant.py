@@ -12,6 +12,7 @@ from tidal.api import GenRequest
 from tidal.config import ConfigError
 from tidal.models.logprobs import token_logprobs
 from tidal.models.quant import dequantize_state_dict, linear_weight_names
+from tidal.models.tied import retie, tied_names
 from tidal.optim import OptimConfig
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.system.run import prepare
@@ -49,7 +50,7 @@ def test_local_engine_samples_with_the_dequantized_weights(small_model, tokenize
     reqs = [GenRequest(p, tokenizer(p.text).input_ids, k) for p in prompts for k in range(2)]
     trajs = engine.generate(reqs)
     assert engine.version == 1 and all(set(t.versions) == {1} for t in trajs)
-    dequantized = dequantize_state_dict(trainer.state_dict_for_engine("fp8_block"))
+    dequantized = retie(dequantize_state_dict(trainer.state_dict_for_engine("fp8_block")), tied_names(trainer.model))
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, dequantized[name]), name
     gaps_deq, gaps_full = [], []

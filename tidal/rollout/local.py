@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from tidal.api import GenRequest
 from tidal.models import lora
 from tidal.models.quant import dequantize_state_dict
+from tidal.models.tied import load_weights
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
@@ -209,7 +210,8 @@ class LocalEngine:
             lora.apply_update(self.model, self._lora_base, state_dict)
         else:
             state_dict = dequantize_state_dict(state_dict, next(self.model.parameters()).dtype)  # fp8_block sync
-            self.model.load_state_dict(state_dict)  # strict: a mismatched checkpoint must fail loudly
+            # strict (a mismatched checkpoint must fail loudly), but a tied head comes as its embedding only
+            load_weights(self.model, state_dict)
         with self._lock:
             if self._pending is pending:  # not replaced by a newer update meanwhile
                 self._pending = None

@@ -30,6 +30,7 @@ from tidal.inspector.samples import SampleLog
 from tidal.integrity.guard import SDCGuard, SilentDataCorruption, rollback
 from tidal.models import lora, tiny
 from tidal.models.quant import dequantize_state_dict
+from tidal.models.tied import load_weights
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
@@ -232,7 +233,7 @@ def _rollout_model(cfg: RunConfig, trainer: Trainer):
     if quant == "none":
         return trainer.model
     model = copy.deepcopy(trainer.model)
-    model.load_state_dict(dequantize_state_dict(trainer.state_dict_for_engine(quant)))
+    load_weights(model, dequantize_state_dict(trainer.state_dict_for_engine(quant)))  # a tied head comes once
     return model
 
 

@@ -66,6 +66,7 @@ from tidal.models import lora
 from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.models.quant import linear_weight_names, quantize_state_dict
+from tidal.models.tied import tied_names, untie
 from tidal.optim import OptimConfig, build_optimizer
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
@@ -468,7 +469,9 @@ class Trainer:
         (``rollout.dtype``), cast here so a bf16 engine is sent half the bytes. With data parallel: the
         full weights gathered on rank 0 (an empty dict elsewhere; every rank must call it). ``quant``
         ``fp8_block``: linear weights as e4m3 plus a ``weight_scale`` per 128 x 128 tile
-        (``models/quant.py``); the engine dequantizes them."""
+        (``models/quant.py``); the engine dequantizes them. A parameter listed under two names (tied input
+        and output embeddings) is sent once, under its first name; the engine fills in the other
+        (``models/tied.py``)."""
         start = time.perf_counter()
         if self.lora:  # the adapters only; the engine merges them into its own copy of the base
             if quant != "none":
@@ -479,13 +482,14 @@ class Trainer:
             self.weight_sync_metrics = {"perf/weight_gather_s": time.perf_counter() - start,
                                         "perf/weight_sync_bytes": float(state_dict_bytes(sd))}
             return sd
+        tied = tied_names(self.model)
         if self.dp.enabled and self.dp.shards_model:
-            sd = root_of(self.model).full_state_dict()
+            sd = untie(root_of(self.model).full_state_dict(), tied)
             if dtype is not None:
                 sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         else:  # one copy, already in the engine's dtype (``to`` with copy=True never aliases the weights)
             sd = {k: v.detach().to(dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype, copy=True)
-                  for k, v in self.model.state_dict().items()}
+                  for k, v in untie(self.model.state_dict(), tied).items()}
         if quant == "fp8_block":
             sd = quantize_state_dict(sd, [n for n in linear_weight_names(self.model) if n in sd])
         elif quant != "none":
