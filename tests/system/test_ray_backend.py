@@ -190,3 +190,27 @@ def test_a_harness_behind_the_endpoint_on_ray_workers(ray_cluster, tmp_path):
     rows = result.history[1:]
     assert len(rows) == 3 and all(r["agent/turns_mean"] == 2.0 and r["agent/infra_failures"] == 0 for r in rows)
     assert all(r["harness/finished"] >= 12 * r["step"] for r in rows)
+
+
+def test_a_replacement_worker_starts_from_a_tied_model_sent_once(small_model, tokenizer):
+    """A replacement worker starts from the newest weights as the trainer sent them: a tied embedding once.
+    Its model loads them and stays tied (the worker class itself, in this process: no actor needed)."""
+    import copy
+
+    from tidal.algo.config import AlgoConfig
+    from tidal.optim import OptimConfig
+    from tidal.rollout.local import SamplingConfig
+    from tidal.system.ray_engine import RolloutWorker, to_arrays
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
+
+    trainer = Trainer(copy.deepcopy(small_model), AlgoConfig(), OptimConfig(), TrainerConfig())
+    with torch.no_grad():
+        trainer.model.model.embed_tokens.weight.add_(1.0)
+    sent = trainer.state_dict_for_engine()
+    assert "lm_head.weight" not in sent
+    worker = RolloutWorker("local", copy.deepcopy(small_model), tokenizer, SamplingConfig(), 0, 3, to_arrays(sent),
+                           torch.get_num_threads())
+    model = worker.engine.model
+    assert worker.ready() == 3 and model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, trainer.model.lm_head.weight)

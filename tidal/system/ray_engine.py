@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from tidal.api import GenRequest
+from tidal.models.tied import load_weights
 from tidal.rollout import ENGINES
 from tidal.rollout.requests import generate_by_stream
 from tidal.system.dispatch import Dispatch
@@ -90,7 +91,7 @@ def to_arrays(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[Any, st
 
 def from_arrays(arrays: Mapping[str, tuple[Any, str]]) -> dict[str, torch.Tensor]:
     """Inverse of ``to_arrays``. The tensors share the (read-only) object-store memory; they are only
-    read, by ``load_state_dict``, which copies them into the model."""
+    read, by ``load_weights``, which copies them into the model."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {name: torch.from_numpy(a).view(getattr(torch, dtype)) if dtype else torch.from_numpy(a)
@@ -113,8 +114,8 @@ class RolloutWorker:
     def __init__(self, engine: str, model, tokenizer, cfg, seed: int, version: int,
                  arrays: Mapping[str, tuple[Any, str]] | None, num_threads: int):
         torch.set_num_threads(num_threads)
-        if arrays is not None:  # a replacement worker: start from the newest weights
-            model.load_state_dict(from_arrays(arrays))
+        if arrays is not None:  # a replacement worker: start from the newest weights (a tied head comes once)
+            load_weights(model, from_arrays(arrays))
         self.engine = ENGINES.get(engine)(model, tokenizer, cfg, seed, version)
         self._staged = version
         self._cond = threading.Condition()
