@@ -84,7 +84,9 @@ def test_hack_repeating_the_question():
     reward, details = score(r"\boxed{2+3}")  # symbolically equal to 5, but copied from the question
     assert reward == 0.0 and details["reason"] == "answer copied from the question"
     assert score(f"{Q} Easy: \\boxed{{5}}")[0] == 1.0  # echoing the question, then answering, is fine
-    assert score(r"\boxed{2+3}", reject_copied=False)[0] == 1.0
+    # Without the copy check the restatement rule still rejects it (test_math_restate.py); both off: 1.
+    assert score(r"\boxed{2+3}", reject_copied=False)[1]["reason"] == "restates the question"
+    assert score(r"\boxed{2+3}", reject_copied=False, reject_restated=False)[0] == 1.0
 
 
 def test_copy_check_exempts_plain_numbers_and_the_gold():
@@ -129,7 +131,7 @@ def test_bad_gold_is_an_error_and_bad_params_are_config_errors():
 def test_runs_outside_the_main_thread_and_pickles():
     fn = pickle.loads(pickle.dumps(build_reward("math", {})))
     out = []
-    t = threading.Thread(target=lambda: out.append(fn(r"\boxed{\frac{10}{2}}", Prompt("u", "q", "5"))))
+    t = threading.Thread(target=lambda: out.append(fn(r"\boxed{\frac{10}{4}}", Prompt("u", "q", "2.5"))))
     t.start()
     t.join()
     assert out[0][0] == 1.0, out  # math-verify's signal.alarm would raise here without the guard

@@ -26,7 +26,10 @@ Reward hacking this resists (each scores 0, with ``details["reason"]``):
 - *repeating the question*: verbatim copies of the question are removed before extraction, and an
   answer that is an expression copied from the question (``\\boxed{2+3}`` for "What is 2+3?",
   which is symbolically equal to 5) is rejected unless it is literally the gold answer (plain
-  numbers are exempt, e.g. multiple choice).
+  numbers are exempt, e.g. multiple choice);
+- *restating the question in other words* (issue 49: ``22+13 is 22+13.``, ``13+22``,
+  ``\\frac{44+26}{2}``, ``35 \\cdot 1``): when the gold is a value, an answer with arithmetic left to
+  do is not an answer, in every mode (``rewards/restate.py``: the rule and what counts as a value).
 
 math-verify bounds its own work with ``signal.alarm``, which only works in a process's main thread
 (the reward pool's workers). Elsewhere (``tidal score --workers 0`` from a thread, tests) its
@@ -44,6 +47,7 @@ from typing import Any
 
 from tidal.config import ConfigError
 from tidal.rewards import REWARDS
+from tidal.rewards.restate import restatement
 from tidal.types import Prompt
 
 FORMATS = ("boxed", "answer_tag", "answer_is")
@@ -194,6 +198,9 @@ class MathReward:
     (an unclosed think block has no answer): thoughts may try candidates, the answer may not."""
     reject_copied: bool = True
     """Score 0 an answer that is an expression copied from the question (see the module docstring)."""
+    reject_restated: bool = True
+    """When the gold is a value, score 0 an answer with arithmetic left to do (``13+22`` for "What is
+    22+13?", ``35 \\cdot 1``; ``rewards/restate.py``): math-verify would evaluate it to the gold."""
     timeout_s: int | None = 5
     """math-verify's own per-parse/per-comparison limit in whole seconds (its default 5); it uses
     ``signal.alarm``, so it applies in a main thread only; null disables it."""
@@ -257,6 +264,10 @@ class MathReward:
             return result("no final answer" if extracted is None else "answer unparseable")
         if self.reject_copied and copied_from_question(extracted, prompt.text, gold):
             return result("answer copied from the question")
+        if self.reject_restated:
+            why = restatement(extracted, parsed, _clean(gold), gold_parsed, prompt.text)
+            if why:
+                return result(why)
         correct = verify(gold_parsed, parsed, timeout_seconds=timeout)
         return result("correct" if correct else "wrong answer", correct)
 
