@@ -2,6 +2,8 @@
 interrupt/resume path on a stand-in engine (the real one: tests/rollout/test_vllm_engine.py, run in
 the vLLM venv), load balancing, streamed-chunk parsing and the install hint."""
 
+import copy
+import json
 import math
 import sys
 from collections import deque
@@ -205,3 +207,49 @@ def test_a_failed_weight_load_stops_every_front_end(tokenizer, tmp_path):
         engine.generate([_request()])
     with pytest.raises(RuntimeError, match="failed to load weights earlier"):
         VllmEngine(driver, tokenizer, cfg).generate([_request("other")])
+
+
+def _tied_dir(path, tied: bool):
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "tie_word_embeddings": tied}))
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_driver_spells_out_a_tied_head_sent_once(tokenizer, tmp_path, tied):
+    """The trainer sends a tied embedding once (``models/tied.py``); vLLM's reload is given the head as well,
+    as the same tensor (in-process: no copy), when the model's config ties them."""
+    cfg = SamplingConfig(max_new_tokens=2)
+    driver = VllmDriver(_tied_dir(tmp_path, tied), cfg, llm=_FakeLLM(),
+                        sampling_params_cls=lambda **kw: SimpleNamespace(**kw))
+    embed, norm = torch.ones(4, 2), torch.ones(2)
+    VllmEngine(driver, tokenizer, cfg).request_weight_update({"model.embed_tokens.weight": embed,
+                                                              "model.norm.weight": norm}, version=1)
+    driver.step()
+    loaded = driver.llm.loaded[-1]
+    assert ("lm_head.weight" in loaded) == tied and loaded["model.embed_tokens.weight"] is embed
+    if tied:
+        assert loaded["lm_head.weight"] is embed
+
+
+def test_server_client_writes_a_tied_head_sent_once(tokenizer, tmp_path, monkeypatch, small_model):
+    """The server client writes the head next to the embedding (vLLM's reload from disk leaves a head it is
+    not given unloaded: ``read_checkpoint_dir``); its tied names are the trainer model's."""
+    from safetensors.torch import load_file
+
+    from tidal.rollout import vllm_server
+    from tidal.rollout.vllm import build_engine
+    from tidal.rollout.vllm_options import VllmOptions
+
+    posts = []
+    monkeypatch.setattr(vllm_server, "_get", lambda url, timeout=30.0: {"data": [{"id": "m"}]})
+    monkeypatch.setattr(vllm_server, "_post", lambda url, payload=None, timeout=600.0: posts.append(url))
+    cfg = SamplingConfig(max_new_tokens=2)
+    cfg.vllm = VllmOptions(servers=["http://s0"], weights_dir=str(tmp_path))
+    model = copy.deepcopy(small_model)  # build_engine keeps one client per model
+    engine = build_engine(model, tokenizer, cfg)
+    embed = model.model.embed_tokens.weight.detach() + 1.0
+    engine.request_weight_update({"model.embed_tokens.weight": embed}, version=1)
+    engine._apply_pending()
+    written = load_file(str(tmp_path / "v1" / "model.safetensors"))
+    assert torch.equal(written["lm_head.weight"], embed) and torch.equal(written["model.embed_tokens.weight"], embed)
+    assert posts == ["http://s0/collective_rpc", "http://s0/reset_prefix_cache"]

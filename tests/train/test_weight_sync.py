@@ -61,8 +61,9 @@ def test_the_engine_stays_tied_and_matches_the_trainer_after_a_sync(small_model,
     for model, quant in ((small_model, "none"), (small_model, "fp8_block"), (untied(small_model), "none")):
         trainer = _trainer(model)
         engine = LocalEngine(model, tokenizer, SamplingConfig(max_new_tokens=6))
+        embed = trainer.model.model.embed_tokens.weight
         with torch.no_grad():  # a new embedding: with tied weights, a new head as well
-            trainer.model.model.embed_tokens.weight.add_(0.05 * torch.randn_like(trainer.model.model.embed_tokens.weight))
+            embed.add_(0.05 * torch.randn_like(embed))
         assert _max_gap(engine, trainer, tokenizer) > 1e-2
         engine.request_weight_update(trainer.state_dict_for_engine(quant), 1)
         gap = _max_gap(engine, trainer, tokenizer)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from tidal.models.tied import tied_names
 from tidal.rollout.vllm_engine import _DRIVERS, VllmEngine, driver_for
 from tidal.rollout.vllm_options import VllmOptions
 from tidal.rollout.vllm_server import VllmServerEngine
@@ -15,6 +16,6 @@ def build_engine(model, tokenizer, cfg, seed: int = 0, version: int = 0):
     if options.servers:
         if model not in _DRIVERS:
             _DRIVERS[model] = VllmServerEngine(options.servers, tokenizer, cfg, seed=seed, version=version,
-                                               options=options)
+                                               options=options, tied=tied_names(model))
         return _DRIVERS[model]
     return VllmEngine(driver_for(model, tokenizer, cfg, seed, version, options), tokenizer, cfg, seed=seed)

@@ -53,9 +53,16 @@ from pathlib import Path
 import torch
 
 from tidal.api import GenRequest
+from tidal.models.tied import retie
 from tidal.rollout.requests import generate_by_stream
 from tidal.rollout.segments import SegmentedRow, new_row
-from tidal.rollout.vllm_options import VllmOptions, read_checkpoint_dir, spec_counts, speculative_config  # noqa: F401 (re-exported)
+from tidal.rollout.vllm_options import (  # noqa: F401 (re-exported)
+    VllmOptions,
+    read_checkpoint_dir,
+    spec_counts,
+    speculative_config,
+    tied_head_names,
+)
 from tidal.types import Trajectory
 
 INSTALL_HINT = (
@@ -122,6 +129,7 @@ class VllmDriver:
         self.seed = seed
         self.version = version
         self.model_dir = Path(model_dir)
+        self.tied = tied_head_names(model_dir)  # a tied head is sent once, as the embedding: given to vLLM as both
         self._lock = threading.RLock()
         self._pending_lock = threading.Lock()
         self._pending: tuple[str, object, int] | None = None
@@ -159,7 +167,7 @@ class VllmDriver:
         if version == self.version:
             return  # a version names one set of weights: already loaded
         t0 = time.perf_counter()
-        state = read_checkpoint_dir(payload) if kind == "dir" else payload  # a bad path fails before any abort
+        state = read_checkpoint_dir(payload) if kind == "dir" else retie(payload, self.tied)  # a bad path fails first
         running = list(self._rows.values())
         if running:  # interrupt: abort, keep what each produced, continue after the load
             self.engine.abort_request([entry[0].request_id for entry in running])

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from tidal.models.tied import retie
+
 
 @dataclass
 class VllmOptions:
@@ -74,13 +76,26 @@ def spec_counts(metrics) -> tuple[float, float] | None:
     return (totals[SPEC_COUNTERS[0]], totals[SPEC_COUNTERS[1]]) if seen else None
 
 
+TIED_HEAD = {"lm_head.weight": "model.embed_tokens.weight"}
+"""A Hugging Face causal LM's tied head (``tie_word_embeddings``), as ``models/tied.py`` names aliases."""
+
+
+def tied_head_names(model_dir: str | Path) -> dict[str, str]:
+    """``TIED_HEAD`` when ``model_dir/config.json`` ties the embeddings, else ``{}``. A trainer's weight sync
+    sends a tied head once, as the embedding (``models/tied.py``); vLLM is given it under both names, as a
+    checkpoint directory's is (``read_checkpoint_dir`` says why)."""
+    import json
+
+    config = Path(model_dir) / "config.json"
+    tied = config.exists() and json.loads(config.read_text()).get("tie_word_embeddings", False)
+    return dict(TIED_HEAD) if tied else {}
+
+
 def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face checkpoint directory (``*.safetensors``), on CPU, with the head
     written out when embeddings are tied: ``save_pretrained`` stores a tied ``lm_head.weight`` only as
     the embedding, and vLLM's in-place reload from disk then leaves its head unloaded (measured: its
     log-probs were ~1 nat off), while the state-dict path, which carries ``lm_head.weight``, is exact."""
-    import json
-
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -90,7 +105,4 @@ def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    if config.get("tie_word_embeddings") and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
+    return retie(state, tied_head_names(path))

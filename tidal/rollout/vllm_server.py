@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from tidal.api import GenRequest
+from tidal.models.tied import retie
 from tidal.rollout.segments import LoadBalancer, SegmentedRow, new_row
 from tidal.rollout.vllm_options import VllmOptions, read_checkpoint_dir
 from tidal.types import Trajectory
@@ -90,8 +91,11 @@ def parse_completion_chunk(chunk: dict) -> tuple[list[int], list[float], str | N
 class VllmServerEngine:
     """``RolloutEngine`` over OpenAI-compatible vLLM servers (see module docstring)."""
 
-    def __init__(self, servers: Sequence[str], tokenizer, cfg, seed: int = 0, version: int = 0, options=None):
+    def __init__(self, servers: Sequence[str], tokenizer, cfg, seed: int = 0, version: int = 0, options=None,
+                 tied: Mapping[str, str] | None = None):
+        """``tied``: the policy's tied names (``models/tied.py``), filled back into each state dict sent."""
         self.options = options or VllmOptions(servers=list(servers))
+        self.tied = dict(tied or {})
         self.servers = [s.rstrip("/") for s in servers]
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -141,9 +145,10 @@ class VllmServerEngine:
         assert self.options.weights_dir, "server mode needs rollout.vllm.weights_dir for weight updates"
         from safetensors.torch import save_file
 
-        # A checkpoint directory is re-written with its tied head spelled out (read_checkpoint_dir says
-        # why); safetensors stores each tensor once, so tensors sharing storage are copied.
-        state = read_checkpoint_dir(payload) if isinstance(payload, Path) else payload
+        # A checkpoint directory, or a state dict that sends a tied head once, is written with the head spelled
+        # out (read_checkpoint_dir says why); safetensors stores each tensor once, so tensors sharing storage
+        # are copied.
+        state = read_checkpoint_dir(payload) if isinstance(payload, Path) else retie(payload, self.tied)
         path = Path(self.options.weights_dir) / f"v{version}"
         path.mkdir(parents=True, exist_ok=True)
         seen: set[int] = set()
