@@ -77,6 +77,7 @@ from tidal.rewards import exact_match as _exact_match  # noqa: E402,F401  (regis
 from tidal.rewards import format as _format  # noqa: E402,F401
 from tidal.rewards import judge as _judge  # noqa: E402,F401
 from tidal.rewards import language as _language  # noqa: E402,F401
+from tidal.rewards import last_number as _last_number  # noqa: E402,F401
 from tidal.rewards import length as _length  # noqa: E402,F401
 from tidal.rewards import math as _math  # noqa: E402,F401
 from tidal.rewards import reasoning_gym as _reasoning_gym  # noqa: E402,F401
