@@ -215,7 +215,9 @@ def test_two_processes_match_one(two_procs, case):
     assert got["version"] == ref.version == STEPS
     want_sd = ref.state_dict_for_engine()
     assert_state_dicts_close(got["sd"], want_sd)
-    assert got["sync"]["perf/weight_sync_bytes"] == ref.weight_sync_metrics["perf/weight_sync_bytes"] > 0
+    assert "lm_head.weight" not in got["sd"]  # the tied head: gathered, sent once (as the embedding)
+    unique = sum(p.numel() * p.element_size() for p in ref.model.parameters())
+    assert got["sync"]["perf/weight_sync_bytes"] == ref.weight_sync_metrics["perf/weight_sync_bytes"] == unique
 
 
 def test_muon_is_refused_under_fsdp():
