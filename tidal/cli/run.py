@@ -135,7 +135,7 @@ def _quant_method(model_dir: Path) -> str:
 def cmd_eval(args) -> int:
     """Greedy held-out accuracy of a run's latest checkpoint or of a model directory."""
     from tidal.config import apply_mapping
-    from tidal.models import tiny
+    from tidal.models import prompts, tiny
     from tidal.rewards import build_reward
     from tidal.rewards.pool import RewardPool
     from tidal.rollout import ENGINES
@@ -160,19 +160,20 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"{model_dir}: loading this quantized checkpoint (quant_method {_quant_method(model_dir)}) "
                           f"needs packages that are not installed; pip install 'tidal[quant]' ({e})") from None
     validate_run_config(cfg)
+    prompts.attach(tokenizer, cfg.model.prompts())
     task = build_task(cfg)
     try:
         engine = ENGINES.get(cfg.rollout.engine)(model, tokenizer, cfg.rollout, cfg.seed, 0)
     except ImportError as e:  # an optional engine (vllm): its message says what to install
         raise ConfigError(f"rollout.engine={cfg.rollout.engine}: {e}") from None
     pool = RewardPool(build_reward(*run_reward(cfg)), cfg.reward)
-    prompts = task.eval_prompts()[: cfg.num_eval]
+    eval_prompts = task.eval_prompts()[: cfg.num_eval]
     thinking, close = cfg.rollout.thinking, close_ids(tokenizer, cfg.rollout.thinking)
     try:
         budget = thinking.eval_budget
-        result = greedy_accuracy(engine, tokenizer, prompts, pool, None if budget is None else (budget, close))
+        result = greedy_accuracy(engine, tokenizer, eval_prompts, pool, None if budget is None else (budget, close))
         if thinking.eval_budgets:  # the accuracy-vs-thinking-budget curve (budget forcing, rollout/thinking.py)
-            result["accuracy_by_thinking_budget"] = accuracy_by_budget(engine, tokenizer, prompts, pool,
+            result["accuracy_by_thinking_budget"] = accuracy_by_budget(engine, tokenizer, eval_prompts, pool,
                                                                        thinking.eval_budgets, close)
     finally:
         pool.close()

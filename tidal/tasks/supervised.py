@@ -8,6 +8,7 @@ import torch
 
 from tidal.api import Task
 from tidal.config import ConfigError
+from tidal.models import prompts
 
 
 def _encode(tokenizer, prompt_text: str, example) -> tuple[list[int], int]:
@@ -27,7 +28,7 @@ def _encode(tokenizer, prompt_text: str, example) -> tuple[list[int], int]:
         prompt_ids = tokenizer(head, add_special_tokens=False).input_ids
         rest = tokenizer(full[len(head):].rstrip("\n"), add_special_tokens=False).input_ids
         return [*prompt_ids, *rest], len(prompt_ids)
-    prompt_ids = [tokenizer.bos_token_id, *tokenizer(prompt_text, add_special_tokens=False).input_ids]
+    prompt_ids = prompts.prompt_ids(tokenizer, prompt_text)  # as RL reads the prompt (chat template or BOS + text)
     answer_ids = [*tokenizer(example, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
     return prompt_ids + answer_ids, len(prompt_ids)
 
