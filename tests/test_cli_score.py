@@ -65,7 +65,7 @@ def test_unknown_reward_or_param_is_a_one_line_error():
     assert "valid: threshold, partial_credit, extract (did you mean 'threshold' for 'treshold'?)" in err
     code, _, err = _score(["--reward", "math", "--set", "foo=1"], [])
     assert code == 2 and err.strip() == ("error: reward 'math': unknown parameter(s) ['foo']; "
-                                         "valid: mode, formats, after_think, reject_copied, timeout_s")
+                                         "valid: mode, formats, after_think, reject_copied, reject_restated, timeout_s")
 
 
 def test_output_streams_chunk_by_chunk_before_input_ends():
