@@ -4,7 +4,8 @@ Every entry of ``REWARDS`` is a *factory*: ``REWARDS.get(name)(**params)`` retur
 function ``fn(response: str, prompt: Prompt) -> (reward: float, details: dict)`` (the
 ``tidal.api.RewardFn`` protocol). Parameters come from ``reward.params`` in a run config or
 ``--set`` in ``tidal score``. The function must be picklable (a module-level function or a
-dataclass instance), because the pool ships it to worker processes.
+dataclass instance), because the pool ships it to worker processes. A reward of your own needs no
+registering: an import path (``my_pkg.mod:fn``, ``file.py:fn``) is a reward name too (``custom.py``).
 
 Conventions for ``details``:
 - ``error``: why a reward is 0 because scoring failed (raised, timed out, killed); counted.
@@ -42,7 +43,12 @@ def register_fn(name: str) -> Callable[[Callable], Callable]:
 
 
 def build_reward(name: str, params: dict[str, Any] | None = None) -> Callable:
-    """The reward function ``name`` configured with ``params``; a bad parameter is a ConfigError."""
+    """The reward function ``name`` configured with ``params``; a bad parameter is a ConfigError.
+    ``name`` is a registered reward or an import path, ``my_pkg.mod:fn`` / ``file.py:fn`` (``custom.py``)."""
+    from tidal.rewards.custom import ImportedReward, is_import_path
+
+    if is_import_path(name):
+        return ImportedReward(name, params)
     factory = REWARDS.get(name)
     try:
         return factory(**(params or {}))
