@@ -1,13 +1,11 @@
 """``last_number``: the last number of a prose answer against the gold, and the cheats it refuses."""
 
 import pickle
-from fractions import Fraction
 
 import pytest
 
 from tidal.config import ConfigError
 from tidal.rewards import build_reward
-from tidal.rewards.last_number import final_statement, is_operand, numbers, parse_gold
 from tidal.types import Prompt
 
 Q = "What is 22+13?"
@@ -15,26 +13,6 @@ Q = "What is 22+13?"
 
 def score(response, answer="35", question=Q, **params):
     return build_reward("last_number", params)(response, Prompt("u", question, answer))
-
-
-def test_numbers_signs_thousands_decimals_fractions_and_final_periods():
-    got = [(n.text, n.value) for n in numbers("It is -5, 22 - 13, 1,234.50 or 1/2 and 85. Not x2; is −7.")]
-    assert got == [("-5", -5), ("22", 22), ("13", 13), ("1,234.50", Fraction("1234.5")), ("1/2", Fraction(1, 2)),
-                   ("85", 85), ("-7", -7)]
-    assert [n.text for n in numbers("1, 2,3 and 33,34")] == ["1", "2", "3", "33", "34"]  # not thousands groups
-    assert [n.divides_out for n in numbers("70/2 1/2 35/1")] == [True, False, True]
-
-
-def test_parse_gold():
-    assert parse_gold("052") == 52 and parse_gold(" -5 ") == -5 and parse_gold("1,234") == 1234
-    assert parse_gold("3.50") == Fraction("3.5") and parse_gold("$12.") == 12 and parse_gold("1/2") == Fraction(1, 2)
-    assert parse_gold("x") is None and parse_gold("1 2") is None and parse_gold("35 apples") is None
-
-
-def test_is_operand():
-    text = "37 + 48 = 85, (22)+(13), 22 plus 13, x = 9"
-    found = {n.text: is_operand(text, n) for n in numbers(text)}
-    assert found == {"37": True, "48": True, "85": False, "22": True, "13": True, "9": False}
 
 
 @pytest.mark.parametrize("response, question, gold", [
@@ -98,12 +76,6 @@ def test_options_change_the_rules():
     assert score("What is 22+13?", strip_question=False)[1]["reason"] == "restates the question"
     assert score("0.33", "0.3333", "What is 1/3?")[0] == 0.0
     assert score("0.3333", "0.33333", "What is 1/3?", rel_tol=1e-3)[0] == 1.0
-
-
-def test_final_statement_spans_a_trailing_list():
-    text = "First 20 + 15 = 35. So:\n33\n34, 35"
-    start, end = final_statement(text, numbers(text)[-1])
-    assert text[start:end].split() == ["33", "34,", "35"]
 
 
 def test_bad_gold_is_an_error_and_bad_params_are_config_errors():

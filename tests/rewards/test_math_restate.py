@@ -123,3 +123,19 @@ def test_integer_quotient_and_gold_is_value():
     assert gold_is_value("35", parse("35")) and gold_is_value(r"2\pi", parse(r"$2\pi$"))
     assert not gold_is_value("x^2+1", parse("$x^2+1$")) and not gold_is_value("B", parse("B"))
     assert not gold_is_value(r"\frac{70}{2}", parse(r"$\frac{70}{2}$"))
+
+
+@pytest.mark.parametrize("response", ["33, 34, 36 or 35", "33 34 35", "Maybe 33.\n34\n35"])
+def test_lenient_candidate_lists_are_hedging(response):
+    from math_verify import parse, verify
+
+    assert verify(parse("35"), parse(response))  # math-verify alone reads only the last one: a hole
+    reward, details = score(response, mode="lenient")
+    assert (reward, details["reason"]) == (0.0, "multiple different answers (fallback)"), details
+
+
+@pytest.mark.parametrize("response, gold", [("The sum of 22 and 13 is 35.", "35"), (r"So x = \frac{3}{4}.", "0.75"),
+                                            ("20 + 10 = 30, 2 + 3 = 5, so 30 + 5 = 35", "35")])
+def test_lenient_single_values_are_not_hedging(response, gold):
+    reward, details = score(response, gold, mode="lenient")
+    assert reward == 1.0, details

@@ -14,11 +14,14 @@ answer, compared with the reference by a rule-based, sympy-backed verifier):
 
 Modes. ``strict`` (default): only the configured formats count; no final answer scores 0.
 ``lenient``: when none of the formats occurs, fall back to math-verify's own extraction from the
-answer region (its LaTeX/expression extraction, which takes the *last* expression it can parse).
+answer region (its LaTeX/expression extraction, which takes the *last* expression it can parse). As
+that reads only the last expression, a plain-number gold makes the fallback read the final statement
+as prose too (``rewards/prose.py``): one stating several values ("33, 34 or 35") is hedging.
 
 Reward hacking this resists (each scores 0, with ``details["reason"]``):
 - *hedging*: several different answers in the winning format (``\\boxed{3} ... \\boxed{4}``);
-  repeats of one answer (``\\boxed{1/2}`` then ``\\boxed{0.5}``) are fine;
+  repeats of one answer (``\\boxed{1/2}`` then ``\\boxed{0.5}``) are fine; in the lenient fallback,
+  several values in the final statement (above);
 - *an answer hidden in the reasoning*: only the final-answer formats count, so a correct number in
   the text next to a wrong or missing final answer scores 0 (strict; lenient takes the last
   expression only); with ``after_think`` text inside ``<think>`` never counts, and an unclosed
@@ -47,6 +50,7 @@ from typing import Any
 
 from tidal.config import ConfigError
 from tidal.rewards import REWARDS
+from tidal.rewards.prose import parse_number, read_final
 from tidal.rewards.restate import restatement
 from tidal.types import Prompt
 
@@ -256,6 +260,10 @@ class MathReward:
         elif self.mode == "lenient":
             parsed = parse(region, parsing_timeout=timeout)
             extracted, details["format"] = (str(parsed[-1]) if parsed else None), "fallback"
+            final = read_final(region, prompt.text) if parsed and parse_number(gold) is not None else None
+            if final is not None and not final.restated and len(final.values) > 1:  # "33, 34 or 35": it reads 35
+                details["extracted"], details["answers"] = extracted, [str(v) for v in final.values]
+                return result("multiple different answers (fallback)")
         else:
             return result(f"no final answer in {self.formats}")
         details["extracted"] = extracted
@@ -265,7 +273,9 @@ class MathReward:
         if self.reject_copied and copied_from_question(extracted, prompt.text, gold):
             return result("answer copied from the question")
         if self.reject_restated:
-            why = restatement(extracted, parsed, _clean(gold), gold_parsed, prompt.text)
+            # The fallback's parse can drop what its own extracted text shows ("052*1" parses to 52 there).
+            forms = parsed if answers else [*parsed, *parse_answer(extracted, timeout)]
+            why = restatement(extracted, forms, _clean(gold), gold_parsed, prompt.text)
             if why:
                 return result(why)
         correct = verify(gold_parsed, parsed, timeout_seconds=timeout)
