@@ -90,6 +90,41 @@ def test_the_block_mask_is_exact_tile_by_tile(width, block):
     assert torch.equal(rebuilt, dense)
 
 
+@pytest.mark.parametrize("window", [1, 37, 130])
+def test_the_windowed_block_mask_is_exact_and_skips_tiles_behind_the_window(window):
+    """Sliding-window layers: the rule gains ``pos[q] - pos[kv] < window`` over position ids (a trie's depths,
+    a packed row's restarting positions). Tiles listed full are all-true, skipped tiles hide nothing, and the
+    tiles far behind the diagonal that the interval rule alone keeps are skipped."""
+    _, _, layouts = _both_layouts()
+    for layout, _, _ in layouts:
+        end_rl, pos_rl = layout.end_rl, layout.position_ids_rl
+        r, n = end_rl.shape
+        dense = interval_mask(end_rl, pos_rl, window)[:, 0]
+        assert torch.equal(dense, interval_mask(end_rl)[:, 0] & (pos_rl[:, :, None] - pos_rl[:, None, :] < window))
+        bm = interval_block_mask(end_rl, 64, pos_rl=pos_rl, window=window)
+        cols = torch.arange(n)
+        from_mod = bm.mask_mod(torch.arange(r)[:, None, None], 0, cols[None, :, None], cols[None, None, :])
+        assert torch.equal(from_mod, dense)
+        partial, full = block_sets(bm)
+        rebuilt = torch.zeros_like(dense)
+        for b in range(r):
+            for q in range(partial.shape[1]):
+                for k in range(partial.shape[2]):
+                    rows, keys = slice(q * 64, (q + 1) * 64), slice(k * 64, (k + 1) * 64)
+                    if full[b, q, k]:
+                        assert dense[b, rows, keys].all(), (b, q, k)
+                        rebuilt[b, rows, keys] = True
+                    elif partial[b, q, k]:
+                        rebuilt[b, rows, keys] = from_mod[b, rows, keys]
+                    else:
+                        assert not dense[b, rows, keys].any(), (b, q, k)
+        assert torch.equal(rebuilt, dense)
+    # one 512-token sequence: with a window under a tile, only the diagonal tiles and the ones just below remain
+    partial, full = block_sets(interval_block_mask(torch.full((1, 512), 512), 64, torch.arange(512)[None], window))
+    behind = torch.arange(8)[:, None] - torch.arange(8)[None, :]  # query block - key block
+    assert torch.equal((partial | full)[0], (behind >= 0) & (behind <= -(-(window - 1) // 64)))
+
+
 class _Attention(torch.nn.Module):
     """What transformers passes as ``module``: only its attributes are read."""
 

@@ -33,7 +33,7 @@ from tidal.models.logprobs import token_logprobs
 from tidal.optim import lr_factor
 from tidal.optim.config import OptimConfig
 from tidal.train.microbatch import pack_sequences
-from tidal.train.packing import pack, unpack
+from tidal.train.packing import pack, packed_attention_mask, unpack
 from tidal.utils.progress import progress_bar
 
 
@@ -114,8 +114,8 @@ def sft_loss(model, seqs: list[Sequence], pad_id: int, cfg: StudentConfig) -> tu
     for micro in pack_sequences(lengths, cfg.micro_batch_tokens):
         rows = torch.tensor(sorted(micro))
         packed = pack(ids[rows], [lengths[i] for i in rows.tolist()], cfg.pack_tokens, pad_id)
-        logp_rl, _ = token_logprobs(model, packed.input_ids_rl, packed.attention_mask_r1ll,
-                                    position_ids=packed.position_ids_rl)
+        mask = packed_attention_mask(packed, model, "dense")  # with the model's sliding windows, if any
+        logp_rl, _ = token_logprobs(model, packed.input_ids_rl, mask, position_ids=packed.position_ids_rl)
         logp_bt = unpack(logp_rl, packed, ids.shape[1])
         loss = -(logp_bt * resp[rows]).sum() / total
         loss.backward()

@@ -27,6 +27,13 @@ FlexAttention has no backward, a query-chunked SDPA evaluates ``mask_mod`` for o
 at a time (peak O(chunk x L), each chunk recomputed in the backward so no chunk's mask is kept).
 Any other mask (a tensor, or None: the rollout engine's prefill and decode) goes to transformers'
 own SDPA unchanged, so switching a model with ``use_packed_attention`` changes nothing else.
+
+Sliding-window layers (``models/architecture.py``) add one more term to the rule, over position ids
+rather than columns (in a trie a node's position is its depth): ``pos[q] - pos[kv] < window``. Their block
+mask keeps the interval rule's tiles, drops the tiles every pair of which is out of the window (smallest
+query position minus largest key position >= window) and keeps a tile full only if every pair is inside
+it (largest query position minus smallest key position < window), so a long row skips the tiles far
+behind the diagonal.
 """
 
 from __future__ import annotations
@@ -43,28 +50,38 @@ BLOCK_SIZE = 128
 """FlexAttention's default tile (``_DEFAULT_SPARSE_BLOCK_SIZE``), and the CPU path's query chunk."""
 
 
-def interval_mask(end_rl: torch.Tensor) -> torch.Tensor:
-    """The dense bool [R, 1, L, L] mask of the interval rule: ``mask[r, 0, q, kv] = kv <= q < end[r, kv]``.
+def interval_mask(end_rl: torch.Tensor, pos_rl: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """The dense bool [R, 1, L, L] mask of the interval rule: ``mask[r, 0, q, kv] = kv <= q < end[r, kv]``,
+    and with a ``window``, ``pos[r, q] - pos[r, kv] < window`` (``pos_rl`` [R, L]: the position ids).
     For the dense path and for tests; quadratic in L."""
     n = end_rl.shape[1]
     cols = torch.arange(n, device=end_rl.device)
-    return ((cols[None, :] <= cols[:, None]) & (cols[:, None] < end_rl[:, None, :]))[:, None]
+    mask = (cols[None, :] <= cols[:, None]) & (cols[:, None] < end_rl[:, None, :])
+    if window is not None:
+        mask = mask & (pos_rl[:, :, None] - pos_rl[:, None, :] < window)
+    return mask[:, None]
 
 
-def interval_mask_mod(end_rl: torch.Tensor):
-    """``mask_mod(b, h, q, kv)`` of the interval rule over ``end_rl``. Pure tensor ops, so it takes
-    FlexAttention's scalar indices and broadcast index tensors alike; kv must be < end_rl.shape[1]."""
+def interval_mask_mod(end_rl: torch.Tensor, pos_rl: torch.Tensor | None = None, window: int | None = None):
+    """``mask_mod(b, h, q, kv)`` of the interval rule over ``end_rl`` (and ``window`` over ``pos_rl``). Pure
+    tensor ops, so it takes FlexAttention's scalar indices and broadcast index tensors alike; q and kv must
+    be < end_rl.shape[1]."""
 
     def mask_mod(b, h, q, kv):
         return (kv <= q) & (q < end_rl[b, kv])
 
-    return mask_mod
+    def window_mod(b, h, q, kv):
+        return (kv <= q) & (q < end_rl[b, kv]) & (pos_rl[b, q] - pos_rl[b, kv] < window)
+
+    return mask_mod if window is None else window_mod
 
 
-def interval_block_mask(end_rl: torch.Tensor, block_size: int = BLOCK_SIZE) -> BlockMask:
-    """The exact ``BlockMask`` of the interval rule for ``end_rl`` [R, L] (long), on its device, without
-    any [L, L] tensor. L need not be a multiple of ``block_size``: ``end_rl`` is extended with
-    self-only slots so ``mask_mod`` never indexes past it, and the mask keeps ``seq_lengths=(L, L)``."""
+def interval_block_mask(end_rl: torch.Tensor, block_size: int = BLOCK_SIZE, pos_rl: torch.Tensor | None = None,
+                        window: int | None = None) -> BlockMask:
+    """The exact ``BlockMask`` of the interval rule for ``end_rl`` [R, L] (long), and of ``window`` over the
+    position ids ``pos_rl`` [R, L] when given, on its device, without any [L, L] tensor. L need not be a
+    multiple of ``block_size``: ``end_rl`` (and ``pos_rl``) are extended with self-only slots so
+    ``mask_mod`` never indexes past them, and the mask keeps ``seq_lengths=(L, L)``."""
     r, n = end_rl.shape
     num_blocks = -(-n // block_size)
     tail = torch.arange(n, num_blocks * block_size, device=end_rl.device)
@@ -76,10 +93,16 @@ def interval_block_mask(end_rl: torch.Tensor, block_size: int = BLOCK_SIZE) -> B
     earlier = blocks[None, :] <= blocks[:, None]  # [nq, nk]: key block at or before the query block
     nonempty = earlier & (end_rkc.amax(-1)[:, None, :] > q_lo[None, :, None])  # [R, nq, nk]
     full = (blocks[None, :] < blocks[:, None]) & (end_rkc.amin(-1)[:, None, :] > q_hi[None, :, None])
+    if window is not None:  # tile bounds on query minus key position (the tail slots' position 0 only loosens them)
+        pos_rl = torch.cat([pos_rl.to(end_rl.device), torch.zeros_like(tail).expand(r, -1)], 1)
+        pos_rkc = pos_rl.view(r, num_blocks, block_size)
+        lo_rk, hi_rk = pos_rkc.amin(-1), pos_rkc.amax(-1)
+        nonempty &= lo_rk[:, :, None] - hi_rk[:, None, :] < window  # some pair may be inside the window
+        full &= hi_rk[:, :, None] - lo_rk[:, None, :] < window  # every pair is inside it
     partial_num, partial_idx = _block_lists(nonempty & ~full)
     full_num, full_idx = _block_lists(full)
     return BlockMask.from_kv_blocks(partial_num, partial_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=interval_mask_mod(end_rl), seq_lengths=(n, n))
+                                    mask_mod=interval_mask_mod(end_rl, pos_rl, window), seq_lengths=(n, n))
 
 
 def _block_lists(blocks_rqk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,15 +57,20 @@ def token_logprobs(
     (float32; no gradient unless ``entropy_grad``, for an entropy bonus: the metric alone keeps no graph
     and costs no backward). ``attention_mask_bt`` and ``position_ids`` [B, T] go to the model unchanged,
     so a packed batch can pass per-sequence position ids and a block-causal [B, 1, T, T] mask (or, on
-    transformers versions that detect packing from position ids, no mask).
+    transformers versions that detect packing from position ids, no mask), or a dict of such masks keyed
+    by layer type (``train/packing.py``'s ``packed_attention_mask`` for sliding-window models).
 
     ``parents_bt`` [B, T] names each token's predecessor by its column (-1: none, log-prob 0), for
     layouts where it is not the column before: prefix-shared tries (``train/prefix_tree.py``). Each
     token is then scored from its parent's output. Default: the column before."""
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     device = model_device(model)  # inputs built on the host (packing, tries) go where the weights are
-    input_ids_bt, attention_mask_bt, position_ids, parents_bt = (
-        x.to(device) if x is not None else None for x in (input_ids_bt, attention_mask_bt, position_ids, parents_bt))
+    input_ids_bt, position_ids, parents_bt = (x.to(device) if x is not None else None
+                                              for x in (input_ids_bt, position_ids, parents_bt))
+    if isinstance(attention_mask_bt, dict):  # one mask per layer type (sliding windows, ``models/architecture.py``)
+        attention_mask_bt = {kind: mask.to(device) for kind, mask in attention_mask_bt.items()}
+    elif attention_mask_bt is not None:
+        attention_mask_bt = attention_mask_bt.to(device)
     head = _linear_head(model)
     if head is None:
         extra = {} if position_ids is None else {"position_ids": position_ids}

@@ -15,6 +15,8 @@ A graph replays fixed shapes and fixed memory, so the step is rewritten with sta
   admits a row's own columns ``[start, t]``. Masked columns weigh exactly 0, so the result is the dynamic
   step's up to summation order (tests compare them on the CPU, where the same static step runs eagerly).
 - The new column ``t`` is written with ``index_copy_`` at a device index, so replays follow ``t``.
+- A model with sliding-window layers takes one static mask buffer per layer type (``SlotCache.attention_mask``
+  builds them; the positions count a row's live columns over the whole width).
 
 Graphs are recorded lazily, per (bucket, buffer) pair: when the slot cache reallocates its buffers
 (more rows or columns) the recorded graphs are dropped and recorded again as needed. If recording fails
@@ -56,6 +58,15 @@ class _BucketCache(Cache):
         return 0  # no host-side value may depend on the step: position ids and the mask carry everything
 
 
+def _copy_masks(dst, src) -> None:
+    """Copy a step's mask (one tensor, or one per layer type) into its static buffers."""
+    if isinstance(dst, dict):
+        for kind, mask in dst.items():
+            mask.copy_(src[kind])
+    else:
+        dst.copy_(src)
+
+
 def bucket(n: int, max_rows: int) -> int:
     """The smallest power of two >= n, capped at ``max_rows``."""
     return min(max_rows, 1 << max(0, n - 1).bit_length())
@@ -67,7 +78,7 @@ class _Step:
 
     tokens: torch.Tensor  # long [rows, 1]
     pos: torch.Tensor  # long [rows, 1]
-    mask: torch.Tensor  # bool [rows, 1, 1, columns]
+    mask: torch.Tensor | dict[str, torch.Tensor]  # bool [rows, 1, 1, columns], or one per layer type (windows)
     t_index: torch.Tensor  # long [1]: the column this step writes
     cache: _BucketCache
     graph: torch.cuda.CUDAGraph | None = None
@@ -111,7 +122,7 @@ class StaticDecoder:
         live = (cols >= start[:, None]) & (cols <= s.t)
         if s.has_rejected:  # speculative decoding's rolled-back drafts (``slots.py``)
             live[:n] &= ~s.rejected[:n]
-        step.mask.copy_(live[:, None, None, :])
+        _copy_masks(step.mask, s.attention_mask(live[:, None, None, :], live, step.pos))
         if step.graph is None:
             return self._run(step)[:n]
         step.graph.replay()
@@ -122,7 +133,8 @@ class StaticDecoder:
         t_index = torch.zeros(1, dtype=torch.long, device=s.device)
         step = _Step(tokens=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
                      pos=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
-                     mask=torch.zeros(rows, 1, 1, s.columns, dtype=torch.bool, device=s.device),
+                     mask=s.layout.build(lambda _: torch.zeros(rows, 1, 1, s.columns, dtype=torch.bool,
+                                                               device=s.device)),
                      t_index=t_index, cache=_BucketCache(s, rows, t_index))
         if self.capture and not self.failed:
             try:
@@ -145,7 +157,8 @@ class StaticDecoder:
         write column ``t`` of rows [0, bucket): the running rows' next column and free slots, both overwritten
         by the real step."""
         step.t_index.fill_(self.slots.t)
-        step.mask.fill_(True)
+        for mask in step.mask.values() if isinstance(step.mask, dict) else (step.mask,):
+            mask.fill_(True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

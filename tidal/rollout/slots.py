@@ -19,8 +19,13 @@ Layout, per layer: keys and values of shape [slots, heads, columns, head_dim].
   are compacted out when the span must move anyway or when they are over half of it (``_compact``).
 
 The model sees a Hugging Face ``Cache`` whose ``update`` writes in place and returns the live span,
-and a ready 4-D boolean attention mask (so Hugging Face builds none). Only full-attention layers are
-supported: a sliding-window layer would need its own mask.
+and a ready 4-D boolean attention mask (so Hugging Face builds none, and applies no rule of its own).
+Sliding-window layers (Mistral, Gemma 3's local layers; ``models/architecture.py``) get their own mask, a
+dict keyed by layer type when layers differ: a key is in a query's window when their *positions* differ
+by less than the window. A row's key positions are the running count of its live columns (those from its
+start, less rejected drafts), so the window stays exact through left-aligned starts, rolled-back drafts,
+compaction and every row move; the count is one cumulative sum over the [rows, span] mask the step
+builds anyway, and is skipped for models without windows.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import inspect
 import torch
 from transformers import Cache, DynamicCache
 
+from tidal.models.architecture import attention_layout
 from tidal.rollout.graphs import StaticDecoder
 
 
@@ -64,9 +70,7 @@ class SlotCache(Cache):
     def __init__(self, model: torch.nn.Module, max_slots: int, min_columns: int = 64):
         super().__init__(layers=[])  # ``update`` below replaces the per-layer objects
         config = model.config
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-        assert all(t == "full_attention" for t in layer_types), (
-            f"the local engine's slot cache supports full attention only, got layer types {set(layer_types)}")
+        self.layout = attention_layout(config)  # per layer type, its sliding window (None: full attention)
         self.num_layers = config.num_hidden_layers
         self.heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -141,7 +145,7 @@ class SlotCache(Cache):
         live = cols[None, :] >= self.start[fed, None]
         if self.has_rejected:
             live &= ~self.rejected[fed, self.lo : self.t + 1]
-        mask = live[:, None, None, :]  # [rows fed, 1, q=1, span]
+        mask = self.attention_mask(live[:, None, None, :], live, pos[fed, None])  # [rows fed, 1, q=1, span]
         self._fed = None if shared is None else shared[0]
         try:
             logits = model(input_ids=tokens_n[fed, None], attention_mask=mask, position_ids=pos[fed, None],
@@ -177,13 +181,21 @@ class SlotCache(Cache):
         cols = torch.arange(self.lo, self.t + w, device=self.device)
         live = (cols[None, :] >= self.start[slots_u, None]) & ~self.rejected[slots_u, self.lo : self.t + w]
         causal = (cols[None, :] < self.t) | (cols[None, :] - self.t <= torch.arange(w, device=self.device)[:, None])
-        mask = (live[:, None, :] & causal[None])[:, None]  # [u, 1, q=w, span]
+        mask = self.attention_mask((live[:, None, :] & causal[None])[:, None], live, pos_uw)  # [u, 1, q=w, span]
         self._fed, self._width = slots_u, w
         try:
             return model(input_ids=tokens_uw, attention_mask=mask, position_ids=pos_uw,
                          use_cache=True, **cache_kwargs(model, self)).logits
         finally:
             self._fed, self._width = None, 1
+
+    def attention_mask(self, full_r1qk: torch.Tensor, live_rk: torch.Tensor, query_pos_rq: torch.Tensor):
+        """What the model takes as ``attention_mask`` from the full-attention mask [rows, 1, q, span]: itself
+        without windows; else with each windowed layer type's mask too. ``live_rk`` marks the span's columns
+        that hold the row's sequence (its new columns included), so their running count is each key's position."""
+        if not self.layout.sliding:
+            return full_r1qk
+        return self.layout.masks(full_r1qk, query_pos_rq, live_rk.cumsum(-1) - 1)
 
     def copy_columns(self, dst: torch.Tensor, src: torch.Tensor, width: int) -> None:
         """Rows ``dst`` take the new columns [t, t + width) of rows ``src`` (identical rows that ``run`` ran once)."""

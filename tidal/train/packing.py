@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.models.architecture import attention_layout
 from tidal.models.attention import interval_block_mask, interval_mask, use_packed_attention
 from tidal.train.microbatch import pack_sequences
 
@@ -96,13 +97,21 @@ def unpack(values_rl: torch.Tensor, packed: PackedRows, width: int) -> torch.Ten
 
 def packed_attention_mask(layout, model: torch.nn.Module, mode: str):
     """What ``model``'s attention takes for a packed ``layout`` (``PackedRows`` or ``PackedTrees``,
-    both carry ``end_rl``) under ``trainer.packed_attention`` ``mode``: None for varlen flash
-    attention; a ``BlockMask`` for ``block`` (``auto`` on CUDA), after switching the model to
-    ``tidal_packed`` (``models/attention.py``); else the dense [R, 1, L, L] mask; on the model's device."""
+    both carry ``end_rl`` and ``position_ids_rl``) under ``trainer.packed_attention`` ``mode``: None for
+    varlen flash attention; a ``BlockMask`` for ``block`` (``auto`` on CUDA), after switching the model to
+    ``tidal_packed`` (``models/attention.py``); else the dense [R, 1, L, L] mask; on the model's device.
+    A model with sliding-window layers (``models/architecture.py``) gets its windowed mask too, over the
+    position ids (a prepared mask reaches every layer unchanged): a dict keyed by layer type when its
+    layers differ (Gemma 3), else the one windowed mask (Mistral)."""
     if str(getattr(model.config, "_attn_implementation", "")).startswith("flash"):
         return None
     device = next(model.parameters()).device
+    windows = attention_layout(model.config)
     block = mode == "block" or (mode == "auto" and device.type == "cuda")
     if block and use_packed_attention(model):
-        return interval_block_mask(layout.end_rl.to(device))
-    return layout.attention_mask_r1ll.to(device)
+        end_rl, pos_rl = layout.end_rl.to(device), layout.position_ids_rl.to(device)
+        return windows.build(lambda w: interval_block_mask(end_rl, pos_rl=pos_rl, window=w))
+    if not windows.sliding:
+        return layout.attention_mask_r1ll.to(device)
+    end_rl, pos_rl = layout.end_rl.to(device), layout.position_ids_rl.to(device)
+    return windows.build(lambda w: interval_mask(end_rl, pos_rl, w))

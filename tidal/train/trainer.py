@@ -63,11 +63,12 @@ from tidal.algo.config import AlgoConfig
 from tidal.algo.losses import masked_mean
 from tidal.config import ConfigError
 from tidal.models import lora
+from tidal.models.architecture import check_architecture
 from tidal.models.checkpointing import enable_activation_checkpointing
 from tidal.models.logprobs import token_logprobs
 from tidal.models.quant import linear_weight_names, quantize_state_dict
 from tidal.models.tied import tied_names, untie
-from tidal.optim import OptimConfig, build_optimizer
+from tidal.optim import OptimConfig, build_optimizer, for_run
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from tidal.train.config import TrainerConfig, validate
@@ -118,10 +119,14 @@ def minibatches(group_index_b: torch.Tensor, num_minibatches: int) -> list[torch
 class Trainer:
     def __init__(self, model: torch.nn.Module, algo: AlgoConfig, optim: OptimConfig, cfg: TrainerConfig,
                  ref_model: torch.nn.Module | None = None, dp: DataParallel = LOCAL,
-                 critic: CriticConfig | None = None, device: str | torch.device | None = None):
+                 critic: CriticConfig | None = None, device: str | torch.device | None = None,
+                 max_steps: int | None = None):
         """``device`` (``system.device``): where the policy, reference, critic and optimizer state live;
-        None keeps the model where it is. Batches are moved there at the start of each step."""
+        None keeps the model where it is. Batches are moved there at the start of each step. ``max_steps``: the
+        run's length in RL steps, which a decay with ``optim.decay_steps=max_steps`` spans (x
+        ``num_minibatches`` optimizer steps; the critic's too); None: the schedules need no length."""
         validate(cfg)
+        check_architecture(model)  # one line naming a feature the packed layouts' masks would get wrong
         self.device = model_device(model) if device is None else resolve_device(device)
         model.to(self.device)  # before the optimizer exists, so its state is created on the device too
         if ref_model is not None:
@@ -133,7 +138,8 @@ class Trainer:
         self._memory = PeakMemory()
         self.algo = algo
         self.cfg = cfg
-        self.optim_cfg = optim
+        num_optimizer_steps = None if max_steps is None else max_steps * cfg.num_minibatches
+        self.optim_cfg = for_run(optim, num_optimizer_steps)  # decay_steps resolved: what the scheduler follows
         self.dp = dp
         if cfg.share_prefixes and _flash_attention(model):
             raise ConfigError("trainer.share_prefixes needs an explicit attention mask (a prefix trie is not a varlen "
@@ -154,13 +160,13 @@ class Trainer:
             raise ConfigError("optim.name=muon with model.lora: Muon orthogonalizes whole hidden matrices, and LoRA's "
                               "A and B are rank-r factors (use adamw or ademamix)")
         self.optimizer, self.scheduler = build_optimizer(lora.trainable_parameters(model) if self.lora else model,
-                                                         optim)
+                                                         self.optim_cfg)
         self.num_trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.policy_loss = POLICY_LOSSES[algo.policy_loss]
         self.critic: Critic | None = None  # a learned value model, for a VALUE_ADVANTAGES estimator (gae)
         if algo.advantage in VALUE_ADVANTAGES:
             check_supported(cfg, data_parallel=dp.enabled)
-            self.critic = Critic(model, critic or CriticConfig(), cfg)
+            self.critic = Critic(model, critic or CriticConfig(), cfg, num_steps=num_optimizer_steps)
         self.advantage = (VALUE_ADVANTAGES if self.critic is not None else ADVANTAGES)[algo.advantage]
         self.correction = CORRECTIONS[algo.correction]
         if algo.kl_coef > 0 and ref_model is None and not self.lora:
