@@ -1,4 +1,5 @@
-"""Data: ``tidal curate`` (curation pipelines), ``tidal score`` (rewards over JSONL rows)."""
+"""Data: ``tidal curate`` (curation pipelines), ``tidal score`` (rewards over JSONL rows), ``tidal audit-reward``
+(known reward hacks against a reward, on a task's prompts)."""
 
 from __future__ import annotations
 
@@ -143,6 +144,43 @@ def cmd_score(args) -> int:
     return 0
 
 
+@one_line_errors
+def cmd_audit_reward(args) -> int:
+    """Run the library of known reward hacks (``rewards/audit.py``) against a reward on a recipe's task prompts;
+    exit 1 when a hack scores above the threshold or no control scores at all. See docs/rewards.md."""
+    from tidal.recipes import RECIPES
+    from tidal.rewards import build_reward
+    from tidal.rewards.audit import format_table, run_audit
+    from tidal.rewards.pool import RewardConfig, RewardPool
+    from tidal.system.curriculum import build_task, run_reward
+    from tidal.utils.files import replace_text
+
+    if args.num_prompts < 1 or args.workers < 0 or not 0 < args.timeout < math.inf:
+        raise ConfigError(f"--num-prompts must be >= 1, --workers >= 0 and --timeout a finite number > 0 (got "
+                          f"{args.num_prompts}, {args.workers}, {args.timeout})")
+    cfg = RECIPES.get(args.recipe)()
+    if args.reward is not None:  # the recipe's params belong to the recipe's reward
+        cfg.reward.name, cfg.reward.params = args.reward, {}
+    apply_overrides(cfg, args.set)
+    prompts = build_task(cfg).eval_prompts()[: args.num_prompts]
+    name, params = run_reward(cfg)
+    pool = RewardPool(build_reward(name, params), RewardConfig(name=name, params=params, num_workers=args.workers,
+                                                                timeout_s=args.timeout))
+    try:
+        report = run_audit(pool.score, prompts, args.threshold)
+    finally:
+        pool.close()
+    report = {"reward": name, "params": params, "recipe": args.recipe, "task": cfg.task.name, **report,
+              "reward_errors": pool.num_errors, "reward_timeouts": pool.num_timeouts}
+    print(f"audit of reward {name} {json.dumps(params)} on {len(prompts)} prompts of task {cfg.task.name} "
+          f"(recipe {args.recipe})")
+    print(format_table(report))
+    if args.out:
+        replace_text(args.out, json.dumps(report, indent=2, default=str) + "\n")
+        print(f"report: {args.out}")
+    return 0 if report["passed"] else 1
+
+
 def add_parsers(sub) -> None:
     """This group's subcommands: their options and handlers."""
     sp = sub.add_parser("curate", help="curate a dataset: dedup, quality, decontaminate, rl-problems, rl-difficulty, "
@@ -162,8 +200,25 @@ def add_parsers(sub) -> None:
     sp.set_defaults(fn=cmd_curate)
 
     sp = sub.add_parser("score", help="score JSONL rows from stdin with a reward; write them back with reward/details")
-    sp.add_argument("--reward", required=True, help="registered reward name (e.g. exact_match, math, reasoning_gym)")
+    sp.add_argument("--reward", required=True, help="registered reward name (e.g. exact_match, math, reasoning_gym) "
+                    "or an import path (my_pkg.mod:fn, file.py:fn)")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a reward parameter (YAML value)")
     sp.add_argument("--workers", type=int, default=1, help="reward worker processes (0: score inline)")
     sp.add_argument("--timeout", type=float, default=10.0, help="per-row limit in seconds (reward 0, counted)")
     sp.set_defaults(fn=cmd_score)
+
+    sp = sub.add_parser("audit-reward", help="run known reward hacks (restated question, candidate lists, empty "
+                        "tags, filler, ...) against a reward on a task's prompts; exit 1 if any scores")
+    sp.add_argument("--reward", default=None, help="a registered reward or an import path (my_pkg.mod:fn, file.py:fn); "
+                    "default: the recipe's reward")
+    sp.add_argument("--recipe", default="quickstart", help="recipe whose task (and default reward) to use "
+                    "(default quickstart)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a run-config key: reward.params.mode=lenient, task.name=..., task.path=...")
+    sp.add_argument("--num-prompts", type=int, default=20, help="held-out task prompts to probe (default 20)")
+    sp.add_argument("--threshold", type=float, default=0.0, help="a hack fails when a sample scores above this "
+                    "(default 0; e.g. 0.1 under a format bonus that wrong answers get too)")
+    sp.add_argument("--out", default=None, help="also write the report as JSON here")
+    sp.add_argument("--workers", type=int, default=1, help="reward worker processes (0: score inline)")
+    sp.add_argument("--timeout", type=float, default=10.0, help="per-response limit in seconds (reward 0, counted)")
+    sp.set_defaults(fn=cmd_audit_reward)
