@@ -103,8 +103,9 @@ def test_reasoning_gym_binary_passes_and_partial_credit_is_flagged():
     assert {"restate_expression", "candidate_list", "copy_inputs"} <= set(report["flagged"])
 
 
-def test_a_reward_that_never_pays_fails_on_its_controls():
-    report = audit(lambda r, p: (0.0, {}))
+@pytest.mark.parametrize("fn", [lambda r, p: (0.0, {}), build_reward("length", {})])  # length: 0 or a penalty
+def test_a_reward_that_never_pays_fails_on_its_controls(fn):
+    report = audit(fn)
     assert report["flagged"] == [] and not report["controls_ok"] and not report["passed"]
     assert "no control scored above the threshold" in format_table(report)
 
