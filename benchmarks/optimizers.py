@@ -101,7 +101,7 @@ class Run:
             optim_cfg.ademamix.warmup_steps = cfg.steps  # Algorithm 1: "we usually set it to T"
         self.grad_clip = optim_cfg.grad_clip
         self.model = tiny.build_model(cfg.model, tokenizer).train()  # same init_seed: same weights for all
-        self.opt, self.sched = build_optimizer(self.model, optim_cfg)
+        self.opt, self.sched = build_optimizer(self.model, optim_cfg, num_steps=cfg.steps)
         self.elapsed_s, self.opt_step_s = 0.0, 0.0
         self.curve = {"step": [], "time_s": [], "train": [], "heldout": []}
 

@@ -62,6 +62,7 @@ import torch
 from tidal.algo import POLICY_LOSSES
 from tidal.config import apply_overrides
 from tidal.models import tiny
+from tidal.optim import for_run
 from tidal.recipes import RECIPES
 from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardConfig, RewardPool
@@ -122,6 +123,9 @@ class Settings:
 RUN = [  # quickstart_grpo as is, except what makes the comparison exact
     "max_time_s=300", "target_accuracy=null", "max_steps=100000000", "eval_every=100000000",
     "checkpoint_every=100000000", "log.progress=false", "log.tensorboard=false", "log.report=false",
+    # the clock ends the run, not max_steps: the recipe's cosine keeps its 400 steps (decaying over max_steps,
+    # optim.decay_steps' default, it would be flat)
+    "optim.decay_steps=400",
 ]
 
 
@@ -274,7 +278,8 @@ def trl_settings(cfg: RunConfig, s: Settings, model_dir: Path, work: Path) -> di
                          f"Face's linear schedule decays to 0, not to optim.min_lr_ratio)")
     # Hugging Face's cosine decays over max_steps: the TRL run ends with its decay (tidal's holds at the
     # floor after it); on 2 cores TRL's 300 s end long before either.
-    max_steps = cfg.max_steps if o.schedule == "constant" else o.warmup_steps + o.decay_steps
+    decay = for_run(o, cfg.max_steps * cfg.trainer.num_minibatches).decay_steps
+    max_steps = cfg.max_steps if o.schedule == "constant" else o.warmup_steps + decay
     return {
         "model_dir": str(model_dir.absolute()), "prompts_path": str(work / "prompts.jsonl"),
         "snapshots_path": str(work / "snapshots.pt"), "log_path": str(work / "steps.jsonl"),

@@ -160,7 +160,8 @@ def test_both_runs_read_one_resolved_config(tmp_path):
     assert got["betas"] == list(cfg.optim.betas) and got["grad_clip"] == cfg.optim.grad_clip
     s.trl_threads = 2
     assert trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)["threads"] == 2
-    cfg.optim.schedule, cfg.optim.decay_steps = "cosine", 400  # the clock's max_steps is 1e8 (trl_bench.RUN)
+    # the clock's max_steps is 1e8 (trl_bench.RUN), so the recipe's cosine keeps its 400 steps
+    assert (cfg.optim.schedule, cfg.optim.decay_steps) == ("cosine", 400)
     got = trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)
     assert grpo.lr_schedule(got) == {"lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": 0,
                                      "lr_scheduler_kwargs": {"min_lr_rate": cfg.optim.min_lr_ratio}}

@@ -134,3 +134,30 @@ def test_the_decay_drives_the_optimizer_and_survives_a_state_dict_round_trip(sma
     sched2.step()
     sched.step()
     assert sched2.get_last_lr() == pytest.approx(sched.get_last_lr())
+
+
+def test_decay_steps_default_follows_the_run_length(small_model):
+    """``decay_steps=max_steps`` (the default) decays until the run's last optimizer step, after warm-up; an
+    integer is kept; without the run's length a decaying schedule is refused, naming the key."""
+    from tidal.config import ConfigError
+    from tidal.optim import for_run, lr_factor
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
+    assert cfg.decay_steps == "max_steps"
+    assert for_run(cfg, 10).decay_steps == 8 and cfg.decay_steps == "max_steps"  # a copy: the config is not baked
+    assert for_run(OptimConfig(schedule="cosine", decay_steps=5), 10).decay_steps == 5
+    opt, sched = build_optimizer(small_model, cfg, num_steps=10)
+    lrs = []
+    for _ in range(10):
+        opt.step()
+        sched.step()
+        lrs.append(sched.get_last_lr()[0])
+    assert lrs[-1] == pytest.approx(0.1) and lrs[-2] > 0.1 + 1e-3  # the floor after the 10th step, not before
+    assert lrs == pytest.approx([lr_factor(s, for_run(cfg, 10)) for s in range(1, 11)])
+    with pytest.raises(ConfigError, match="optim.decay_steps=max_steps"):
+        build_optimizer(small_model, cfg)
+    build_optimizer(small_model, OptimConfig())  # constant: no length needed
+    assert apply_overrides(OptimConfig(), ["decay_steps=300"]).decay_steps == 300
+    assert apply_overrides(OptimConfig(decay_steps=300), ["decay_steps=max_steps"]).decay_steps == "max_steps"
+    with pytest.raises(ConfigError, match="decay_steps"):
+        apply_overrides(OptimConfig(), ["decay_steps=forever"])

@@ -7,7 +7,7 @@ import torch
 
 from tidal.config import apply_overrides
 from tidal.recipes import RECIPES
-from tidal.system.run import prepare, train
+from tidal.system.run import close, prepare, train
 
 COMPARABLE = ("reward/", "algo/", "train/", "eval/", "rollout/response", "async/staleness")
 
@@ -20,7 +20,14 @@ def TINY_OVERRIDES(tmp_path):  # noqa: N802  (a constant list, parametrized by t
         "reward.name=digit_match", "reward.num_workers=0", "rollout.group_size=4", "rollout.prompts_per_step=4",
         "rollout.max_new_tokens=4", "max_steps=4", "max_time_s=null", "target_accuracy=null", "eval_every=2",
         "num_eval=16", "checkpoint_every=2", "optim.lr=1e-2", "system.num_threads=1",
-        "log.progress=false", "log.tensorboard=false", "log.report=false"]
+        "log.progress=false", "log.tensorboard=false", "log.report=false",
+        # Many tests stop a run with max_steps=2 and extend it with --resume to compare with an uninterrupted
+        # run: a decay over max_steps (the default) would differ between the two, so the recipe's cosine keeps
+        # a fixed length here (its max_steps, 400). test_the_lr_schedule_follows_max_steps tests the default.
+        "optim.decay_steps=400"]
+
+RUN_LENGTH_DECAY = "optim.decay_steps=max_steps"
+"""The default decay (over the run's ``max_steps``), which ``TINY_OVERRIDES`` replaces by a fixed length."""
 
 
 def tiny_cfg(tmp_path, *extra):
@@ -44,6 +51,20 @@ def run(cfg, out, resume=False):
     return controller, result
 
 
+def run_stopped_after(steps, cfg, out):
+    """``run``, stopped after ``steps`` steps (checkpointed) as a preempted run is: the config, and with it the
+    learning-rate schedule over ``max_steps``, stays the run's."""
+    controller = prepare(cfg, out)
+    finish = controller._finish_step
+    controller._finish_step = lambda step, *a: finish(step, *a) or ("stopped" if step + 1 == steps else None)
+    try:
+        result = controller.run()
+    finally:
+        controller.tracker.close()
+    assert result.steps == steps
+    return controller, result
+
+
 def test_async_with_zero_staleness_equals_sync(tmp_path):
     sync_c, sync_r = run(tiny_cfg(tmp_path, "system.mode=sync"), tmp_path / "sync")
     async_c, async_r = run(tiny_cfg(tmp_path, "system.mode=async", "rollout.max_staleness=0"), tmp_path / "async")
@@ -62,6 +83,47 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert comparable(rows) == comparable(full_r.history)
     a, b = params(full_c), params(resumed_c)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_keeps_the_lr_schedule_over_max_steps(tmp_path):
+    """A run stopped after step 2 (as a preempted one) and resumed with the same config is the uninterrupted
+    run, its learning rate included, with the default decay over ``max_steps`` (the recipe's cosine)."""
+    opts = ("system.mode=sync", RUN_LENGTH_DECAY)
+    full_c, full_r = run(tiny_cfg(tmp_path, *opts), tmp_path / "full")
+    run_stopped_after(2, tiny_cfg(tmp_path, *opts), tmp_path / "split")
+    resumed_c, _ = run(tiny_cfg(tmp_path, *opts), tmp_path / "split", resume=True)
+    rows = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert comparable(rows) == comparable(full_r.history) and any("train/lr" in r for r in rows)
+    a, b = params(full_c), params(resumed_c)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_lr_schedule_follows_max_steps(tmp_path):
+    """Issue 49: ``--set max_steps=N`` on a recipe whose lr decays (quickstart's cosine) rescales the decay, which
+    ends on the run's last optimizer step (N x ``trainer.num_minibatches``), the critic's too; the saved config
+    keeps ``max_steps``, so a copy of it with another length rescales again; a number is kept."""
+    runs = [("max_steps=3",), ("max_steps=7", "trainer.num_minibatches=2", "algo.advantage=gae",
+                                "critic.optim.schedule=linear", "optim.warmup_steps=3"),
+            ("max_steps=5", "optim.decay_steps=20")]
+    for i, overrides in enumerate(runs):
+        controller = prepare(tiny_cfg(tmp_path, RUN_LENGTH_DECAY, *overrides), tmp_path / f"run{i}")
+        try:
+            cfg = controller.cfg
+            trainers = [controller.trainer] + ([controller.trainer.critic] if controller.trainer.critic else [])
+            for t, optim in zip(trainers, (cfg.optim, cfg.critic.optim)):
+                floor, lrs = optim.min_lr_ratio * optim.lr, []
+                for _ in range(25):
+                    t.optimizer.step()  # no gradients: nothing moves, the schedule advances
+                    t.scheduler.step()
+                    lrs.append(t.scheduler.get_last_lr()[0])
+                last = 20 if optim.decay_steps == 20 else cfg.max_steps * cfg.trainer.num_minibatches
+                assert lrs[last - 1] == pytest.approx(floor) and lrs[last - 2] > floor * 1.001, (overrides, lrs)
+            assert len(trainers) == (2 if i == 1 else 1)
+            saved = (tmp_path / f"run{i}" / "config.yaml").read_text()
+            assert ("decay_steps: 20" if i == 2 else "decay_steps: max_steps") in saved
+        finally:
+            close(controller)
 
 
 @pytest.mark.parametrize("eta", [1, 2])

@@ -40,6 +40,8 @@ BAD = [  # (override, the key the error must name)
     ("algo.mis_high=.nan", "algo.mis_high"),  # no range rule: `mis_high <= mis_low` is false for NaN
     ("optim.eps=0", "optim.eps"),
     ("optim.grad_clip=0", "optim.grad_clip"),
+    ("optim.decay_steps=0", "optim.decay_steps"),
+    ("optim.decay_steps=all", "optim.decay_steps"),  # an integer or max_steps
     ("reward.num_workers=-3", "reward.num_workers"),
     ("reward.timeout_s=0", "reward.timeout_s"),
     ("max_steps=0", "max_steps"),

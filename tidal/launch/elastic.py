@@ -45,7 +45,8 @@ def train(cfg: RunConfig, out_dir: str | Path, resume: bool = False, task=None) 
         single = controller.trainer
         ckpt = latest_checkpoint(out_dir / "checkpoints") if resume else None
         spec = ReplicaSpec(base=str(run_lib.base_model_path(cfg, controller.task, progress=False)),
-                           checkpoint=str(ckpt) if ckpt is not None else None, algo=cfg.algo, optim=cfg.optim,
+                           checkpoint=str(ckpt) if ckpt is not None else None, algo=cfg.algo,
+                           optim=single.optim_cfg,  # decay_steps resolved for the run (optim.for_run)
                            trainer=cfg.trainer, seed=cfg.seed, num_threads=cfg.system.num_threads, lighthouse="")
         with elastic_leader(single, spec) as leader:
             controller.trainer = leader

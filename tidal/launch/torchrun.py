@@ -72,14 +72,15 @@ def _trainer(cfg: RunConfig, model: torch.nn.Module, ref_model: torch.nn.Module 
     """The sharded trainer (or, with a lighthouse, the DiLoCo worker), built alike on every rank, starting
     from the checkpoint or rank 0's weights."""
     if lighthouse is not None:
-        trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, dp=LOCAL)
+        trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, dp=LOCAL,
+                          max_steps=cfg.max_steps)
         if ckpt is not None:  # every rank reads rank 0's files: same weights, inner optimizer, schedule
             trainer.load_checkpoint(ckpt)
         else:
             broadcast_weights(model)
         return DiLoCoTrainer(trainer, cfg.trainer.diloco, dp, lighthouse)
     start = model.state_dict() if dp.rank == 0 and ckpt is None else {}
-    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, dp=dp)
+    trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, dp=dp, max_steps=cfg.max_steps)
     if ckpt is not None:
         trainer.load_checkpoint(ckpt)
     else:

@@ -13,27 +13,30 @@
 
 Every builder returns a plain ``torch.optim.Optimizer``; the schedule (linear warm-up, then constant or a
 cosine/linear decay: ``lr_factor``) is one ``LambdaLR`` that rescales every parameter group from its own base
-lr, so Muon's matrices and AdamW's vectors move together.
+lr, so Muon's matrices and AdamW's vectors move together. A decay's length defaults to the rest of the run
+(``optim.decay_steps=max_steps``), resolved when the run builds its optimizer (``for_run``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable
 
 import torch
 
+from tidal.config import ConfigError
 from tidal.optim.combined import CombinedOptimizer
-from tidal.optim.config import AdEMAMixConfig, MuonConfig, OptimConfig
+from tidal.optim.config import RUN_LENGTH, AdEMAMixConfig, MuonConfig, OptimConfig
 from tidal.optim.muon import Muon, newton_schulz, split_hidden_matrices
 from tidal.registry import Registry
 
 ModelOrParams = torch.nn.Module | Iterable[torch.Tensor]
 OPTIMIZERS: Registry[Callable[[ModelOrParams, OptimConfig], torch.optim.Optimizer]] = Registry("optimizer")
 
-__all__ = ["OPTIMIZERS", "AdEMAMixConfig", "CombinedOptimizer", "Muon", "MuonConfig", "OptimConfig",
-           "build_optimizer", "newton_schulz", "split_hidden_matrices"]
+__all__ = ["OPTIMIZERS", "RUN_LENGTH", "AdEMAMixConfig", "CombinedOptimizer", "Muon", "MuonConfig", "OptimConfig",
+           "build_optimizer", "for_run", "newton_schulz", "split_hidden_matrices"]
 
 
 def _params(target: ModelOrParams) -> Iterable[torch.Tensor]:
@@ -75,10 +78,26 @@ def muon(target: ModelOrParams, cfg: OptimConfig) -> torch.optim.Optimizer:
     return CombinedOptimizer(*parts)
 
 
-def build_optimizer(target: ModelOrParams, cfg: OptimConfig) -> tuple[torch.optim.Optimizer,
-                                                                        torch.optim.lr_scheduler.LRScheduler]:
+def for_run(cfg: OptimConfig, num_steps: int | None) -> OptimConfig:
+    """``cfg`` for a run of ``num_steps`` optimizer steps: ``decay_steps=max_steps`` (``RUN_LENGTH``) becomes
+    the steps left after warm-up (at least 1), so the decay ends on the run's last step. A copy: the config
+    itself keeps ``max_steps``, so a saved config rescales with the next run's length. An integer
+    ``decay_steps``, or ``num_steps`` None, leaves ``cfg`` as it is."""
+    if cfg.decay_steps != RUN_LENGTH or num_steps is None:
+        return cfg
+    return dataclasses.replace(cfg, decay_steps=max(num_steps - max(cfg.warmup_steps, 0), 1))
+
+
+def build_optimizer(target: ModelOrParams, cfg: OptimConfig, num_steps: int | None = None) -> tuple[
+        torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer named by ``cfg.name`` over ``target`` (a model, or an iterable of parameters for the
-    optimizers that need no names), and its LR schedule (``lr_factor``)."""
+    optimizers that need no names), and its LR schedule (``lr_factor``) for a run of ``num_steps`` optimizer
+    steps (``for_run``; the RL trainer's is ``max_steps`` x ``trainer.num_minibatches``)."""
+    cfg = for_run(cfg, num_steps)
+    if cfg.schedule != "constant" and cfg.decay_steps == RUN_LENGTH:
+        raise ConfigError(f"optim.decay_steps={RUN_LENGTH} (decay until the run's last step) with optim.schedule="
+                          f"{cfg.schedule} needs the run's length: build_optimizer(..., num_steps=...), or set "
+                          "optim.decay_steps to a number of optimizer steps")
     opt = OPTIMIZERS.get(cfg.name)(target, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg=cfg))
     return opt, sched
@@ -86,12 +105,14 @@ def build_optimizer(target: ModelOrParams, cfg: OptimConfig) -> tuple[torch.opti
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
     """The multiplier of every group's base lr at optimizer step ``step`` (0-based): linear warm-up over
-    ``warmup_steps``, then ``cfg.schedule`` (constant, or a cosine / linear decay to ``min_lr_ratio``)."""
+    ``warmup_steps``, then ``cfg.schedule`` (constant, or a cosine / linear decay to ``min_lr_ratio`` over
+    ``decay_steps``, a number: ``for_run`` resolves ``max_steps``)."""
     warm = max(cfg.warmup_steps, 0)
     if step < warm:
         return (step + 1) / warm
     if cfg.schedule == "constant":
         return 1.0
+    assert isinstance(cfg.decay_steps, int), f"optim.decay_steps={cfg.decay_steps!r}: resolve it with for_run"
     progress = min(1.0, (step - warm) / max(cfg.decay_steps, 1))
     shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+RUN_LENGTH = "max_steps"
+"""``optim.decay_steps``'s value for "decay until the run's last optimizer step" (``optim.for_run``)."""
+
 
 @dataclass
 class AdEMAMixConfig:
@@ -86,9 +89,13 @@ class OptimConfig:
     optimizer steps, along a half cosine (Loshchilov & Hutter 2017, SGDR) or a straight line, then hold.
     RL recipes mostly keep the lr constant (DAPO, Magistral); a decay trades late progress for a stable
     end, which matters when a run is read by its last evaluations."""
-    decay_steps: int = 1000
-    """Optimizer steps (``max_steps`` x ``trainer.num_minibatches`` for RL) from the end of warm-up to
-    the end of the decay; unused with ``constant``."""
+    decay_steps: int | Literal["max_steps"] = RUN_LENGTH
+    """Optimizer steps from the end of warm-up to the end of the decay; unused with ``constant``.
+    ``max_steps`` (the default): the rest of the run, i.e. ``max_steps`` x ``trainer.num_minibatches`` minus
+    ``warmup_steps`` for RL, worked out when the run builds its optimizer (``optim.for_run``), so
+    ``--set max_steps=N`` rescales the decay and the lr reaches its floor at step N. An integer fixes it
+    whatever the run's length. A step skipped for want of any learning signal takes no optimizer step and
+    does not advance the schedule."""
     min_lr_ratio: float = 0.1
     """Where the decay ends, as a fraction of ``lr`` (0.1: the common cosine-to-10% of LLM training)."""
     ademamix: AdEMAMixConfig = field(default_factory=AdEMAMixConfig)

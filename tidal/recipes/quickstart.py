@@ -214,10 +214,10 @@ def quickstart_grpo() -> RunConfig:
     # Tiny models tolerate far more than the 1e-6 of LLM recipes (DAPO), but RL still wants ~5x less
     # than the warm start's 1e-3; 4e-4 and 8e-4 were worse at every batch size measured (table above).
     cfg.optim.lr = 2e-4
-    # Cosine to 0.1x over max_steps: no effect before the target (x0.98 at step 40), but a 300-s run
-    # goes 500+ steps, and at a constant lr its last evaluations wandered 0.91-0.98 (tidal bench trl).
+    # Cosine to 0.1x over max_steps (optim.decay_steps' default, resolved for the run, so --set max_steps=N
+    # rescales it): no effect before the target (x0.98 at step 40 of 400), but a 300-s run goes 500+ steps, and
+    # at a constant lr its last evaluations wandered 0.91-0.98 (tidal bench trl).
     cfg.optim.schedule = "cosine"
-    cfg.optim.decay_steps = cfg.max_steps
     cfg.system.mode = "async"
     # Each group as one token trie: the 7-token prompt and the answer digits the 8 samples agree on are
     # computed once (4.2x fewer tokens, trainer step 4.6x faster; rows of 64 nodes keep the dense

@@ -261,7 +261,7 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     if cfg.model.lora.enabled:  # adapters on the frozen base (models/lora.py)
         model = lora.policy(model, cfg.model.lora, base, cfg.system.device)
     trainer = Trainer(model, cfg.algo, cfg.optim, cfg.trainer, ref_model=ref_model, critic=cfg.critic,
-                      device=cfg.system.device)
+                      device=cfg.system.device, max_steps=cfg.max_steps)
 
     state = TrainingState(step=0, version=0, next_group=0, extra={})
     if ckpt is not None:

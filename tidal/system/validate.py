@@ -20,6 +20,7 @@ from tidal.config import ConfigError
 from tidal.integrity.guard import SDCConfig
 from tidal.models.lora import check_device as check_lora_device
 from tidal.models.lora import check_run as check_lora
+from tidal.optim import RUN_LENGTH
 from tidal.system.config import RunConfig
 from tidal.train.config import validate as validate_trainer
 from tidal.utils.device import resolve_device, resolve_dtype
@@ -110,7 +111,8 @@ RULES: list[Rule] = [
     ("optim.weight_decay", NONNEG, ">= 0"),
     ("optim.grad_clip", _positive, "> 0"),
     ("optim.warmup_steps", NONNEG, "an integer >= 0"),
-    ("optim.decay_steps", COUNT, "an integer >= 1"),
+    ("optim.decay_steps", lambda v: v == RUN_LENGTH or COUNT(v),
+     f"an integer >= 1, or {RUN_LENGTH} (decay until the run's last step)"),
     ("optim.min_lr_ratio", _unit, "in [0, 1]"),
     ("optim.ademamix.alpha", NONNEG, ">= 0"),
     ("optim.ademamix.beta3", _fraction, "in [0, 1)"),

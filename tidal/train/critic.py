@@ -66,8 +66,10 @@ def check_supported(trainer_cfg, data_parallel: bool) -> None:
 
 
 class Critic:
-    def __init__(self, policy: torch.nn.Module, cfg: CriticConfig, layout):
-        """``layout``: the trainer's ``TrainerConfig`` (packing, prefix sharing, activation checkpointing)."""
+    def __init__(self, policy: torch.nn.Module, cfg: CriticConfig, layout, num_steps: int | None = None):
+        """``layout``: the trainer's ``TrainerConfig`` (packing, prefix sharing, activation checkpointing).
+        ``num_steps``: the run's optimizer steps, which ``critic.optim.decay_steps=max_steps`` spans (the
+        critic steps with every policy minibatch)."""
         self.model = ValueModel.from_policy(policy).train()
         self.model.autocast_dtype = resolve_dtype(layout.precision, next(policy.parameters()).device,
                                                   "trainer.precision")
@@ -78,7 +80,7 @@ class Critic:
         # a LoRA policy's critic copies its frozen base and adapters: the optimizer gets what trains (adapters, head)
         frozen = any(not p.requires_grad for p in self.model.parameters())
         self.optimizer, self.scheduler = build_optimizer(
-            [p for p in self.model.parameters() if p.requires_grad] if frozen else self.model, cfg.optim)
+            [p for p in self.model.parameters() if p.requires_grad] if frozen else self.model, cfg.optim, num_steps)
 
     def values(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         """V(s_t) of ``rows`` in the batch's [len(rows), T] layout, computed in the trainer's layout: padded
