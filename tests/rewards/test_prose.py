@@ -35,6 +35,15 @@ def test_final_statement_spans_a_trailing_list():
     assert text[start:end].split() == ["33", "34,", "35"]
 
 
+def test_a_long_bare_list_is_one_statement_and_stays_fast():
+    import time
+
+    text = "\n".join(f"{i}." for i in range(20_000))  # each line ends twice: "." then the newline
+    start = time.perf_counter()
+    final = read_final(text, "q")
+    assert len(final.values) == 20_000 and time.perf_counter() - start < 5
+
+
 def test_read_final_values_and_restatements():
     final = read_final("33, 34 or 35", "What is 22+13?")
     assert final.last.text == "35" and final.values == [33, 34, 35] and final.restated is None

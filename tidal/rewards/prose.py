@@ -15,6 +15,7 @@ cannot be a binary minus. Three readings on top of that:
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -84,15 +85,15 @@ def is_operand(text: str, n: Number) -> bool:
 
 def final_statement(text: str, last: Number) -> tuple[int, int]:
     """``(start, end)`` of the statement holding ``last`` (see the module docstring)."""
-    ends = [m.end() for m in _STATEMENT_END.finditer(text)]
-    start = max((e for e in ends if e <= last.start), default=0)
-    end = min((e for e in ends if e > last.start), default=len(text))
-    while start > 0:
-        prev = max((e for e in ends if e < start), default=0)
+    ends = [m.end() for m in _STATEMENT_END.finditer(text)]  # sorted: bisect keeps a hostile list linear
+    i = bisect.bisect_right(ends, last.start)  # statements before the last number's: ends[:i]
+    start, end = (ends[i - 1] if i else 0), (ends[i] if i < len(ends) else len(text))
+    while i > 0:
+        prev = ends[i - 2] if i > 1 else 0
         chunk = text[prev:start]
-        if not numbers(chunk) or _BARE.fullmatch(_NUMBER.sub("", chunk)) is None:
-            break
-        start = prev
+        if chunk.strip() and (not numbers(chunk) or _BARE.fullmatch(_NUMBER.sub("", chunk)) is None):
+            break  # a statement with words in it (a blank one, "33.\n" ending twice, is skipped)
+        start, i = prev, i - 1
     return start, end
 
 
