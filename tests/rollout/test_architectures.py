@@ -125,3 +125,16 @@ def test_unsupported_model_is_refused_in_one_line(tokenizer):
     with pytest.raises(UnsupportedArchitecture, match=r"^Gemma2ForCausalLM: attention logit softcapping") as e:
         LocalEngine(model, tokenizer, SamplingConfig())
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", WINDOWED)
+def test_cuda_graph_decode_keeps_the_windows(models, tokenizer, family):
+    """On CUDA the decode steps replay recorded graphs, with one static mask buffer per layer type."""
+    model = models[family]
+    engine = LocalEngine(copy.deepcopy(model).to("cuda"), tokenizer,
+                         SamplingConfig(max_new_tokens=16, max_batch_size=5, dtype="fp32"))
+    out = _stream(engine, _requests(tokenizer), at_a_time=2)
+    assert engine._slots.static.num_recorded > 0 and not engine._slots.static.failed
+    assert _worst(model, out) < 1e-3  # CUDA kernels against the CPU forward

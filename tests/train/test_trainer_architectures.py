@@ -15,6 +15,7 @@ from tidal.optim.config import OptimConfig
 from tidal.train.config import TrainerConfig
 from tidal.train.trainer import Trainer
 from tidal.types import TrainBatch
+from tidal.utils.device import tensors_to
 
 from ..models.architectures import ATOL, FAMILIES, WINDOW, WINDOWED, build, reference_logprobs, windowed_matters
 
@@ -69,3 +70,20 @@ def test_trainer_refuses_an_unsupported_model_in_one_line(tokenizer):
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedArchitecture, match=r"^LlamaForCausalLM: RoPE scaling that depends on the seq"):
         Trainer(model, AlgoConfig(), OptimConfig(), TrainerConfig())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("layout", ["packed-block", "trie-block"])
+def test_flex_attention_keeps_the_windows_on_cuda(tokenizer, family, layout):
+    """FlexAttention (compiled) runs the windowed block masks, tiles behind the window skipped."""
+    model = build(family, tokenizer)
+    batch = _batch(len(tokenizer))
+    lengths = batch.attention_mask_bt.sum(-1).tolist()
+    trainer = Trainer(copy.deepcopy(model), AlgoConfig(), OptimConfig(),
+                      TrainerConfig(precision="fp32", **LAYOUTS[layout]), device="cuda")
+    logp_bt = trainer._scores(trainer.model, tensors_to(batch, trainer.device)).cpu()
+    for i, n in enumerate(lengths):
+        ref = reference_logprobs(model, batch.input_ids_bt[i, :n].tolist())
+        torch.testing.assert_close(logp_bt[i, 1:n], ref, atol=2e-3, rtol=1e-3)
