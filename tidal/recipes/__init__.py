@@ -14,5 +14,6 @@ from tidal.recipes import agentic as _agentic  # noqa: E402,F401
 from tidal.recipes import harness as _harness  # noqa: E402,F401
 from tidal.recipes import papers as _papers  # noqa: E402,F401  (registers recipes)
 from tidal.recipes import quickstart as _quickstart  # noqa: E402,F401
+from tidal.recipes import real as _real  # noqa: E402,F401
 from tidal.recipes import stages as _stages  # noqa: E402,F401
 from tidal.recipes import verifiers as _verifiers  # noqa: E402,F401

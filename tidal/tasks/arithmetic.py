@@ -3,7 +3,9 @@
 ``addition``: "a+b=" -> "c" for operands in [0, max_operand], zero-padded to fixed widths by
 default ("07+45=" -> "052"). The pair space is split once, by a seeded hash, into train and
 held-out eval pairs, so eval problems are never trained on (neither in
-the supervised warm start nor in RL).
+the supervised warm start nor in RL). For a pretrained chat model the question is asked in words:
+``task.template`` over the columns ``{a}`` and ``{b}`` ("What is {a} + {b}?"; answers then are never
+zero-padded), and ``task.params.min_operand`` (default 0) makes both operands, say, two-digit (10).
 
 ``repeat``: "n*c=" -> c repeated n times, with n drawn from a long-tailed (Zipf-like) distribution.
 Its response lengths are long-tailed by construction, which is where synchronous RL wastes time
@@ -38,6 +40,7 @@ from abc import ABC, abstractmethod
 from tidal.envs.calculator import calculator_call_trace, calculator_trace
 from tidal.tasks import TASKS
 from tidal.tasks.config import TaskConfig
+from tidal.tasks.rows import check_template, render
 from tidal.types import Prompt
 from tidal.utils.seeding import stable_hash
 
@@ -101,11 +104,16 @@ class Addition(_SplitTask):
     name = "addition"
 
     def _space(self) -> list:
-        n = self.cfg.max_operand + 1
-        return [(a, b) for a in range(n) for b in range(n)]
+        low = self.cfg.params.get("min_operand", 0)
+        if not isinstance(low, int) or not 0 <= low <= self.cfg.max_operand:
+            raise ValueError(f"task addition: params.min_operand={low!r} must be an integer in [0, max_operand]")
+        check_template(self.cfg.template)
+        return [(a, b) for a in range(low, self.cfg.max_operand + 1) for b in range(low, self.cfg.max_operand + 1)]
 
     def _prompt(self, item, uid: str) -> Prompt:
         a, b = item
+        if self.cfg.template is not None:
+            return Prompt(uid=uid, text=render(self.cfg.template, {"a": a, "b": b}), answer=str(a + b))
         if self.cfg.fixed_width:
             w = len(str(self.cfg.max_operand))
             return Prompt(uid=uid, text=f"{a:0{w}d}+{b:0{w}d}=", answer=f"{a + b:0{w + 1}d}")
