@@ -12,6 +12,8 @@ queries kv <= q < ``end_rl[kv]``, the end of kv's sequence (a padding slot: kv +
 attention (it finds the boundaries in the position ids), a FlexAttention ``BlockMask`` built from the
 intervals (``trainer.packed_attention=block``: no [L, L] tensor, so rows can be long), or the dense
 boolean [R, 1, L, L] mask (``dense``: built only when asked for, quadratic in the row length).
+Sliding-window layers (Mistral, Gemma 3: ``models/architecture.py``) also need ``pos[q] - pos[kv] < window``
+over the restarting position ids, so their layers get a windowed mask of their own.
 
 The trainer's losses work on the padded [B, T] layout; ``unpack`` scatters packed per-token values
 back to it, so the loss and its gradients equal the padded computation's (tests pin this).

@@ -21,7 +21,8 @@ it and "kv is an ancestor of q, or q itself" is the interval test kv <= q < ``en
 subtree), the same rule as plain packing (``models/attention.py``, ``train/packing.py``'s
 ``packed_attention_mask``): a FlexAttention block mask with no [L, L] tensor (``trainer.packed_attention=
 block``), or the dense boolean [R, 1, L, L] mask, built only when asked for. Varlen flash attention only
-knows contiguous causal segments, so it cannot express a trie.
+knows contiguous causal segments, so it cannot express a trie. A sliding window counts depth (a node's
+position): a node sees the ancestors fewer than ``window`` levels above it, as each sequence through it would.
 """
 
 from __future__ import annotations
