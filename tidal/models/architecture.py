@@ -98,8 +98,9 @@ def check_architecture(model: torch.nn.Module) -> AttentionLayout:
     inside the attention or the cache that a prepared mask cannot express, or a cache tidal does not keep."""
     base = _base(model)
     config, name = base.config, type(base).__name__
-    for feature in _unsupported(config):
-        raise UnsupportedArchitecture(f"{name}: {feature} is not supported by tidal's local engine and trainer")
+    found = _unsupported(config)
+    if found:  # the first one: a model with several gets them named one at a time, as each is fixed
+        raise UnsupportedArchitecture(f"{name}: {found[0]} is not supported by tidal's local engine and trainer")
     if any(n.endswith("sinks") for n, _ in model.named_parameters()):
         raise UnsupportedArchitecture(f"{name}: attention sinks (learned per-head logits, GPT-OSS) are not "
                                       "supported by tidal's local engine and trainer")
