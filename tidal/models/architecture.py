@@ -97,7 +97,9 @@ def check_architecture(model: torch.nn.Module) -> AttentionLayout:
     Called where the local engine and the trainer take a model. Each refused feature is a rule applied
     inside the attention or the cache that a prepared mask cannot express, or a cache tidal does not keep."""
     base = _base(model)
-    config, name = base.config, type(base).__name__
+    config, name = getattr(base, "config", None), type(base).__name__
+    if config is None:  # not a transformers model (a test's bare module, a value head): no attention to check
+        return AttentionLayout({FULL: None})
     found = _unsupported(config)
     if found:  # the first one: a model with several gets them named one at a time, as each is fixed
         raise UnsupportedArchitecture(f"{name}: {found[0]} is not supported by tidal's local engine and trainer")
