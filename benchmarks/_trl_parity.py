@@ -16,9 +16,9 @@ ppo_clip 0.2/0.28, token_mean, skip_zero_adv_groups, dual clip 3); TRL's side is
 the same saved weights.
 
 The batch is crafted, not sampled: prompts ``[bos, chars...]`` (left-padded for TRL, right-padded
-rows for tidal), completions of 2 to 5 tokens each ending in EOS, rewards from the benchmark's own
-``exact_match_reward`` on the completion text. One batch has all three groups informative; the other
-has one group all wrong (zero advantage).
+rows for tidal), completions of 2 to 5 tokens each ending in EOS, rewards from tidal's ``exact_match``
+(``trl_grpo.tidal_reward``, as the benchmark's TRL run scores) on the completion text. One batch has all
+three groups informative; the other has one group all wrong (zero advantage).
 
 How each side's loss and gradient are taken (nothing is re-implemented):
 
@@ -78,7 +78,7 @@ HERE = Path(__file__).resolve().parent
 TOY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
        "model.intermediate_size=64", "rollout.prompts_per_step=3", "rollout.group_size=4"]
 
-# (prompt, answer, completions): exact_match_reward scores them. Lengths vary (2..5 tokens with EOS).
+# (prompt, answer, completions): tidal's exact_match scores them. Lengths vary (2..5 tokens with EOS).
 INFORMATIVE = [
     ("3+4=", "7", ["7", "8", "17", "7"]),
     ("12+30=", "42", ["42", "4", "402", "24"]),
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tidal.types import Group, Prompt, Trajectory
 
     bench = load_module(HERE / "trl.py", "tidal_benchmark_trl_for_parity")
-    grpo = bench.grpo  # benchmarks/trl_grpo.py: grpo_config, exact_match_reward, with_bos
+    grpo = bench.grpo  # benchmarks/trl_grpo.py: grpo_config, tidal_reward, with_bos
 
     s, cfg = bench.resolve(TOY, seed=0)
     work = Path(tempfile.mkdtemp(prefix="tidal-trl-parity-"))
@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> dict:
     tok = PreTrainedTokenizerFast.from_pretrained(settings["model_dir"], local_files_only=True)
     tok.padding_side = "left"
     trl_model = AutoModelForCausalLM.from_pretrained(settings["model_dir"], local_files_only=True, dtype=torch.float32)
-    rows = grpo.with_bos([{"prompt": p, "answer": a} for p, a, _ in INFORMATIVE], tok.bos_token)
+    rows = grpo.with_bos([{"prompt": p, "answer": a, "question": p} for p, a, _ in INFORMATIVE], tok.bos_token)
+    reward = grpo.tidal_reward(settings["reward"]["name"], settings["reward"]["params"])  # tidal's exact_match
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = trl.GRPOTrainer(model=trl_model, reward_funcs=grpo.exact_match_reward,
+        trainer = trl.GRPOTrainer(model=trl_model, reward_funcs=reward,
                                   args=grpo.grpo_config(settings, str(work / "trl")),
                                   train_dataset=Dataset.from_list(rows), processing_class=tok)
     trainer.current_gradient_accumulation_steps = 1  # what TRL's loop sets with gradient_accumulation_steps=1
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         for g, (prompt, answer, completions) in enumerate(spec):
             p_ids = tok(text=tok.bos_token + prompt)["input_ids"]
             assert p_ids[0] == tok.bos_token_id and len(p_ids) == len(prompt) + 1
-            rewards = grpo.exact_match_reward(completions, [answer] * len(completions))
+            rewards = reward(completions, [answer] * len(completions), question=[prompt] * len(completions))
             for c, r in zip(completions, rewards, strict=True):
                 c_ids = tok(text=c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                 assert len(c_ids) == len(c) + 1

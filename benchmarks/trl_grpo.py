@@ -2,9 +2,12 @@
 
 Not a benchmark of its own: ``benchmarks/trl.py`` runs this file as a subprocess in the benchmark's
 own virtual environment (TRL is no dependency of tidal), so it imports neither tidal nor TRL at module
-level. What it needs comes in one JSON file (``--config``): the warm-started base model directory,
-the exported training prompts (JSONL rows ``{"prompt", "answer"}`` in tidal's stream order), and
-the settings ``benchmarks/trl.py`` resolved from tidal's quickstart recipe.
+level. What it needs comes in one JSON file (``--config``): the base model directory, the exported
+training prompts (JSONL rows ``{"prompt", "answer", "question"}`` in tidal's stream order: ``prompt`` is
+the text, or a conversation ``[{"role": "user", ...}]`` that TRL renders with the tokenizer's chat
+template), the ids tidal reads for the first prompt (checked against TRL's own tokenization), the
+reward (tidal's, by name and parameters: TRL's venv sees tidal's packages, and ``tidal.rewards``
+imports no torch) and the settings ``benchmarks/_race.py`` resolved from tidal's recipe.
 
 Fairness rules shared with the tidal side (``SnapshotClock`` is used by both):
 
@@ -30,9 +33,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def exact_match_reward(completions: list[str], answer: list[str], **_) -> list[float]:
-    """TRL reward function: 1.0 when the completion, stripped, equals the answer (tidal's ``exact_match``)."""
-    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer, strict=True)]
+def tidal_reward(name: str, params: dict | None = None):
+    """A TRL reward function that scores with tidal's own reward ``name`` (``build_reward(name, params)``), so
+    both frameworks optimize the identical verifier. TRL passes each completion (text, or ``[{"role":
+    "assistant", "content": text}]`` for conversational prompts, decoded without special tokens as tidal
+    decodes) and the dataset's ``answer`` and ``question`` columns."""
+    from tidal.rewards import build_reward
+    from tidal.types import Prompt
+
+    reward = build_reward(name, params)
+
+    def score(completions: list, answer: list[str], question: list[str], **_) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [reward(t, Prompt(f"trl-{i}", q, a))[0]
+                for i, (t, q, a) in enumerate(zip(texts, question, answer, strict=True))]
+
+    score.__name__ = name  # TRL logs each reward function's mean under its name
+    return score
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -42,7 +59,7 @@ def read_rows(path: str | Path) -> list[dict]:
 def with_bos(rows: list[dict], bos_token: str) -> list[dict]:
     """TRL tokenizes a plain-text prompt with the tokenizer's defaults, and the tiny tokenizer adds no
     BOS by itself; tidal's engine prepends BOS to every prompt, so the prompt text carries it here."""
-    return [{"prompt": bos_token + r["prompt"], "answer": r["answer"]} for r in rows]
+    return [{**r, "prompt": bos_token + r["prompt"]} for r in rows]
 
 
 @dataclass
@@ -77,16 +94,41 @@ class SnapshotClock:
 
 
 def clone_state(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A copy of the model's weights; tensors that share storage (a tied head) are copied once and stay shared."""
+    copies: dict = {}
+    return {k: copies.setdefault(v.data_ptr(), v.detach().clone()) for k, v in model.state_dict().items()}
 
 
-def make_callback(clock: SnapshotClock, snapshots: list[dict], log_path: Path):
+def snapshot(weights: dict, elapsed_s: float, step: int, snapshot_dir: str | Path | None) -> dict:
+    """One snapshot record: ``weights`` (already a copy) kept in memory, or with ``snapshot_dir`` written to a file
+    there and named by ``path`` (a 135M-parameter model's 0.5 GB per snapshot would pile up in memory)."""
+    record = {"elapsed_s": elapsed_s, "step": step}
+    if snapshot_dir is None:
+        return {**record, "state_dict": weights}
+    import torch
+
+    path = Path(snapshot_dir) / f"step{step:08d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(weights, path)  # tensors sharing storage are written once
+    return {**record, "path": str(path)}
+
+
+def snapshot_weights(record: dict) -> dict:
+    """The weights of a ``snapshot`` record, from memory or its file."""
+    if "state_dict" in record:
+        return record["state_dict"]
+    import torch
+
+    return torch.load(record["path"], weights_only=True, map_location="cpu")
+
+
+def make_callback(clock: SnapshotClock, snapshots: list[dict], log_path: Path, snapshot_dir: str | None = None):
     """A TrainerCallback that keeps the training clock, snapshots on it, logs every step and stops TRL."""
     from transformers import TrainerCallback
 
     class ClockCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            snapshots.append({"elapsed_s": 0.0, "step": 0, "state_dict": clone_state(model)})
+            snapshots.append(snapshot(clone_state(model), 0.0, 0, snapshot_dir))
             self.log = open(log_path, "w")
             self.paused = 0.0
             self.start = time.perf_counter()
@@ -96,7 +138,7 @@ def make_callback(clock: SnapshotClock, snapshots: list[dict], log_path: Path):
             elapsed = now - self.start - self.paused
             self.log.write(json.dumps({"step": state.global_step, "elapsed_s": elapsed}) + "\n")
             if clock.tick(elapsed, final=state.global_step >= state.max_steps):
-                snapshots.append({"elapsed_s": elapsed, "step": state.global_step, "state_dict": clone_state(model)})
+                snapshots.append(snapshot(clone_state(model), elapsed, state.global_step, snapshot_dir))
             if clock.done(elapsed):
                 control.should_training_stop = True
             self.paused += time.perf_counter() - now
@@ -159,24 +201,29 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(s["seed"])
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
-    # not AutoTokenizer: transformers 5 would rebuild the character tokenizer as Qwen2Tokenizer and drop
-    # spaces (FACTS.md; tidal's tiny.load_tokenizer does the same; the quickstart's prompts have none)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(s["model_dir"], local_files_only=True)
+    # tidal's own loader (this venv sees tidal's packages): the same tokenizer class tidal reads prompts with
+    # (transformers 5's AutoTokenizer would rebuild the tiny character tokenizer as Qwen2Tokenizer and drop spaces)
+    from tidal.models.tiny import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(s["model_dir"]))
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(s["model_dir"], local_files_only=True, dtype=torch.float32)
-    rows = with_bos(read_rows(s["prompts_path"]), tokenizer.bos_token)
-    first = tokenizer(text=rows[0]["prompt"])["input_ids"]
-    assert first[0] == tokenizer.bos_token_id and len(first) == len(rows[0]["prompt"]) - len(tokenizer.bos_token) + 1, (
-        f"prompt tokens differ from tidal's [bos, chars...]: {first}")
+    rows = read_rows(s["prompts_path"])
+    if not isinstance(rows[0]["prompt"], list):  # plain text: tidal's engine reads BOS + text
+        rows = with_bos(rows, tokenizer.bos_token)
     clock = SnapshotClock(s["snapshot_every_s"], s["max_time_s"])
     snapshots: list[dict] = []
     trainer = trl.GRPOTrainer(
-        model=model, reward_funcs=exact_match_reward, args=grpo_config(s, s["trl_out_dir"]),
-        train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-        callbacks=[make_callback(clock, snapshots, Path(s["log_path"]))],
+        model=model, reward_funcs=tidal_reward(s["reward"]["name"], s["reward"]["params"]),
+        args=grpo_config(s, s["trl_out_dir"]), train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        callbacks=[make_callback(clock, snapshots, Path(s["log_path"]), s.get("snapshot_dir"))],
     )
+    # the ids TRL generates from (its own tokenization: the chat template for a conversation) are tidal's
+    first = list(trainer._tokenize_prompts([rows[0]["prompt"]])[0][0])
+    want = s["first_prompt_ids"]
+    assert first == want, f"TRL's ids of the first prompt differ from tidal's: {first} vs {want}"
     print(f"TRL {trl.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads: training "
           f"for {s['max_time_s']:.0f} s", flush=True)
     trainer.train()

@@ -120,14 +120,21 @@ def test_snapshot_tracker_ignores_the_base_eval_and_snapshots_on_the_clock(small
 
 
 # ---- the TRL script's pieces (no TRL needed) --------------------------------------------------------------
-def test_exact_match_reward_is_tidals_exact_match():
-    from tidal.rewards.exact_match import exact_match
+def test_trl_reward_is_tidals_own_reward():
+    from tidal.rewards import build_reward
     from tidal.types import Prompt
 
     completions, answers = ["052", " 052\n", "52", "0520", ""], ["052"] * 5
-    got = grpo.exact_match_reward(completions, answers, prompts=["x"] * 5)
+    got = grpo.tidal_reward("exact_match")(completions, answers, question=["07+45="] * 5, prompts=["x"] * 5)
     assert got == [1.0, 1.0, 0.0, 0.0, 0.0]
+    exact_match = build_reward("exact_match")
     assert got == [exact_match(c, Prompt("u", "07+45=", a))[0] for c, a in zip(completions, answers)]
+    # conversational prompts: TRL hands each completion over as the assistant's message
+    chat = grpo.tidal_reward("last_number")
+    assert chat.__name__ == "last_number"  # TRL logs a reward function's mean under its name
+    texts = ["22 + 13 = 35", "22+13 is 22+13.", "33, 34, 35", "The answer is 36."]
+    got = chat([[{"role": "assistant", "content": t}] for t in texts], ["35"] * 4, question=["What is 22 + 13?"] * 4)
+    assert got == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_exported_prompts_are_tidals_stream_and_tokenize_like_tidal(tmp_path, tokenizer):
@@ -140,11 +147,11 @@ def test_exported_prompts_are_tidals_stream_and_tokenize_like_tidal(tmp_path, to
     assert len(rows) == task.num_train + 3
     for i in (0, 1, task.num_train + 2):
         p = task.train_prompt(i)
-        assert rows[i] == {"prompt": p.text, "answer": p.answer}
+        assert rows[i] == {"prompt": p.text, "answer": p.answer, "question": p.text}
     held_out = {p.text for p in task.eval_prompts()}
     assert not held_out & {r["prompt"] for r in rows}
     trl_rows = grpo.with_bos(rows[:2], tokenizer.bos_token)
-    assert trl_rows[0]["answer"] == rows[0]["answer"]
+    assert trl_rows[0]["answer"] == rows[0]["answer"] and trl_rows[0]["question"] == rows[0]["question"]
     # TRL tokenizes the prompt text with the tokenizer's defaults: it must give tidal's [bos, chars...]
     assert tokenizer(text=trl_rows[0]["prompt"])["input_ids"] == list(prompt_ids(tokenizer, task.train_prompt(0)))
 
@@ -158,6 +165,11 @@ def test_both_runs_read_one_resolved_config(tmp_path):
     assert (got["max_new_tokens"], got["temperature"], got["top_p"]) == (cfg.rollout.max_new_tokens, 1.0, 1.0)
     assert (got["eps_low"], got["eps_high"]) == (0.2, 0.28)  # ppo_clip's own defaults (DAPO clip-higher)
     assert got["betas"] == list(cfg.optim.betas) and got["grad_clip"] == cfg.optim.grad_clip
+    assert got["reward"] == {"name": "exact_match", "params": {}} and got["snapshot_dir"] is None
+    cfg.trainer.temperature = 0.7  # TRL samples and scores at one temperature: a split one is refused
+    with pytest.raises(ValueError, match="trainer.temperature"):
+        trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)
+    cfg.trainer.temperature = cfg.rollout.temperature
     s.trl_threads = 2
     assert trl_bench.trl_settings(cfg, s, tmp_path / "base", tmp_path)["threads"] == 2
     # the clock's max_steps is 1e8 (trl_bench.RUN), so the recipe's cosine keeps its 400 steps
@@ -189,7 +201,7 @@ def test_venv_current_runs_trl_with_this_interpreter(monkeypatch):
         monkeypatch.setitem(sys.modules, name, fake)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: {"trl": "1.16.0"}[name])
     assert trl_bench.trl_python("current") == trl_bench.trl_python("") == (sys.executable, "1.16.0")
-    monkeypatch.setattr(trl_bench, "ensure_venv", lambda path: Path(path) / "bin" / "python")
+    monkeypatch.setattr(trl_bench.race, "ensure_venv", lambda path: Path(path) / "bin" / "python")
     assert trl_bench.trl_python("/some/venv") == ("/some/venv/bin/python", trl_bench.TRL_VERSION)
 
 
@@ -199,7 +211,7 @@ def test_trl_trains_on_tidals_device_in_tidals_precision(monkeypatch):
     assert grpo.device_args({"device": "cpu", "bf16": False}) == {"use_cpu": True, "bf16": False, "fp16": False}
     cfg.trainer.precision = "bf16"
     assert trl_bench.device_settings(cfg) == {"device": "cpu", "bf16": True}
-    monkeypatch.setattr(trl_bench, "resolve_device", lambda spec: torch.device("cuda", 0))  # as on a GPU machine
+    monkeypatch.setattr(trl_bench.race, "resolve_device", lambda spec: torch.device("cuda", 0))  # as on a GPU machine
     cfg.trainer.precision = "auto"
     assert trl_bench.device_settings(cfg) == {"device": "cuda", "bf16": True}  # auto precision: bf16 on CUDA
     assert grpo.device_args({"device": "cuda", "bf16": True}) == {"use_cpu": False, "bf16": True, "fp16": False}
