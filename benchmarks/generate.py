@@ -72,6 +72,9 @@ class Settings:
     rounds: int = 3
     threads: int = 2
     seed: int = 0
+    temperature: float = 1.0
+    """Sampling temperature of every arm (``tidal bench real`` sets its recipe's)."""
+    top_p: float = 1.0
     speculative_tasks: list[str] = field(default_factory=lambda: ["repeat", "agentic", "quickstart"])
     """Tasks of the speculative arms (``benchmarks/_speculative.py``): the engine with and without
     ``rollout.speculative``; empty: none."""
@@ -130,7 +133,8 @@ class HFArm:
         torch.manual_seed(self.s.seed)
         self.lengths, computed = [], 0
         for ids, mask in batches or self.batches:
-            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                      temperature=self.s.temperature, top_p=self.s.top_p,
                                       top_k=0, max_new_tokens=self.s.max_new_tokens,
                                       pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
             new = out[:, ids.shape[1] :]
@@ -148,8 +152,8 @@ class EngineArm:
     def __init__(self, model, tokenizer, requests, batch_size: int, s: Settings, share: bool = True):
         from tidal.rollout.local import LocalEngine, SamplingConfig
 
-        cfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=s.max_new_tokens, max_batch_size=batch_size,
-                             share_identical_rows=share)
+        cfg = SamplingConfig(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                             max_batch_size=batch_size, share_identical_rows=share)
         self.engine = LocalEngine(model, tokenizer, cfg, seed=s.seed)
         self.requests = requests
 
@@ -183,6 +187,32 @@ class VllmArm:
 
     def warm_up(self) -> None:
         self(self.prompts[:64])
+
+
+def time_arms(arms: dict, rounds: int) -> tuple[dict, dict]:
+    """Warm every arm up, then run them in turns, ``rounds`` times (round robin: a load change on this shared
+    machine hits every arm alike). Returns (each arm's seconds per round, its (real, computed) new tokens)."""
+    for arm in arms.values():
+        arm.warm_up()
+    times: dict = {key: [] for key in arms}
+    counts = {}
+    for _ in range(rounds):
+        for key, arm in arms.items():
+            start = time.perf_counter()
+            counts[key] = arm()
+            times[key].append(time.perf_counter() - start)
+    return times, counts
+
+
+def arm_rows(times: dict, counts: dict, num_samples: int) -> list[dict]:
+    """One row per ``(arm, batch size)`` of ``time_arms``' results, at the median round's time."""
+    rows = []
+    for (name, b), (real, computed) in counts.items():
+        seconds = statistics.median(times[(name, b)])
+        rows.append({"arm": name, "batch_size": b, "samples": num_samples, "new_tokens": real,
+                     "mean_len": real / num_samples, "seconds": seconds, "new_tokens_per_s": real / seconds,
+                     "wasted_frac": 1 - real / computed})
+    return rows
 
 
 def _vllm_importable() -> bool:
@@ -268,23 +298,10 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         if use_vllm:
             arms |= {("vllm", b): VllmArm(model_path, requests, b, s) for b in s.vllm_batch_sizes}
             torch.set_num_threads(s.threads)  # vLLM's start changes the process's threads
-        for arm in arms.values():
-            arm.warm_up()
-        times: dict[tuple, list[float]] = {key: [] for key in arms}
-        counts = {}
-        for _ in range(s.rounds):  # round robin: a load change on this shared machine hits every arm alike
-            for key, arm in arms.items():
-                start = time.perf_counter()
-                counts[key] = arm()
-                times[key].append(time.perf_counter() - start)
+        times, counts = time_arms(arms, s.rounds)
     finally:
         torch.set_num_threads(threads)
-    rows = []
-    for (name, b), (real, computed) in counts.items():
-        seconds = statistics.median(times[(name, b)])
-        rows.append({"arm": name, "batch_size": b, "samples": len(requests), "new_tokens": real,
-                     "mean_len": real / len(requests), "seconds": seconds, "new_tokens_per_s": real / seconds,
-                     "wasted_frac": 1 - real / computed})
+    rows = arm_rows(times, counts, len(requests))
     lengths = {f"{name}@{b}": arm.lengths for (name, b), arm in arms.items()}
     if s.only_vllm:
         return {"benchmark": "generate", "description": DESCRIPTION, "table": rows, "lengths": lengths}
