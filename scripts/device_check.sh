@@ -5,7 +5,9 @@
 #
 #   bash scripts/device_check.sh                 # env tests bench (about 6 minutes on an H100)
 #   bash scripts/device_check.sh env tests       # only some stages; also: cpu (a CPU subset under that
-#                                                # machine's torch/transformers), trl (tidal vs TRL on the GPU)
+#                                                # machine's torch/transformers), trl (tidal vs TRL on the GPU),
+#                                                # smollm2 (the real model: its recipe and tidal vs TRL on it; its
+#                                                # GGUF comes in two calls: scripts/device_model_parts.sh)
 #
 # Fill .whl/ first, on a machine with pip access: bash scripts/device_wheels.sh (reads scripts/device_wheels.txt).
 # Each stage has its own time limit (TESTS_LIMIT, BENCH_LIMIT override two, in seconds), and one failing stage
@@ -76,13 +78,20 @@ EOF
     trl)
       run_stage trl 240 "$PY" -m tidal.cli bench trl --out "$OUT_DIR" --set venv=current --set system.device=cuda \
         --set max_time_s=60 --set 'seeds=[0]' --set 'report_at=[30,60]' ;;
-    *) echo "unknown stage $stage (env tests cpu bench trl)"; result[$stage]="unknown" ;;
+    smollm2)  # SmolLM2-135M-Instruct from the GGUF parts carried in two calls (docs/models.md), then its recipe
+      bash scripts/device_model_parts.sh join && "$PY" -m tidal.cli model import smollm2-135m-instruct --no-download
+      run_stage smollm2 240 "$PY" -m tidal.cli train smollm2_quickstart --out /tmp/smollm2 --overwrite \
+        --set system.device=cuda --set max_time_s=120 --set log.report=false --set log.progress=false
+      cp /tmp/smollm2/metrics.jsonl "$OUT_DIR/smollm2_metrics.jsonl" 2>/dev/null
+      run_stage real 300 "$PY" -m tidal.cli bench real --out "$OUT_DIR" --set venv=current --set system.device=cuda \
+        --set max_time_s=90 --set snapshot_every_s=30 --set 'lora_ranks=[]' --set 'report_at=[30,60,90]' ;;
+    *) echo "unknown stage $stage (env tests cpu bench trl smollm2)"; result[$stage]="unknown" ;;
   esac
 done
 
 echo "=== summary"
 for stage in "${stages[@]}"; do echo "$stage: ${result[$stage]:-not run}"; done
-for f in "$OUT_DIR"/gpu.json "$OUT_DIR"/trl.json; do
+for f in "$OUT_DIR"/gpu.json "$OUT_DIR"/trl.json "$OUT_DIR"/real.json; do
   [ -f "$f" ] && "$PY" - "$f" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))

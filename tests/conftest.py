@@ -63,7 +63,7 @@ def smollm2_dir():
     from tidal.models import catalog
 
     try:
-        return catalog.import_model("smollm2-135m-instruct", download=False, progress=False)
+        return catalog.import_model("smollm2-135m-instruct", download=False, progress=False).absolute()
     except catalog.ModelImportError as e:
         pytest.skip(f"SmolLM2 is not installed ({e})")
 

