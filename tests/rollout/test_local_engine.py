@@ -190,3 +190,20 @@ def test_identical_rows_share_compute_not_samples(small_model, tokenizer, interr
         ids = torch.tensor([y.prompt_ids + y.token_ids])
         logp, _ = token_logprobs(small_model, ids, torch.ones_like(ids), temperature=0.05)
         assert torch.allclose(logp[0, len(y.prompt_ids):], torch.tensor(y.logprobs), atol=1e-4)
+
+
+def test_generation_config_end_of_turn_ids_stop_a_row(small_model, tokenizer):
+    """A chat model whose turn ends with a token other than the tokenizer's EOS (Gemma's <end_of_turn>) lists it
+    in its generation config: the engine stops there too."""
+    import copy
+
+    plain = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12)).generate(_requests(tokenizer, 2, 2))
+    long = next(t for t in plain if len(t.token_ids) >= 4 and tokenizer.eos_token_id not in t.token_ids[:3])
+    stop = long.token_ids[2]
+    model = copy.deepcopy(small_model)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+    again = LocalEngine(model, tokenizer, SamplingConfig(max_new_tokens=12)).generate(_requests(tokenizer, 2, 2))
+    for x, y in zip(plain, again):
+        cut = next((i for i, t in enumerate(x.token_ids) if t == stop), None)
+        assert y.token_ids == (x.token_ids if cut is None else x.token_ids[: cut + 1])
+        assert y.finish_reason == ("stop" if cut is not None else x.finish_reason)

@@ -87,3 +87,13 @@ def template_overhead(tokenizer) -> int:
     """Tokens the format adds around a prompt's own (the chat markers and default system prompt, or BOS):
     what a context-fit check adds to ``len(tokenizer(text))`` without rendering every prompt."""
     return len(prompt_ids(tokenizer, ""))
+
+
+def end_of_turn_ids(tokenizer, model=None) -> frozenset[int]:
+    """The ids that end an answer: the tokenizer's EOS and every ``eos_token_id`` of the model's generation
+    config. Chat models often end a turn with a token that is not the tokenizer's EOS (Gemma's
+    ``<end_of_turn>``, Llama 3's ``<|eot_id|>`` next to ``<|end_of_text|>``): their generation configs list it."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([extra] if isinstance(extra, int) else (extra or []))
+    return frozenset(ids)

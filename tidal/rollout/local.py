@@ -32,6 +32,7 @@ from tidal.api import GenRequest
 from tidal.models import lora
 from tidal.models.architecture import UnsupportedArchitecture, check_architecture
 from tidal.models.attention import NAME as PACKED_ATTENTION
+from tidal.models.prompts import end_of_turn_ids
 from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
@@ -190,6 +191,7 @@ class LocalEngine:
         self.seed = seed
         self.version = version
         self.eos_id = tokenizer.eos_token_id
+        self.end_ids = end_of_turn_ids(tokenizer, model)  # EOS and the generation config's end-of-turn ids
         self.pad_id = tokenizer.pad_token_id
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._lock = threading.Lock()
@@ -368,7 +370,7 @@ class LocalEngine:
         row.logprobs.append(lp)
         row.versions.append(self.version)
         row.confident_run = row.confident_run + 1 if lp > self._early_stop_logp else 0
-        if tok == self.eos_id or self._hit_stop(row):
+        if tok in self.end_ids or self._hit_stop(row):
             row.finish_reason = "stop"
         elif len(row.tokens) >= (row.request.max_new_tokens or self.cfg.max_new_tokens):
             row.finish_reason = "length"
@@ -384,7 +386,7 @@ class LocalEngine:
         them from ``slots``; ``rows`` (and ``tokens``, per row) follow the slots' moves."""
         for slot in (~keep).nonzero().squeeze(1).tolist():
             row = rows[slot]
-            if self.cfg.reuse_turn_kv and row.request.episode and row.tokens[-1] != self.eos_id:
+            if self.cfg.reuse_turn_kv and row.request.episode and row.tokens[-1] not in self.end_ids:
                 self._save_turn(row, slots, slot)  # the episode's next turn will extend this context
             on_done(row.request, self._to_trajectory(row))
         if not keep.all():
