@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.bench import load_sibling
 from tidal.config import apply_overrides
 from tidal.models import prompts, tiny
 from tidal.optim import for_run
@@ -76,16 +77,7 @@ DESCRIPTION = "real chat model: tidal vs TRL GRPOTrainer, engine vs HF generate,
 
 def _load_sibling(name: str):
     """A file next to this one as a module (benchmarks are not a package), loaded once."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).with_name(name)
-    module_name = f"tidal_benchmark_{path.stem.lstrip('_')}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        sys.modules[module_name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[module_name])
-    return sys.modules[module_name]
+    return load_sibling(Path(__file__).with_name(name))
 
 
 race = _load_sibling("_race.py")  # the clock, both runs, scoring and the summary (shared with tidal bench trl)

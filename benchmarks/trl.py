@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.bench import load_sibling
 from tidal.config import apply_overrides
 from tidal.recipes import RECIPES
 from tidal.system.config import RunConfig
@@ -64,17 +65,8 @@ DESCRIPTION = "tidal vs TRL GRPOTrainer: time to TRL's 300-s held-out accuracy, 
 
 
 def _load_sibling(name: str):
-    """A file next to this one as a module (benchmarks are not a package)."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).with_name(name)
-    module_name = f"tidal_benchmark_{path.stem.lstrip('_')}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        sys.modules[module_name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[module_name])
-    return sys.modules[module_name]
+    """A file next to this one as a module (benchmarks are not a package), loaded once."""
+    return load_sibling(Path(__file__).with_name(name))
 
 
 race = _load_sibling("_race.py")  # the clock, both runs, scoring and the summary, shared with ``tidal bench real``

@@ -38,6 +38,17 @@ def load(name: str):
                             f"(looked in {', '.join(map(str, _benchmark_dirs()))})")
 
 
+def load_sibling(path: Path):
+    """A benchmark's helper file (``benchmarks/_race.py``, ``generate.py``) as a module, loaded once per process
+    under ``tidal_benchmark_<stem>`` (benchmarks are not a package, so they cannot import each other)."""
+    name = f"tidal_benchmark_{path.stem.lstrip('_')}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
 def format_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"

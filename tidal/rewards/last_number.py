@@ -34,7 +34,7 @@ from typing import Any
 
 from tidal.config import ConfigError
 from tidal.rewards import REWARDS
-from tidal.rewards.math import strip_question
+from tidal.rewards.math import answer_region, strip_question
 from tidal.rewards.prose import parse_number, read_final
 from tidal.types import Prompt
 
@@ -78,11 +78,9 @@ class LastNumberReward:
         def result(reason: str, correct: bool = False) -> tuple[float, dict[str, Any]]:
             return float(correct), {**details, "correct": correct, "reason": reason}
 
-        region = response
-        if self.after_think and ("<think>" in response or "</think>" in response):
-            if "</think>" not in response:
-                return result("unfinished thinking: no </think>, so no final answer")
-            region = response.rsplit("</think>", 1)[1]
+        region = answer_region(response, self.after_think)
+        if region is None:
+            return result("unfinished thinking: no </think>, so no final answer")
         if self.strip_question:
             region = strip_question(region, prompt.text)
         region = region.replace("−", "-").strip()

@@ -160,6 +160,14 @@ def copied_from_question(answer: str, question: str, gold: str) -> bool:
     return a in _squash(question)
 
 
+def answer_region(response: str, after_think: bool = True) -> str | None:
+    """The part of ``response`` a final answer is read from: after the last ``</think>`` when the response
+    thinks and ``after_think`` is on, else all of it; None for an unclosed ``<think>`` (no final answer)."""
+    if not after_think or ("<think>" not in response and "</think>" not in response):
+        return response
+    return response.rsplit("</think>", 1)[1] if "</think>" in response else None
+
+
 def _timeout(seconds: int | None) -> int | None:
     """math-verify's ``signal.alarm`` timeout works only in the main thread; None disables it."""
     return seconds if threading.current_thread() is threading.main_thread() else None
@@ -241,11 +249,9 @@ class MathReward:
         def result(reason: str, correct: bool = False) -> tuple[float, dict[str, Any]]:
             return float(correct), {**details, "correct": correct, "reason": reason}
 
-        region = response
-        if self.after_think and ("<think>" in response or "</think>" in response):
-            if "</think>" not in response:
-                return result("unfinished thinking: no </think>, so no final answer")
-            region = response.rsplit("</think>", 1)[1]
+        region = answer_region(response, self.after_think)
+        if region is None:
+            return result("unfinished thinking: no </think>, so no final answer")
         region = strip_question(region, prompt.text)
 
         fmt, answers = extract_answers(region, self.formats)
