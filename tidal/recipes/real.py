@@ -9,8 +9,10 @@ from tidal.system.config import RunConfig
 
 @RECIPES.register("smollm2_quickstart")
 def smollm2_quickstart() -> RunConfig:
-    """SmolLM2-135M-Instruct (imported from its PyPI wheel on first use), 2-digit addition asked in words in its
-    chat template, async RL scored by ``last_number``.
+    """SmolLM2-135M-Instruct from its PyPI wheel: 2-digit addition in its chat template, async RL, ~10 min on CPU.
+
+    The model is imported on first use (``models/catalog.py``); the question is asked in words in the model's
+    chat template and the answer scored by ``last_number``.
 
     The base answers in sentences ("37 + 48 = 85"), so the reward reads the last number of the answer and
     refuses restatements of the question and lists of candidates (``rewards/last_number.py``): the
