@@ -26,7 +26,8 @@ def test_readme_has_the_two_setup_commands():
     assert "make run" in text and "make test" in text
 
 
-def test_readme_commands_run(tmp_path, monkeypatch, capsys):
+def test_readme_commands_run(tmp_path, monkeypatch, capsys, smollm2_dir):
+    monkeypatch.setenv("TIDAL_CACHE", str(smollm2_dir.parent.parent.absolute()))  # the imported SmolLM2, reused
     monkeypatch.chdir(tmp_path)
     (tmp_path / "benchmarks").symlink_to(README.parent / "benchmarks")
     commands = readme_commands()
@@ -42,6 +43,9 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys):
             "packing": ["num_sequences=16", "max_len=32", "steps=1", "micro_batch_tokens=64", "pack_tokens=32"],
             "optimizers": ["steps=2", "eval_every=2", "batch_size=2", "seq_len=16", "eval_windows=2",
                            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64"],
+            "real": ["frameworks=[tidal]", "lora_ranks=[]", "engine=false", "max_time_s=1", "snapshot_every_s=0.5",
+                     "num_eval=4", "threads=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                     "rollout.max_new_tokens=8", "report_at=[1]"],
         }
         if argv[0] == "bench" and argv[1] in own_knobs:
             extra = [x for kv in own_knobs[argv[1]] for x in ("--set", kv)] + ["--out", str(tmp_path / "bench")]

@@ -22,17 +22,27 @@ def doc_commands() -> list[str]:
     return [line.split("#", 1)[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
 
 
-def test_tidal_commands(smollm2_dir, monkeypatch, capsys):
+SHRINK = {  # a two-step run of the recipe, 4 evaluation prompts: the command as written, at test size
+    "train": ["max_steps=2", "eval_every=1", "num_eval=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+              "rollout.max_new_tokens=8", "log.progress=false", "log.report=false"],
+    "eval": ["num_eval=8"],
+}
+
+
+def test_tidal_commands(smollm2_dir, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("TIDAL_CACHE", str(smollm2_dir.parent.parent))
     commands = [c for c in doc_commands() if c.startswith("tidal ")]
     assert any(c.startswith("tidal model import") for c in commands)
     assert any(c.startswith("tidal eval") for c in commands)
     for command in commands:
         argv = shlex.split(command)[1:]
-        extra = ["--set", "num_eval=8"] if argv[0] == "eval" else []
+        extra = [x for kv in SHRINK.get(argv[0], []) for x in ("--set", kv)]
+        if "--out" in argv:
+            argv[argv.index("--out") + 1] = str(tmp_path / argv[argv.index("--out") + 1])
         assert main(argv + extra) == 0, f"`{command}` failed: {capsys.readouterr().err}"
     out = capsys.readouterr().out
     assert '"gguf_sha256": "b179c952' in out and '"eval/accuracy"' in out
+    assert (tmp_path / "runs" / "smollm2" / "metrics.jsonl").exists()
 
 
 def test_device_parts_split_and_join(tmp_path, smollm2_dir):
