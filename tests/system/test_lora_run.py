@@ -11,6 +11,7 @@ from tidal.models import lora
 from tidal.models.logprobs import token_logprobs
 from tidal.system.run import check_inputs
 from tidal.train.checkpoint import latest_checkpoint
+from tidal.utils.yaml_file import read_yaml
 
 from .test_controller import comparable, run, tiny_cfg
 
@@ -110,8 +111,22 @@ def test_export_adapters_and_merged_model_give_the_trained_policy(tmp_path):
 
 def test_a_lora_checkpoint_does_not_resume_a_full_run(tmp_path):
     run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=2", *LORA), tmp_path / "run")
-    with pytest.raises(RuntimeError, match="holds LoRA adapters but the run trains the whole model"):
+    with pytest.raises(ConfigError, match="holds LoRA adapters but the run trains the whole model"):  # one line
         run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=3"), tmp_path / "run", resume=True)
+
+
+def test_resume_with_another_rank_is_one_line_naming_the_keys(tmp_path):
+    """Issue 50 item 11: PEFT's loader met another rank with a ~100-line size-mismatch traceback; another alpha
+    loaded silently at another scale. Both are checked against the checkpoint's adapter_config.json first."""
+    run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=2", *LORA), tmp_path / "run")
+    for change, says in (("model.lora.rank=2", r"model\.lora\.rank=4 \(this run: 2\)"),
+                         ("model.lora.alpha=16", r"model\.lora\.alpha=32(\.0)? \(this run: 16(\.0)?\)"),
+                         ("model.lora.target_modules=[q_proj]", r"model\.lora\.target_modules")):
+        with pytest.raises(ConfigError, match=says) as e:
+            run(tiny_cfg(tmp_path, "system.mode=sync", "max_steps=3", *LORA, change), tmp_path / "run", resume=True)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 700  # one line, not a size-mismatch per layer
+    saved = read_yaml(tmp_path / "run" / "config.yaml", mapping=True)["model"]["lora"]
+    assert saved["rank"] == 4 and saved["alpha"] == 32 and saved["target_modules"] == ["all-linear"]  # not replaced
 
 
 def test_lora_with_a_critic_kl_and_resume(tmp_path):

@@ -261,11 +261,44 @@ def read_adapters(directory: str | Path) -> dict[str, torch.Tensor]:
             for k, v in load_file(Path(directory) / ADAPTER_WEIGHTS).items()}
 
 
+class AdapterMismatch(ConfigError):
+    """A checkpoint's adapters were trained with other ``model.lora`` settings than the run that loads them."""
+
+
+def _targets(value) -> set[str]:
+    return {value} if isinstance(value, str) else set(value or ())
+
+
+def check_adapters(model: torch.nn.Module, directory: str | Path) -> None:
+    """The checkpoint's rank, alpha and adapted layers (its ``adapter_config.json``) against ``model``'s, before
+    any weight is read: with another rank PEFT's loader fails with a ~100-line size-mismatch traceback per
+    layer, and another alpha would load without complaint and train at another scale (s = alpha / r)."""
+    import json
+
+    path = Path(directory) / ADAPTER_CONFIG
+    if not path.exists():  # a checkpoint without it fails below, on its weights
+        return
+    saved, mine = json.loads(path.read_text()), model.peft_config["default"]
+    differ = []
+    if saved.get("r") != mine.r:
+        differ.append(f"model.lora.rank={saved.get('r')} (this run: {mine.r})")
+    if saved.get("lora_alpha") is not None and float(saved["lora_alpha"]) != float(mine.lora_alpha):
+        differ.append(f"model.lora.alpha={saved['lora_alpha']} (this run: {mine.lora_alpha})")
+    if _targets(saved.get("target_modules")) != _targets(mine.target_modules):
+        differ.append(f"adapters on {sorted(_targets(saved.get('target_modules')))} "
+                      f"(this run: {sorted(_targets(mine.target_modules))}, model.lora.target_modules)")
+    if differ:
+        raise AdapterMismatch(f"checkpoint {directory} was trained with {'; '.join(differ)}: resume with the "
+                              "model.lora settings it was written with (drop the --set that changes them)")
+
+
 def load_adapters(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load a checkpoint's adapters into ``model`` (a PEFT model with the same adapted layers), strictly."""
+    """Load a checkpoint's adapters into ``model`` (a PEFT model with the same adapted layers), strictly; settings
+    that differ (``check_adapters``) are one line before anything is read."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    check_adapters(model, directory)
     weights = load_file(Path(directory) / ADAPTER_WEIGHTS)
     result = set_peft_model_state_dict(model, weights)
     unexpected = list(getattr(result, "unexpected_keys", []))

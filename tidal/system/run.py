@@ -251,7 +251,6 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
         raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / 'checkpoints'} to continue from "
                                 "(start again with --overwrite)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    config_lib.save_yaml(cfg, out_dir / "config.yaml")
     seed_everything(cfg.seed)
     base = base_model_path(cfg, task, progress=cfg.log.progress)
     model, tokenizer = tiny.load(base)
@@ -266,6 +265,9 @@ def prepare(cfg: RunConfig, out_dir: str | Path, resume: bool = False, faults=No
     state = TrainingState(step=0, version=0, next_group=0, extra={})
     if ckpt is not None:
         state = trainer.load_checkpoint(ckpt)  # weights, optimizer, scheduler, RNG, version (and critic)
+    # after the checkpoint accepted this config (a resume with another model.lora.rank is refused): the run's
+    # config.yaml is never replaced by one it could not run with
+    config_lib.save_yaml(cfg, out_dir / "config.yaml")
 
     make_engine = ENGINES.get(cfg.rollout.engine)
     make_env = env_factory(cfg)

@@ -242,6 +242,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
     """Load weights, optimizer, scheduler and RNG state in place; return the counters. A sharded model:
     every rank calls it, rank 0 reads the files. ``components``: name -> an object with
     ``load_state_dict``, restored from ``<name>.pt`` (a checkpoint without it is an error)."""
+    if lora.is_peft(model):  # another rank or alpha: one line here (sharded too), not PEFT's size-mismatch traceback
+        lora.check_adapters(model, path)
     if (sharded := root_of(model)) is not None:
         assert not components, "extra components are not supported with a sharded model"
         return sharded.load_full_checkpoint(path, optimizer, scheduler)
@@ -251,9 +253,9 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
                                "(a run with algo.advantage=gae cannot resume from it)")
     adapters = (Path(path) / lora.ADAPTER_WEIGHTS).exists()
     if adapters != lora.is_peft(model):
-        raise RuntimeError(f"checkpoint {path} holds {'LoRA adapters' if adapters else 'full weights'} but the run "
-                           f"{'trains LoRA adapters' if lora.is_peft(model) else 'trains the whole model'}: resume "
-                           "with the model.lora settings it was written with")
+        runs = "trains LoRA adapters" if lora.is_peft(model) else "trains the whole model"
+        raise lora.AdapterMismatch(f"checkpoint {path} holds {'LoRA adapters' if adapters else 'full weights'} but "
+                                   f"the run {runs}: resume with the model.lora settings it was written with")
     if adapters:
         verify_hashes(path)
         lora.load_adapters(model, path)
