@@ -46,6 +46,14 @@ def stage_config(name: str, config: str | None, sets: list[str], saved: Path | N
     return apply_overrides(cfg, sets)
 
 
+def one_line(e: BaseException) -> str:
+    """The error's message on one line. A KeyError's ``str`` is the repr of its message (quoted): its message
+    itself, not ``str(e)`` with quotes stripped from both ends, which also took the closing quote off a message
+    ending in a quoted name (``unknown config key 'bogus'``)."""
+    text = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    return " ".join(text.split())
+
+
 def cmd_stage(args) -> int:
     from tidal.stages.chat_data import DataError
 
@@ -59,7 +67,7 @@ def cmd_stage(args) -> int:
         print(f"interrupted; resume with: tidal {args.command} --out {out} --resume", file=sys.stderr)
         return 130
     except (ValueError, OSError, KeyError, DataError) as e:  # ConfigError, a bad file, an unknown name
-        print("error: " + " ".join(str(e).strip("'\"").split()), file=sys.stderr)
+        print("error: " + one_line(e), file=sys.stderr)
         return 2
     print(json.dumps({"out": str(out), "model": str(out / "model"), **last}, indent=2))
     return 0

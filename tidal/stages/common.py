@@ -81,19 +81,6 @@ class RunConfig:
     """torch threads on CPU; 0 leaves torch's default."""
 
 
-def validate_common(data: DataConfig, optim: OptimConfig, run: RunConfig) -> None:
-    if not data.path:
-        raise ConfigError("data.path is required (a .jsonl, .parquet or save_to_disk directory)")
-    if not 0 < data.eval_fraction < 1 and not data.eval_path:
-        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
-    for key, value in (("steps", run.steps), ("batch_size", run.batch_size), ("eval_every", run.eval_every),
-                       ("save_every", run.save_every), ("data.max_length", data.max_length)):
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if not optim.lr > 0:
-        raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")
-
-
 def load_policy(model_cfg: tiny.ModelConfig, data: DataConfig):
     """(model, tokenizer): ``model.path`` or the tiny model (``model.tokenizer`` char: ``PLAIN_TEMPLATE``,
     RL's plain prompts; chat: ChatML with generation marks), with the chat template ``data.chat_template``

@@ -24,6 +24,7 @@ import torch
 from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.stages.chat_data import PairExample, SFTExample, encode_pair, load_examples
+from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
     OptimConfig,
@@ -33,7 +34,6 @@ from tidal.stages.common import (
     open_run,
     run_stage,
     split_rows,
-    validate_common,
 )
 from tidal.stages.dpo_losses import PREFERENCE_LOSSES, REFERENCE_FREE, implicit_margin
 from tidal.stages.sft import masks, packed_logprobs
@@ -63,10 +63,8 @@ class DPOStageConfig:
 
 
 def validate(cfg: DPOStageConfig) -> None:
-    validate_common(cfg.data, cfg.optim, cfg.run)
+    validate_stage(cfg)  # beta > 0 among the stage keys (checks.py)
     PREFERENCE_LOSSES.get(cfg.loss_type)  # an unknown name lists the registered ones
-    if not cfg.beta > 0:
-        raise ConfigError(f"beta must be > 0, got {cfg.beta}")
 
 
 def sequence_logps(model, pairs: list[PairExample], pack_length: int) -> tuple[torch.Tensor, ...]:

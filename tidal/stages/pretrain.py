@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from tidal.config import apply_overrides
 from tidal.models import tiny
+from tidal.optim.rules import check_optim
 from tidal.parallel.diloco import (
     AdaptiveBatchConfig,
     DiLoCoConfig,
@@ -86,6 +87,7 @@ class PretrainConfig:
             raise ValueError(f"sync must be none, dp or diloco, got {self.sync!r}")
         if self.adaptive and self.sync != "diloco":
             raise ValueError("adaptive=true needs sync=diloco")
+        check_optim(self, "")  # lr, weight_decay: RL's optim.* rules (optim/rules.py), named as this config's keys
 
 
 def text_stream(seed: int, num_chars: int) -> torch.Tensor:
@@ -224,9 +226,13 @@ def train(cfg: PretrainConfig) -> dict:
 
 def main(argv: list[str]) -> None:
     sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-    cfg = apply_overrides(PretrainConfig(), sets)
-    for part in (cfg, cfg.diloco, cfg.adaptive_batch):  # overrides bypass __init__: validate again
-        part.__post_init__()
+    try:
+        cfg = apply_overrides(PretrainConfig(), sets)
+        for part in (cfg, cfg.diloco, cfg.adaptive_batch):  # overrides bypass __init__: validate again
+            part.__post_init__()
+    except ValueError as e:  # a bad key or value (ConfigError is one): one line, exit 2, as the other stages
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
     result = train(cfg)
     if result["rank"] == 0:

@@ -19,6 +19,7 @@ import torch
 from tidal.models import tiny
 from tidal.models.reward_model import from_policy
 from tidal.stages.chat_data import PairExample, encode_pair, load_examples
+from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
     OptimConfig,
@@ -28,7 +29,6 @@ from tidal.stages.common import (
     open_run,
     run_stage,
     split_rows,
-    validate_common,
 )
 from tidal.stages.rm_loss import bradley_terry_loss
 from tidal.stages.sft import padded
@@ -70,7 +70,7 @@ def pair_rewards(rm, pairs: list[PairExample], pack_length: int) -> tuple[torch.
 
 
 def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
-    validate_common(cfg.data, cfg.optim, cfg.run)
+    validate_stage(cfg)
     open_run(out, resume, overwrite, log)
     policy, tokenizer = load_policy(cfg.model, cfg.data)
     rm = from_policy(policy)

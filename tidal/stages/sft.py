@@ -21,6 +21,7 @@ import torch
 from tidal.models import tiny
 from tidal.models.logprobs import token_logprobs
 from tidal.stages.chat_data import SFTExample, encode_sft, load_examples
+from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
     OptimConfig,
@@ -30,7 +31,6 @@ from tidal.stages.common import (
     open_run,
     run_stage,
     split_rows,
-    validate_common,
 )
 from tidal.train.packing import pack, packed_attention_mask, unpack
 
@@ -84,7 +84,7 @@ def nll_sum(model, examples: list[SFTExample], pack_length: int, attention: str 
 
 
 def train(cfg: SFTStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
-    validate_common(cfg.data, cfg.optim, cfg.run)
+    validate_stage(cfg)
     open_run(out, resume, overwrite, log)
     model, tokenizer = load_policy(cfg.model, cfg.data)
     rows, line = load_examples(cfg.data.path, encode_sft, tokenizer, cfg.data.max_length, cfg.data.split)

@@ -5,54 +5,33 @@ so a group size of 0, 1 or -1, an empty ``optim.betas`` or a negative temperatur
 minutes later as a ZeroDivisionError, an IndexError, a run that trained nothing and exited 0, or a
 generator that could never admit a group and spun forever. Every rule here is a plain range check
 on one key (or two keys that must agree); checks that need the task or the tokenizer (prompt length
-against the model's context, characters outside the vocabulary) run in ``run.check_inputs``.
+against the model's context, characters outside the vocabulary) run in ``run.check_inputs``. The rule
+primitives are ``utils/rules.py``'s and the ``optim.*`` rules ``optim/rules.py``'s, shared with the stages
+(``tidal sft|dpo|rm``), so a value refused here is refused there in the same words.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
-from typing import Any
 
 from tidal.algo import VALUE_ADVANTAGES
 from tidal.config import ConfigError
 from tidal.integrity.guard import SDCConfig
 from tidal.models.lora import check_device as check_lora_device
 from tidal.models.lora import check_run as check_lora
-from tidal.optim import RUN_LENGTH
+from tidal.optim.rules import OPTIM_RULES, check_betas
 from tidal.system.config import RunConfig
 from tidal.train.config import validate as validate_trainer
 from tidal.utils.device import resolve_device, resolve_dtype
+from tidal.utils.rules import COUNT, NONNEG, Rule, renamed
+from tidal.utils.rules import at_least as _at_least
+from tidal.utils.rules import check as _check
+from tidal.utils.rules import fraction as _fraction
+from tidal.utils.rules import number as _number
+from tidal.utils.rules import optional as _optional
+from tidal.utils.rules import positive as _positive
+from tidal.utils.rules import unit as _unit
 
-Rule = tuple[str, Callable[[Any], bool], str]
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _at_least(low: float) -> Callable[[Any], bool]:
-    return lambda v: _number(v) and v >= low
-
-
-def _positive(v: Any) -> bool:
-    return _number(v) and v > 0
-
-
-def _fraction(v: Any) -> bool:  # [0, 1): decays, betas
-    return _number(v) and 0.0 <= v < 1.0
-
-
-def _unit(v: Any) -> bool:  # [0, 1]
-    return _number(v) and 0.0 <= v <= 1.0
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-COUNT, NONNEG = _at_least(1), _at_least(0)
 RULES: list[Rule] = [
     ("max_steps", COUNT, "an integer >= 1"),
     ("max_time_s", _optional(_positive), "> 0 seconds (or null)"),
@@ -106,20 +85,7 @@ RULES: list[Rule] = [
     ("algo.lam", _unit, "in [0, 1]"),
     ("algo.value_clip", _optional(_positive), "> 0 (or null: no value clipping)"),
     ("algo.vf_coef", _positive, "> 0"),
-    ("optim.lr", _positive, "> 0"),
-    ("optim.eps", _positive, "> 0"),
-    ("optim.weight_decay", NONNEG, ">= 0"),
-    ("optim.grad_clip", _positive, "> 0"),
-    ("optim.warmup_steps", NONNEG, "an integer >= 0"),
-    ("optim.decay_steps", lambda v: v == RUN_LENGTH or COUNT(v),
-     f"an integer >= 1, or {RUN_LENGTH} (decay until the run's last step)"),
-    ("optim.min_lr_ratio", _unit, "in [0, 1]"),
-    ("optim.ademamix.alpha", NONNEG, ">= 0"),
-    ("optim.ademamix.beta3", _fraction, "in [0, 1)"),
-    ("optim.ademamix.warmup_steps", _optional(COUNT), "an integer >= 1 (or null)"),
-    ("optim.muon.momentum", _fraction, "in [0, 1)"),
-    ("optim.muon.ns_steps", COUNT, "an integer >= 1"),
-    ("optim.muon.lr", _optional(_positive), "> 0 (or null: optim.lr)"),
+    *OPTIM_RULES,  # shared with the stages (optim/rules.py)
     ("trainer.num_minibatches", COUNT, "an integer >= 1"),
     ("trainer.temperature", _positive, "> 0"),
     ("trainer.micro_batch_tokens", _optional(COUNT), "an integer >= 1 (or null)"),
@@ -160,27 +126,12 @@ RULES: list[Rule] = [
     ("harness.serve.max_closed_ids", NONNEG, "an integer >= 0"),
     ("harness.serve.keep_alive_s", _positive, "> 0 seconds"),
 ]
-CRITIC_RULES: list[Rule] = [  # the critic's optimizer (algo.advantage=gae): the policy optimizer's rules
-    (f"critic.{key}", ok, requirement) for key, ok, requirement in RULES if key.startswith("optim.")
-]
+CRITIC_RULES: list[Rule] = renamed(OPTIM_RULES, "optim.", "critic.optim.")  # algo.advantage=gae's optimizer
 MODEL_RULES: list[Rule] = [  # the tiny model built when model.path is not set
     (f"model.{name}", COUNT, "an integer >= 1")
     for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                  "max_position_embeddings")
 ]
-
-
-def _get(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def _check(cfg: RunConfig, rules: list[Rule]) -> None:
-    for key, ok, requirement in rules:
-        value = _get(cfg, key)
-        if not ok(value):
-            raise ConfigError(f"{key} must be {requirement}, got {value!r}")
 
 
 def _check_corrections(cfg: RunConfig) -> None:
@@ -243,9 +194,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.length_schedule must be [[from_step >= 0, max_new_tokens >= 1], ...], "
                           f"got {r.length_schedule!r}")
     _check_curriculum(cfg)
-    betas = cfg.optim.betas
-    if len(betas) != 2 or not all(_fraction(b) for b in betas):
-        raise ConfigError(f"optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+    check_betas(cfg.optim.betas, "optim.betas")
     if not (_number(cfg.algo.clip_cov_high) and _number(cfg.algo.clip_cov_low)
             and cfg.algo.clip_cov_high > cfg.algo.clip_cov_low):
         raise ConfigError(f"algo.clip_cov_high={cfg.algo.clip_cov_high} must be > algo.clip_cov_low="
@@ -282,9 +231,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     check_lora_device(cfg.model.lora, resolve_device(cfg.system.device))
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
-        betas = cfg.critic.optim.betas
-        if len(betas) != 2 or not all(_fraction(b) for b in betas):
-            raise ConfigError(f"critic.optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(betas)}")
+        check_betas(cfg.critic.optim.betas, "critic.optim.betas")
 
 
 def _check_device(cfg: RunConfig) -> None:
