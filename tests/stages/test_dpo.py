@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tidal.config import apply_overrides
+from tidal.config import ConfigError, apply_overrides
 from tidal.models import tiny
 from tidal.stages import dpo, synthetic
 from tidal.stages.chat_data import encode_pair
@@ -53,6 +53,48 @@ def test_resume_reads_the_saved_reference(domain, tmp_path):
     dpo.train(_cfg(domain["pairs"], **{"run.steps": 3}), str(tmp_path / "r"), resume=True, log=lines.append)
     after = torch.load(tmp_path / "r" / "reference_logps.pt")
     assert torch.equal(before["train"], after["train"]) and not any("reference log-probs" in s for s in lines)
+
+
+def _swapped(src, dst):
+    """The same prompts, count and lengths with chosen and rejected swapped: other rows of the same size."""
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    dst.write_text("".join(json.dumps({**r, "chosen": r["rejected"], "rejected": r["chosen"]}) + "\n" for r in rows))
+    return dst
+
+
+def test_resume_checks_the_saved_reference_by_content(domain, tmp_path):
+    """Issue 50 item 9: only the row count was checked, so another data file of the same size (or another
+    reference model) resumed on the old rows' reference log-probs. Each is one line naming what differs."""
+    dpo.train(_cfg(domain["pairs"], **{"run.steps": 2}), str(tmp_path / "r"), log=lambda s: None)
+    other = _swapped(domain["pairs"], tmp_path / "swapped.jsonl")
+    with pytest.raises(ConfigError, match=r"train rows are not those .*data\.path=.*swapped\.jsonl") as e:
+        dpo.train(_cfg(other, **{"run.steps": 3}), str(tmp_path / "r"), resume=True, log=lambda s: None)
+    assert "\n" not in str(e.value) and "reference model" not in str(e.value)
+    tok = tiny.build_chat_tokenizer()
+    ref = tiny.build_model(tiny.ModelConfig(**SMALL, tokenizer="chat", init_seed=7), tok)
+    tiny.save(ref, tok, tmp_path / "ref")
+    with pytest.raises(ConfigError, match=r"reference model differs .*ref\b") as e:
+        dpo.train(_cfg(domain["pairs"], ref_path=tmp_path / "ref", **{"run.steps": 3}), str(tmp_path / "r"),
+                  resume=True, log=lambda s: None)
+    assert "rows" not in str(e.value).split("reference_logps.pt")[1]
+    dpo.train(_cfg(domain["pairs"], **{"run.steps": 3}), str(tmp_path / "r"), resume=True, log=lambda s: None)
+
+
+def test_lora_dpo_starts_at_the_reference_and_trains_adapters(domain, tmp_path):
+    """Issue 50 item 10 for DPO: the reference pass runs on the base, then adapters (B = 0: the base itself) are
+    trained, so step 1's loss is log 2 as without LoRA, and the checkpoints hold adapters only."""
+    pytest.importorskip("peft")
+    from tidal.train.checkpoint import latest_checkpoint
+
+    tok = tiny.build_chat_tokenizer()
+    tiny.save(tiny.build_model(tiny.ModelConfig(**SMALL, tokenizer="chat"), tok), tok, tmp_path / "base")
+    cfg = _cfg(domain["pairs"], **{"run.steps": 2, "model.path": tmp_path / "base", "model.lora.rank": 2})
+    dpo.train(cfg, str(tmp_path / "r"), log=lambda s: None)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(rows[0]["train/loss"] - math.log(2)) < 1e-5 and rows[1]["train/grad_norm"] > 0
+    ckpt = latest_checkpoint(tmp_path / "r" / "checkpoints")
+    assert (ckpt / "adapter_config.json").exists() and not (ckpt / "model.safetensors").exists()
+    assert (tmp_path / "r" / "model" / "model.safetensors").exists()  # merged: a plain model.path
 
 
 @pytest.mark.parametrize("loss_type", ["ipo", "hinge", "simpo"])

@@ -76,3 +76,11 @@ def test_reward_rm_scores_in_a_worker(trained):
 def test_rm_without_a_path_is_one_line():
     with pytest.raises(ConfigError, match="needs params.path"):
         build_reward("rm", {})
+
+
+def test_rm_refuses_lora_in_one_line(tmp_path):
+    """Issue 50 item 10: the rm stage trains every weight; model.lora is refused, not ignored."""
+    cfg = apply_overrides(reward_model.RMStageConfig(), ["data.path=x.jsonl", "model.lora.rank=2"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank=2: tidal rm trains every weight") as e:
+        reward_model.train(cfg, str(tmp_path / "r"), log=lambda s: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "r").exists()
