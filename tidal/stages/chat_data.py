@@ -14,8 +14,19 @@ completion is what follows the prompt rendered with ``add_generation_prompt=True
 prefix of the prompt's and the prompt+completion's ids, as TRL's DPO collator counts it (``dpo_trainer.py``).
 
 Bad rows are skipped, counted and named (``BadRow``): no assistant turn, a template that marks no assistant
-tokens, empty ``chosen``, ``chosen == rejected``, a row longer than ``max_length`` after truncation leaves
-nothing to learn from. Never a traceback: the stage prints ``summary`` and trains on the rest.
+tokens, empty ``chosen``, ``chosen == rejected``, a message whose content is not text (``messages[1].content``
+null or a number: a template would render it as ``None`` or ``5`` and train on that), a row longer than
+``max_length`` after truncation leaves nothing to learn from. Never a traceback: the stage prints ``summary``
+(one part per reason, counted) and trains on the rest. Rows are numbered from 1, a JSONL file's by its line
+numbers (blank lines keep theirs), as RL's task files number them. A file that is not text at all (a model,
+an archive) is one ``DataError``, not one bad row per line.
+
+A row is never tokenized whole: only the first ``max_length`` tokens are kept, and a token spans at most as
+many characters as the tokenizer's longest token (K), so the content is cut at ``2 * max_length * K``
+characters before the template renders it (``char_budget``). A 5 MB row used to take 2.6 GB and 23 s of
+tokenizing before its error; now it costs what a row of that budget costs. The ids are those of the whole
+row cut to ``max_length``: the cut lies ``max_length`` tokens past the kept ones (a tokenizer that maps a
+long unknown run to one token, which breaks the bound, is caught by the count and tokenized whole).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ class DataError(ValueError):
 @dataclass
 class BadRow:
     index: int
+    """The row's number, from 1 (a JSONL file's line number)."""
     reason: str
 
 
@@ -69,9 +81,45 @@ class PairExample:
     rejected_mask: list[int]
 
 
-def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
-    """The rows of a ``.jsonl`` file (a line that is not a JSON object becomes ``{"__bad__": reason}``,
-    named later), a ``.parquet`` file, or a ``save_to_disk`` directory (a DatasetDict: its ``split``)."""
+BINARY_PROBE = 8192
+"""Bytes read from the start of a JSONL file to tell text from binary data."""
+
+
+def _binary(head: bytes) -> str | None:
+    """Why ``head`` is not the start of a text file (a NUL byte, or bytes that are mostly not UTF-8), or None."""
+    nul = head.find(b"\0")
+    if nul >= 0:
+        return f"a NUL byte at offset {nul}"
+    bad = head.decode("utf-8", "replace").count("\ufffd")
+    return f"{bad} of its first {len(head)} bytes are not UTF-8" if bad > len(head) // 20 else None
+
+
+def _jsonl_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) per non-blank line, decoded line by line: a stray byte costs its line, while a binary
+    file (a model, an archive named ``.jsonl``) is one error, not a reason per line."""
+    with open(path, "rb") as f:
+        why = _binary(f.read(BINARY_PROBE))
+        if why is not None:
+            raise DataError(f"{path}: this is not a JSONL text file ({why})")
+        f.seek(0)
+        rows = []
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                row = {"__bad__": "not UTF-8 text"}
+            except ValueError:
+                row = {"__bad__": "not JSON"}
+            rows.append((n, row if isinstance(row, dict) else {"__bad__": "not a JSON object"}))
+    return rows
+
+
+def read_numbered(path: str | Path, split: str = "train") -> list[tuple[int, dict[str, Any]]]:
+    """(row number, row) of a ``.jsonl`` file (numbered by line; a line that is not a JSON object becomes
+    ``{"__bad__": reason}``, named later), a ``.parquet`` file, or a ``save_to_disk`` directory (a
+    DatasetDict: its ``split``), numbered from 1."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"no data at {path}")
@@ -86,41 +134,88 @@ def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
             if split not in ds:
                 raise DataError(f"{path} has splits {sorted(ds)}, not {split!r}")
             ds = ds[split]
-        return list(ds)
+        return list(enumerate(ds, 1))
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return list(enumerate(pq.read_table(path).to_pylist(), 1))
     if path.suffix in (".jsonl", ".json"):
-        rows = []
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    row = {"__bad__": f"line {n} is not JSON"}
-                rows.append(row if isinstance(row, dict) else {"__bad__": f"line {n} is not a JSON object"})
-        return rows
+        return _jsonl_rows(path)
     raise DataError(f"{path}: expected .jsonl, .parquet or a save_to_disk directory")
 
 
-def _as_messages(value: Any, role: str) -> list[dict[str, Any]]:
-    """A string becomes one ``role`` turn; a message list is used as it is."""
+def read_rows(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
+    """The rows of ``read_numbered``, without their numbers."""
+    return [row for _, row in read_numbered(path, split)]
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind, as a message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _check_message(m: Any, key: str) -> None:
+    """A chat message a template can render as text: an object with a string ``role`` and string (or
+    content-parts list) ``content``; null content only beside ``tool_calls``."""
+    if not isinstance(m, dict):
+        raise ValueError(f"{key} must be a message (an object with role and content), got {_kind(m)}")
+    if not isinstance(m.get("role"), str):
+        raise ValueError(f"{key}.role must be a string, got {_kind(m.get('role'))}")
+    content = m.get("content")
+    if isinstance(content, (str, list)) or (content is None and m.get("tool_calls")):
+        return
+    raise ValueError(f"{key}.content must be a string, got {_kind(content)}")
+
+
+def _as_messages(value: Any, role: str, key: str) -> list[dict[str, Any]]:
+    """A string becomes one ``role`` turn; a message list is checked (``_check_message``) and used as it is.
+    ``key`` names the row's field in the reason."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+    if isinstance(value, list):
+        for i, m in enumerate(value):
+            _check_message(m, f"{key}[{i}]")
         return value
-    raise ValueError(f"expected a string or a list of messages, got {type(value).__name__}")
+    raise ValueError(f"{key} must be a string or a list of messages, got {_kind(value)}")
 
 
 def sft_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     if "messages" in row:
-        return _as_messages(row["messages"], "user")
+        return _as_messages(row["messages"], "user", "messages")
     if "prompt" in row and "completion" in row:
-        return _as_messages(row["prompt"], "user") + _as_messages(row["completion"], "assistant")
+        return _as_messages(row["prompt"], "user", "prompt") + \
+            _as_messages(row["completion"], "assistant", "completion")
     raise ValueError(f"needs 'messages', 'prompt'/'completion' or 'text', has {sorted(row)}")
+
+
+def char_budget(tokenizer, max_length: int) -> int:
+    """Characters of content that hold at least ``2 * max_length`` tokens: a token spans at most K characters,
+    K the length of the tokenizer's longest token (a byte-level token's string has one character per byte, so
+    it counts at least the characters it stands for). Worked out once per tokenizer."""
+    longest = getattr(tokenizer, "_tidal_longest_token", None)
+    if longest is None:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        tokenizer._tidal_longest_token = longest
+    return 2 * max_length * max(longest, 1)
+
+
+def _cut(messages: list[dict[str, Any]], budget: int) -> tuple[list[dict[str, Any]], bool]:
+    """(the messages with their string contents cut to ``budget`` characters in all, in order; whether any was)."""
+    out, cut = [], False
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            if len(content) > budget:
+                m, cut = {**m, "content": content[:budget]}, True
+            budget -= len(m["content"])
+        out.append(m)
+    return out, cut
 
 
 def _template(tokenizer, messages, **kwargs) -> dict[str, list[int]]:
@@ -128,12 +223,25 @@ def _template(tokenizer, messages, **kwargs) -> dict[str, list[int]]:
     return {k: list(v) for k, v in out.items()}
 
 
+def _template_cut(tokenizer, messages, max_length: int, **kwargs) -> dict[str, list[int]]:
+    """``_template`` of ``messages`` whose first ``max_length`` ids and mask are the whole chat's, tokenizing at
+    most ``char_budget`` characters of content (module docstring)."""
+    short, cut = _cut(messages, char_budget(tokenizer, max_length))
+    out = _template(tokenizer, short, **kwargs)
+    if cut and len(out["input_ids"]) < 2 * max_length:  # tokens longer than K characters (an unknown run)
+        out = _template(tokenizer, messages, **kwargs)
+    return out
+
+
 def encode_sft(tokenizer, row: dict[str, Any], max_length: int) -> SFTExample:
     """Ids and assistant mask of one SFT row (``ValueError`` with the reason for a bad row)."""
     if "__bad__" in row:
         raise ValueError(row["__bad__"])
     if isinstance(row.get("text"), str) and "messages" not in row:  # raw text (DAPT): every token counts
-        ids = tokenizer(row["text"], add_special_tokens=False).input_ids
+        text, budget = row["text"], char_budget(tokenizer, max_length)
+        ids = tokenizer(text[:budget], add_special_tokens=False).input_ids
+        if len(text) > budget and len(ids) < 2 * max_length:  # tokens longer than K characters: the whole text
+            ids = tokenizer(text, add_special_tokens=False).input_ids
         ids = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None) + ids + [tokenizer.eos_token_id]
         if len(ids) < 2:
             raise ValueError("empty text")
@@ -141,7 +249,7 @@ def encode_sft(tokenizer, row: dict[str, Any], max_length: int) -> SFTExample:
     messages = sft_messages(row)
     if not any(m.get("role") == "assistant" for m in messages):
         raise ValueError("no assistant turn")
-    out = _template(tokenizer, messages, return_assistant_tokens_mask=True)
+    out = _template_cut(tokenizer, messages, max_length, return_assistant_tokens_mask=True)
     ids, mask = out["input_ids"], out["assistant_masks"]
     if 1 not in mask:
         raise ValueError("the chat template marks no assistant tokens (it needs {% generation %} blocks)")
@@ -152,8 +260,12 @@ def encode_sft(tokenizer, row: dict[str, Any], max_length: int) -> SFTExample:
 
 
 def _completion(tokenizer, prompt, completion, max_length: int) -> tuple[list[int], list[int]]:
-    prompt_ids = _template(tokenizer, prompt, add_generation_prompt=True)["input_ids"]
-    ids = _template(tokenizer, prompt + completion)["input_ids"]
+    chat, cut = _cut(prompt + completion, char_budget(tokenizer, max_length))
+    ids = _template(tokenizer, chat)["input_ids"]
+    if cut and len(ids) < 2 * max_length:  # tokens longer than K characters (module docstring): the whole chat
+        chat = prompt + completion
+        ids = _template(tokenizer, chat)["input_ids"]
+    prompt_ids = _template(tokenizer, chat[: len(prompt)], add_generation_prompt=True)["input_ids"]
     start = 0
     while start < min(len(prompt_ids), len(ids)) and prompt_ids[start] == ids[start]:
         start += 1
@@ -171,45 +283,52 @@ def encode_pair(tokenizer, row: dict[str, Any], max_length: int) -> PairExample:
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
     if missing:
         raise ValueError(f"missing {missing}")
-    for key in ("chosen", "rejected"):
-        value = row[key]
-        if not value or (isinstance(value, list) and not any(m.get("content") for m in value)):
+    prompt = _as_messages(row["prompt"], "user", "prompt")
+    answers = {key: _as_messages(row[key], "assistant", key) for key in ("chosen", "rejected")}
+    for key, messages in answers.items():
+        if not any(m.get("content") for m in messages):
             raise ValueError(f"empty {key}")
     if row["chosen"] == row["rejected"]:
         raise ValueError("chosen == rejected")
-    prompt = _as_messages(row["prompt"], "user")
-    chosen = _completion(tokenizer, prompt, _as_messages(row["chosen"], "assistant"), max_length)
-    rejected = _completion(tokenizer, prompt, _as_messages(row["rejected"], "assistant"), max_length)
+    chosen = _completion(tokenizer, prompt, answers["chosen"], max_length)
+    rejected = _completion(tokenizer, prompt, answers["rejected"], max_length)
     return PairExample(*chosen, *rejected)
 
 
-def encode_all(rows: list[dict[str, Any]], encode, tokenizer, max_length: int) -> tuple[list, list[BadRow]]:
-    """(the good rows' examples, the bad rows with their reasons); a bad row's error never escapes."""
+def encode_all(rows: list[dict[str, Any]], encode, tokenizer, max_length: int,
+               numbers: list[int] | None = None) -> tuple[list, list[BadRow]]:
+    """(the good rows' examples, the bad rows with their reasons and row numbers: ``numbers``, else 1, 2, ...);
+    a bad row's error never escapes."""
     good, bad = [], []
-    for i, row in enumerate(rows):
+    for n, row in zip(numbers or range(1, len(rows) + 1), rows):
         try:
             good.append(encode(tokenizer, row, max_length))
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            bad.append(BadRow(i, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            bad.append(BadRow(n, str(e).splitlines()[0] if str(e) else type(e).__name__))
     return good, bad
 
 
-def summary(name: str, num_good: int, bad: list[BadRow], shown: int = 3) -> str:
-    """One line per reason: ``train: 98 rows, 2 skipped: 'no assistant turn' x2 (rows 4, 17)``."""
+def summary(name: str, num_good: int, bad: list[BadRow], shown: int = 3, reasons: int = 5) -> str:
+    """One part per reason, the most common first, counted, with its first row numbers:
+    ``train: 98 rows, 2 skipped: 'no assistant turn' x2 (rows 4, 17)``; past ``reasons`` reasons, one part
+    counts the rest."""
     if not bad:
         return f"{name}: {num_good} rows"
-    by_reason = Counter(b.reason for b in bad)
+    groups = Counter(b.reason for b in bad).most_common()
     parts = []
-    for reason, count in by_reason.most_common():
+    for reason, count in groups[:reasons]:
         rows = [b.index for b in bad if b.reason == reason]
         more = f", ... {len(rows) - shown} more" if len(rows) > shown else ""
         parts.append(f"{reason!r} x{count} (rows {', '.join(map(str, rows[:shown]))}{more})")
+    if len(groups) > reasons:
+        parts.append(f"{len(groups) - reasons} other reasons x{sum(c for _, c in groups[reasons:])}")
     return f"{name}: {num_good} rows, {len(bad)} skipped: " + "; ".join(parts)
 
 
 def load_examples(path: str, encode, tokenizer, max_length: int, split: str = "train") -> tuple[list, str]:
     """Read and encode ``path``; (examples, summary line). No usable row at all is a ``DataError``."""
-    good, bad = encode_all(read_rows(path, split), encode, tokenizer, max_length)
+    numbered = read_numbered(path, split)
+    good, bad = encode_all([r for _, r in numbered], encode, tokenizer, max_length, [n for n, _ in numbered])
     line = summary(str(path), len(good), bad)
     if not good:
         raise DataError(f"no usable rows in {line}")
