@@ -12,18 +12,21 @@ concatenation of per-epoch permutations, so a resumed run sees exactly the batch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 
 from tidal.config import ConfigError, save_yaml
-from tidal.models import tiny
+from tidal.models import catalog, lora, tiny
 from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -98,6 +101,38 @@ def load_policy(model_cfg: tiny.ModelConfig, data: DataConfig):
     return model, tokenizer
 
 
+def check_lora(model_cfg: tiny.ModelConfig) -> None:
+    """``model.lora`` before any work (RL's own rules, ``lora.validate``): adapters need a trained base to adapt
+    (``model.path``; the model built from ``model.*`` is random), and a stage runs on the CPU, where QLoRA's
+    4-bit base cannot."""
+    lora.validate(model_cfg.lora)
+    if not model_cfg.lora.enabled:
+        return
+    if not model_cfg.path:
+        raise ConfigError(f"model.lora.rank={model_cfg.lora.rank} needs model.path: LoRA adapts a trained base, and "
+                          "without model.path the stage builds a random one (set model.path, or model.lora.rank=0)")
+    if model_cfg.lora.quantize != "none":
+        raise ConfigError(f"model.lora.quantize={model_cfg.lora.quantize} (QLoRA) needs CUDA, and the stages run on "
+                          "the CPU: use model.lora.quantize=none")
+
+
+def with_lora(model: torch.nn.Module, model_cfg: tiny.ModelConfig, seed: int, name: str,
+              log: Callable[[str], None] = print) -> torch.nn.Module:
+    """``model`` itself (``model.lora.rank`` 0), or LoRA adapters on it, frozen, through RL's own code
+    (``lora.wrap``): the optimizer gets the adapters only (``run_stage``), checkpoints hold them in PEFT's layout,
+    and ``model/`` is the base with them merged (``export``). A's random start is drawn from ``seed``, so a stage
+    run is as reproducible with adapters as without."""
+    if not model_cfg.lora.enabled:
+        return model
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = lora.wrap(model, model_cfg.lora, catalog.resolve(model_cfg.path))
+    trained = sum(p.numel() for p in lora.trainable_parameters(model))
+    total = sum(p.numel() for p in model.parameters())
+    log(f"{name}: LoRA rank {model_cfg.lora.rank} on {model_cfg.path}: {trained:,} of {total:,} parameters trained")
+    return model
+
+
 def split_rows(examples: list, fraction: float, seed: int) -> tuple[list, list]:
     """(train, held out): a seeded shuffle, the last ``fraction`` (at least one row) held out."""
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -115,6 +150,44 @@ def batch_indices(num_rows: int, batch_size: int, seed: int, step: int) -> list[
         perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
         out += perm[offset: offset + batch_size - len(out)]
     return out
+
+
+def rows_digest(rows: list) -> str:
+    """xxh3-128 of ``rows`` in order: each a dataclass of token-id lists (``SFTExample``, ``PairExample``), or a
+    tuple of such and tensors (DPO's rows with their reference log-probs). What a resume compares, so that
+    another data file of the same size (or the same file under another template or ``max_length``) is told
+    apart from the run's own rows; the count alone cannot."""
+    h = xxhash.xxh3_128()
+
+    def add(x) -> None:
+        if dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                add(getattr(x, f.name))
+        elif isinstance(x, torch.Tensor):
+            h.update(repr((x.dtype, tuple(x.shape))).encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, (list, tuple)):
+            h.update(len(x).to_bytes(8, "little"))
+            try:
+                h.update(array("q", x).tobytes())
+            except TypeError:  # not a list of ints: its items one by one
+                for y in x:
+                    add(y)
+        else:
+            h.update(repr(x).encode())
+
+    add(list(rows))
+    return h.hexdigest()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """xxh3-128 of a model's state (names, dtypes, shapes, bytes): the identity of a reference model whose
+    log-probs a run saved, whichever path it was loaded from (~6 GB/s: 0.3 s for a 0.5B model in float32)."""
+    h = xxhash.xxh3_128()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(repr((name, t.dtype, tuple(t.shape))).encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def chunks(items: list, size: int):
@@ -170,22 +243,29 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
     ``RunConfig``). ``perf/wall_s`` counts from ``clock_start`` (a stage's work before the loop, e.g. DPO's
     reference pass), ``perf/train_s`` is that less the evaluations."""
     out = Path(out)
-    save_yaml(cfg, out / "config.yaml")
     run, optim = cfg.run, cfg.optim
     if run.threads:
         torch.set_num_threads(run.threads)
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only (with_lora)
+    opt = torch.optim.AdamW(trained, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (optim.warmup_steps + 1)))
     start = 0
     metrics_path = out / "metrics.jsonl"
+    data = rows_digest(train_rows)  # saved with each checkpoint: a resume continues on the same rows
     if resume:
         ckpt = latest_checkpoint(out / "checkpoints")
         if ckpt is None:
             raise ConfigError(f"--resume: {out} has no checkpoint")
-        start = load_checkpoint(ckpt, model, opt, sched).step
+        state = load_checkpoint(ckpt, model, opt, sched)
+        if state.extra.get("data", data) != data:  # a checkpoint from before the digest was saved: unchecked
+            raise StageDirError(f"--resume: the training rows ({len(train_rows)}, data.path={cfg.data.path}) are not "
+                                f"the rows {ckpt} was trained on, so its step {state.step} would not continue the "
+                                "run; resume with the run's own data, or start again with --overwrite")
+        start = state.step
         lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
         metrics_path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= start))
         log(f"{name}: resumed from {ckpt} (step {start})")
+    save_yaml(cfg, out / "config.yaml")  # after a resume's checks: never replaced by a config the run refused
     model.train()
     # background checkpoint writes; on an error the (non-daemon) writer still finishes before the process exits
     writer = AsyncCheckpointer() if run.async_checkpoint else None
@@ -222,7 +302,7 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
             f.write(json.dumps(row) + "\n")
         last = row
         if done % run.save_every == 0 or done == run.steps:
-            state = TrainingState(step=done, version=done, next_group=0, extra={})
+            state = TrainingState(step=done, version=done, next_group=0, extra={"data": data})
             if writer is not None:
                 writer.save(out / "checkpoints", model, tokenizer, opt, sched, state, keep=run.keep)
             else:
@@ -234,7 +314,11 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
 
 
 def export(model: torch.nn.Module, tokenizer, path: Path) -> None:
-    """The stage's result as a Hugging Face directory (weights, config, tokenizer with its chat template)."""
+    """The stage's result as a Hugging Face directory (weights, config, tokenizer with its chat template). A LoRA
+    stage's adapters are merged into its base first (W0 + s B A), so ``model/`` is a plain model every next stage,
+    RL and ``tidal eval`` take as ``model.path``; the adapters alone stay in ``checkpoints/``."""
+    if lora.is_peft(model):
+        model = model.merge_and_unload()
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

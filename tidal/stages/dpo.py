@@ -4,7 +4,10 @@ The reference log-probabilities are computed once per row, batched and packed, b
 step, then the reference is gone: by default it is the starting policy itself (TRL's default when no
 ``ref_model`` is given), so no second model is ever held; ``ref_path`` names another model, loaded for
 that pass and freed before training. They are saved with the run (``reference_logps.pt``) so ``--resume``
-never recomputes them from a model that has since moved. Reference-free losses (SimPO) skip the pass.
+never recomputes them from a model that has since moved, with what they are a function of: digests of the rows'
+token ids (train and held out) and of the reference's weights. A resume whose rows or reference differ by
+content (another data file of the same size, another ``ref_path``) is one line naming which, never a silent reuse
+of the old rows' log-probs. Reference-free losses (SimPO) skip the pass.
 
 Each step packs the chosen and rejected sequences of ``batch_size`` pairs together (``train/packing.py``),
 sums each completion's token log-probs, and averages the chosen loss (``dpo_losses.py``) over pairs.
@@ -29,11 +32,15 @@ from tidal.stages.common import (
     DataConfig,
     OptimConfig,
     RunConfig,
+    check_lora,
     chunks,
     load_policy,
     open_run,
+    rows_digest,
     run_stage,
     split_rows,
+    weights_digest,
+    with_lora,
 )
 from tidal.stages.dpo_losses import PREFERENCE_LOSSES, REFERENCE_FREE, implicit_margin
 from tidal.stages.sft import masks, packed_logprobs
@@ -105,31 +112,61 @@ def pair_loss(cfg: DPOStageConfig, model, rows: list[tuple[PairExample, torch.Te
     return loss_b.mean(), metrics
 
 
+def reference_inputs(cfg: DPOStageConfig, ref_model, train_pairs, held_pairs) -> dict:
+    """What the reference log-probs are a function of, by content: the rows' token ids and masks (train and held
+    out) and the reference's weights (``weights_digest``; a reference-free loss has none)."""
+    name = cfg.ref_path or cfg.model.path or "the model built from model.*"
+    return {"train": rows_digest(train_pairs), "held": rows_digest(held_pairs),
+            "num_train": len(train_pairs), "num_held": len(held_pairs),
+            "reference": "none" if ref_model is None else weights_digest(ref_model),
+            "reference_name": "none (reference-free loss)" if ref_model is None else name}
+
+
+def check_reference_inputs(saved: dict, now: dict, cache: Path, cfg: DPOStageConfig) -> None:
+    """One line naming what differs between the inputs ``cache`` was computed from and this run's."""
+    differ = []
+    for part, key in (("train", "data.path"), ("held", "data.eval_path" if cfg.data.eval_path else "data.path")):
+        if saved[part] != now[part]:
+            differ.append(f"the {part} rows are not those they were computed from ({now[f'num_{part}']} rows "
+                          f"now, {saved[f'num_{part}']} then; {key}={getattr(cfg.data, key.split('.')[1])})")
+    if saved["reference"] != now["reference"]:
+        differ.append(f"the reference model differs (its weights; {saved['reference_name']} then, "
+                      f"{now['reference_name']} now)")
+    if differ:
+        raise ConfigError(f"--resume: {cache} holds reference log-probs of other inputs: {'; '.join(differ)}; resume "
+                          "with the run's own data and models, or start again with --overwrite")
+
+
 def with_reference(cfg: DPOStageConfig, policy, train_pairs, held_pairs, out: Path, resume: bool, log=print):
-    """Attach reference log-probs to every pair: from ``out/reference_logps.pt`` on resume, else one
-    batched pass of the reference (zeros for reference-free losses, which never read them)."""
+    """Attach reference log-probs to every pair: from ``out/reference_logps.pt`` on resume (checked against this
+    run's rows and reference by content: ``reference_inputs``), else one batched pass of the reference (zeros for
+    reference-free losses, which never read them). ``policy`` is the starting policy, before any step."""
     cache = out / "reference_logps.pt"
     pack_length = cfg.pack_length or cfg.data.max_length
+    ref_model = None if cfg.loss_type in REFERENCE_FREE else policy if not cfg.ref_path else tiny.load(cfg.ref_path)[0]
+    inputs = reference_inputs(cfg, ref_model, train_pairs, held_pairs)
     if resume and cache.exists():
         saved = torch.load(cache)
+        if "inputs" in saved:  # written before the inputs were recorded: the counts below are all it can check
+            check_reference_inputs(saved["inputs"], inputs, cache, cfg)
         ref_train, ref_held = saved["train"], saved["held"]
-    elif cfg.loss_type in REFERENCE_FREE:
+    elif ref_model is None:
         ref_train, ref_held = torch.zeros((len(train_pairs), 2)), torch.zeros((len(held_pairs), 2))
     else:
-        ref_model = policy if not cfg.ref_path else tiny.load(cfg.ref_path)[0]
         ref_train = reference_logps(ref_model, train_pairs, cfg.ref_batch_size, pack_length)
         ref_held = reference_logps(ref_model, held_pairs, cfg.ref_batch_size, pack_length)
-        del ref_model
         log(f"dpo: reference log-probs of {len(train_pairs)} + {len(held_pairs)} pairs computed")
+    del ref_model
     if len(ref_train) != len(train_pairs) or len(ref_held) != len(held_pairs):
         raise ConfigError(f"{cache} holds reference log-probs of other data; start again with --overwrite")
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"train": ref_train, "held": ref_held}, cache)
+    torch.save({"train": ref_train, "held": ref_held, "inputs": inputs}, cache)
     return list(zip(train_pairs, ref_train)), list(zip(held_pairs, ref_held))
 
 
 def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate(cfg)
+    check_lora(cfg.model)
     open_run(out, resume, overwrite, log)
     model, tokenizer = load_policy(cfg.model, cfg.data)
     pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
@@ -141,6 +178,7 @@ def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool =
         pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
     clock_start = time.perf_counter()  # the reference pass is part of the stage's time
     rows, held_rows = with_reference(cfg, model, pairs, held, Path(out), resume, log)
+    model = with_lora(model, cfg.model, cfg.run.seed, "dpo", log)  # after the reference pass: the reference is the base
     pack_length = cfg.pack_length or cfg.data.max_length
 
     def step_fn(model, batch):

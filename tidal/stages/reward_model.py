@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.models.reward_model import from_policy
 from tidal.stages.chat_data import PairExample, encode_pair, load_examples
@@ -71,6 +72,9 @@ def pair_rewards(rm, pairs: list[PairExample], pack_length: int) -> tuple[torch.
 
 def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate_stage(cfg)
+    if cfg.model.lora.rank != 0:  # refused, not ignored: the saved config would say LoRA over a full run
+        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank}: tidal rm trains every weight (its new score head "
+                          "is trained whole, which LoRA's frozen base would leave random); set model.lora.rank=0")
     open_run(out, resume, overwrite, log)
     policy, tokenizer = load_policy(cfg.model, cfg.data)
     rm = from_policy(policy)

@@ -26,11 +26,13 @@ from tidal.stages.common import (
     DataConfig,
     OptimConfig,
     RunConfig,
+    check_lora,
     chunks,
     load_policy,
     open_run,
     run_stage,
     split_rows,
+    with_lora,
 )
 from tidal.train.packing import pack, packed_attention_mask, unpack
 
@@ -85,8 +87,10 @@ def nll_sum(model, examples: list[SFTExample], pack_length: int, attention: str 
 
 def train(cfg: SFTStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate_stage(cfg)
+    check_lora(cfg.model)
     open_run(out, resume, overwrite, log)
     model, tokenizer = load_policy(cfg.model, cfg.data)
+    model = with_lora(model, cfg.model, cfg.run.seed, "sft", log)
     rows, line = load_examples(cfg.data.path, encode_sft, tokenizer, cfg.data.max_length, cfg.data.split)
     log(line)
     if cfg.data.eval_path:
