@@ -25,6 +25,7 @@ from typing import Any
 
 from tidal.config import ConfigError
 from tidal.data.proxy import ProxyConfig, _encode, build_proxy, held_out_loss, train_step, windows
+from tidal.utils.rules import COUNT, NONNEG, Rule, check, number, one_of, positive, unit
 
 METHODS = ("grid", "merge", "aioli", "bayes")
 
@@ -103,6 +104,47 @@ class MixtureConfig:
     merge: MergeConfig = field(default_factory=MergeConfig)
     aioli: AioliConfig = field(default_factory=AioliConfig)
     bayes: BayesConfig = field(default_factory=BayesConfig)
+
+
+MIXTURE_RULES: list[Rule] = [
+    ("budget", COUNT, "an integer >= 1 (proxy training steps)"),
+    ("grid_resolution", COUNT, "an integer >= 1"),
+    ("merge.base_frac", unit, "in [0, 1]"),
+    ("merge.expert_frac", lambda v: number(v) and 0.0 < v <= 1.0, "in (0, 1]"),
+    ("merge.resolution", NONNEG, "an integer >= 0 (0: grid_resolution)"),
+    ("aioli.rounds", COUNT, "an integer >= 1"),
+    ("aioli.lp_rounds", COUNT, "an integer >= 1"),
+    ("aioli.lp_steps", COUNT, "an integer >= 1"),
+    ("aioli.eta", positive, "> 0"),
+    ("aioli.one_hot_factor", unit, "in [0, 1]"),
+    ("bayes.trials", COUNT, "an integer >= 1 (proxy runs)"),
+    ("bayes.sampler", *one_of(("gp", "tpe"))),
+    ("bayes.startup_trials", NONNEG, "an integer >= 0"),
+    ("proxy.batch_size", COUNT, "an integer >= 1"),
+    ("proxy.seq_len", COUNT, "an integer >= 1"),
+    ("proxy.lr", positive, "> 0"),
+    ("proxy.hidden_size", COUNT, "an integer >= 1"),
+    ("proxy.num_layers", COUNT, "an integer >= 1"),
+    ("proxy.eval_windows", COUNT, "an integer >= 1"),
+    ("proxy.threads", NONNEG, "an integer >= 0 (0: torch's default)"),
+]
+"""Every key a method reads, checked before any method runs (``check_config``): ``bayes.trials=0`` used to
+end the search, after the grid had trained, with optuna's "Record does not exist" and no key named."""
+
+
+def check_config(cfg: MixtureConfig) -> None:
+    """A ConfigError naming the first ``mixture.*`` key no method can use (``MIXTURE_RULES``), or a method's
+    keys that do not fit together."""
+    check(cfg, MIXTURE_RULES, where="mixture.")
+    methods = methods_of(cfg)
+    if "merge" in methods and round(cfg.budget * cfg.merge.expert_frac) < 1:
+        raise ConfigError(f"mixture.merge.expert_frac={cfg.merge.expert_frac}: experts need at least one step "
+                          f"(round(budget x expert_frac) = 0 at budget={cfg.budget})")
+    a, k = cfg.aioli, len(cfg.domains)
+    learn, per_round = a.lp_rounds * k * a.lp_steps, cfg.budget // a.rounds
+    if "aioli" in methods and learn >= per_round:
+        raise ConfigError(f"mixture.aioli: LearnParams takes lp_rounds x k x lp_steps = {learn} steps but a round "
+                          f"has budget // rounds = {per_round}; lower aioli.lp_steps/lp_rounds/rounds or raise budget")
 
 
 class Meter:

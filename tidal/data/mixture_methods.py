@@ -34,7 +34,7 @@ from tidal.algo.mixing import (
     smoothed_one_hot,
 )
 from tidal.config import ConfigError
-from tidal.data.mixture import Meter, MixtureConfig, Problem, check_weights, load_inputs, methods_of
+from tidal.data.mixture import Meter, MixtureConfig, Problem, check_config, check_weights, load_inputs, methods_of
 from tidal.utils.progress import progress_bar
 
 GOAL_REGRET, GOAL_COMPUTE = 0.01, 0.20  # issue 40: within 1% of the grid's best at <= 20% of its compute
@@ -77,9 +77,7 @@ def search_merge(problem: Problem, runs: Runs, progress: bool) -> dict:
 
     cfg, seed, k = problem.cfg, problem.cfg.seeds[0], problem.k
     base_steps = round(cfg.budget * cfg.merge.base_frac)
-    expert_steps = round(cfg.budget * cfg.merge.expert_frac)
-    if expert_steps < 1:
-        raise ConfigError(f"mixture.merge.expert_frac={cfg.merge.expert_frac}: experts need at least one step")
+    expert_steps = round(cfg.budget * cfg.merge.expert_frac)  # >= 1: mixture.check_config
     model, opt, batches = problem.train([1.0 / k] * k, seed, base_steps)
     base, base_opt = {n: t.detach().clone() for n, t in model.state_dict().items()}, opt.state_dict()
     experts = []
@@ -107,10 +105,7 @@ def aioli_run(problem: Problem, seed: int) -> tuple[float, list[float], list[lis
 
     cfg, a, k = problem.cfg, problem.cfg.aioli, problem.k
     per_round = cfg.budget // a.rounds
-    learn = a.lp_rounds * k * a.lp_steps
-    if a.rounds < 1 or learn >= per_round:
-        raise ConfigError(f"mixture.aioli: LearnParams takes lp_rounds x k x lp_steps = {learn} steps but a round "
-                          f"has budget // rounds = {per_round}; lower aioli.lp_steps/lp_rounds/rounds or raise budget")
+    learn = a.lp_rounds * k * a.lp_steps  # < per_round: mixture.check_config
     rng = random.Random(seed)
     p = [1.0 / k] * k
     model, opt, batches = problem.train(p, seed, 0)
@@ -177,13 +172,12 @@ def run_mixture(cfg: MixtureConfig, progress: bool = True) -> dict:
     """Run the chosen methods and compare them (see the module docstring); returns the report."""
     import torch
 
+    check_config(cfg)
     names, texts, eval_texts = load_inputs(cfg)
     methods = methods_of(cfg)
     given = check_weights(cfg.weights, len(names)) if cfg.weights else None
     if not cfg.seeds:
         raise ConfigError("mixture.seeds: needs at least one seed")
-    if cfg.budget < 1:
-        raise ConfigError(f"mixture.budget={cfg.budget}: needs at least one proxy training step")
     if cfg.proxy.threads:
         torch.set_num_threads(cfg.proxy.threads)
     problem = Problem(cfg, names, texts, eval_texts)

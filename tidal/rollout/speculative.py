@@ -252,8 +252,10 @@ def load_draft_model(path: str, dtype: torch.dtype, device: torch.device) -> tor
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path)
-    except OSError as e:
-        raise ConfigError(f"rollout.speculative.draft_model={path!r}: not a loadable model directory ({e})") from e
+    except (OSError, ValueError) as e:  # ValueError: a folder transformers does not recognize as a model
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"rollout.speculative.draft_model={path!r}: not a loadable model directory ({first})") \
+            from None
     return model.to(device=device, dtype=dtype)
 
 

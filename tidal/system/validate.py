@@ -20,6 +20,7 @@ from tidal.integrity.guard import SDCConfig
 from tidal.models.lora import check_device as check_lora_device
 from tidal.models.lora import check_run as check_lora
 from tidal.optim.rules import OPTIM_RULES, check_betas
+from tidal.rollout.speculative import check_config as check_speculative
 from tidal.system.config import RunConfig
 from tidal.train.config import validate as validate_trainer
 from tidal.utils.device import resolve_device, resolve_dtype
@@ -205,6 +206,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     if cfg.trainer.temperature != r.temperature:
         raise ConfigError(f"trainer.temperature={cfg.trainer.temperature} must equal rollout.temperature="
                           f"{r.temperature}: the importance ratio compares the same distribution")
+    _check_speculative(cfg)
     if r.weight_quant != "none" and r.engine != "local":
         raise ConfigError(f"rollout.weight_quant={r.weight_quant} needs rollout.engine=local (got {r.engine!r}): "
                           "vLLM loads block-FP8 weights from a checkpoint written by `tidal quantize` "
@@ -232,6 +234,20 @@ def validate_run_config(cfg: RunConfig) -> None:
     if cfg.algo.advantage in VALUE_ADVANTAGES:
         _check(cfg, CRITIC_RULES)
         check_betas(cfg.critic.optim.betas, "critic.optim.betas")
+
+
+def _check_speculative(cfg: RunConfig) -> None:
+    """``rollout.speculative`` before any work (the engine checks it again when it is built, after the warm
+    start): its keys, and a draft model that is a model directory here, not a name the loader reports in its
+    own words without the key."""
+    spec = cfg.rollout.speculative
+    check_speculative(spec)
+    if spec.method == "draft_model":
+        from pathlib import Path
+
+        if not (Path(spec.draft_model) / "config.json").is_file():
+            raise ConfigError(f"rollout.speculative.draft_model={spec.draft_model!r}: no Hugging Face model directory "
+                              "there (config.json); a draft model is a local directory with the policy's tokenizer")
 
 
 def _check_device(cfg: RunConfig) -> None:
