@@ -10,12 +10,15 @@ the last ``num_eval`` tasks are held out. Each task becomes a ``Prompt`` whose `
 hands that very object to the environment's rollout, so the prompt text here is only for display
 (the inspector, logs); the model sees what the environment's own program sends.
 
-A missing ``verifiers`` package is one line naming the extra: ``pip install 'tidal[verifiers]'``.
+A missing ``verifiers`` package is one line naming the extra: ``pip install 'tidal[verifiers]'``. An
+environment (or ``env.verifiers.demos``) whose module fails on import is one line naming its file and the
+cause (``import_module_of``): a syntax error, a missing ``__all__``, an exception, even ``sys.exit``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 import os
 import sys
@@ -64,6 +67,47 @@ def module_id(spec: str, roots: tuple[Path, ...] = (SOURCE_ROOT,)) -> str:
     return found.stem if found.suffix == ".py" else found.name
 
 
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def where(name: str) -> str:
+    """``module 'name' (its file)``: what a message about a module names, so the file to fix is in it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that cannot be imported either
+        spec = None
+    origin = getattr(spec, "origin", None)
+    return f"module {name!r}" + (f" ({origin})" if origin else "")
+
+
+def import_module_of(key: str, spec: str, name: str, importer=importlib.import_module):
+    """Import module ``name`` (``key={spec}``'s code) with ``importer``: a module that fails on import (a syntax
+    error, an exception, a missing dependency, ``sys.exit``) is one ConfigError naming the key, the module, its
+    file and the cause. A user module's import runs its top-level code in tidal's process: a ``sys.exit(3)``
+    there used to end the run with exit code 3 and no message, anything else with a traceback."""
+    try:
+        return importer(name)
+    except SystemExit as e:
+        raise ConfigError(f"{key}={spec!r}: {where(name)} called sys.exit({e.code!r}) on import") from None
+    except Exception as e:  # noqa: BLE001  (the user's code: whatever it raised, said in one line)
+        raise ConfigError(f"{key}={spec!r}: cannot import {where(name)}: {type(e).__name__}: {first_line(e)}") \
+            from None
+
+
+def check_taskset(spec: str, name: str) -> None:
+    """The taskset module ``name`` (``env.verifiers.id={spec}``) imports, as verifiers imports it, and exports
+    one ``Taskset`` subclass through ``__all__``; else one ConfigError naming its file and the cause (verifiers
+    itself would raise the missing ``__all__`` from inside its config validation, as a traceback)."""
+    from verifiers.v1.utils.loaders import import_taskset, taskset_class
+
+    import_module_of("env.verifiers.id", spec, name, import_taskset)
+    try:
+        taskset_class(name)
+    except (AttributeError, TypeError, ValueError) as e:  # no `__all__`, no Taskset subclass in it, or two
+        raise ConfigError(f"env.verifiers.id={spec!r}: {where(name)}: {first_line(e)}") from None
+
+
 def env_config(vcfg: VerifiersConfig, kwargs: dict[str, Any], roots: tuple[Path, ...] = (SOURCE_ROOT,)):
     """The verifiers ``EnvConfig`` for the taskset with ``kwargs``: what ``eval <id> --env.taskset.*``
     builds, with the agent's harness and runtime from ``env.verifiers``."""
@@ -73,6 +117,7 @@ def env_config(vcfg: VerifiersConfig, kwargs: dict[str, Any], roots: tuple[Path,
     if not vcfg.id:
         raise ConfigError("env.name=verifiers needs env.verifiers.id: an installed taskset module or a path to one")
     taskset_id = module_id(vcfg.id, roots)
+    check_taskset(vcfg.id, taskset_id)
     try:
         config_cls = vf.env_config_type(taskset_id)
         # every agent seat (``agent`` for a plain taskset, ``player`` for verifiers' OpenEnv env, ...)
@@ -184,10 +229,8 @@ def demo_function(spec: str, roots: tuple[Path, ...] = (SOURCE_ROOT,)):
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ConfigError(f"env.verifiers.demos={spec!r} must be 'package.module:function' or 'path/file.py:function'")
-    try:
-        module = importlib.import_module(module_id(target, roots) if target.endswith(".py") else target)
-    except ImportError as e:
-        raise ConfigError(f"env.verifiers.demos={spec!r}: cannot import {target!r} ({e})") from None
+    module_name = module_id(target, roots) if target.endswith(".py") else target
+    module = import_module_of("env.verifiers.demos", spec, module_name)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"env.verifiers.demos={spec!r}: {target} has no function {name!r}")
