@@ -39,6 +39,12 @@ class EngineFailed(RuntimeError):
     training every later step on nothing."""
 
 
+class AllFailed(EngineFailed):
+    """Every sample the run drew for ``max_failed_steps`` steps in a row failed, or every episode of a held-out
+    evaluation did (its environment crashed, its reward raised): nothing can be trained or measured. It takes a
+    failed engine's path: one line naming the cause, a checkpoint, a non-zero exit (``system/failures.py``)."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates trajectories with per-token behaviour log-probs and policy versions.

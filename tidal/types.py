@@ -86,6 +86,16 @@ class Trajectory:
         return bool(self.episode and self.episode.get("infra_failure"))
 
     @property
+    def failure(self) -> str | None:
+        """Why this sample has nothing to learn from, or None: its episode's environment or agent failed
+        (``infra_failed``), or its reward raised or timed out (``reward_details["error"]``: ``rewards/pool.py``
+        scores it 0). A run stops when every group of several steps in a row failed (``system/failures.py``)."""
+        if self.infra_failed:
+            return str(self.episode["infra_failure"])
+        error = self.reward_details.get("error") if isinstance(self.reward_details, dict) else None
+        return None if error is None else f"the reward failed: {error}"
+
+    @property
     def score_text(self) -> str | None:
         """The text the run's reward scores: the response of a single-turn sample; for an agent episode,
         only the final answer of a harness run with ``harness.reward=task`` (``episode["final_answer"]``);

@@ -40,7 +40,8 @@ def train_config(recipe: str, overrides: list[str], saved: Path | None = None):
 
 def one_line_errors(fn):
     """Bad input to ``fn`` (a ValueError or OSError: a malformed file, a missing or unwritable path) is
-    one ``error:`` line on stderr and exit code 2, never a traceback; Ctrl-C is one line and 130 (the
+    one ``error:`` line on stderr and exit code 2, never a traceback; a failed engine or an evaluation whose every
+    episode failed (``EngineFailed``, ``AllFailed``) is one line and 1; Ctrl-C is one line and 130 (the
     outputs are written under temporary names, so an interrupted command leaves them as they were)."""
     import functools
 
@@ -51,6 +52,13 @@ def one_line_errors(fn):
         except (ValueError, OSError) as e:
             print("error: " + " ".join(str(e).split()), file=sys.stderr)
             return 2
+        except RuntimeError as e:
+            from tidal.api import EngineFailed  # torch: imported by then, never before a command runs
+
+            if not isinstance(e, EngineFailed):
+                raise
+            print("error: " + " ".join(str(e).split()), file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print(f"error: tidal {args.command} interrupted; its outputs were not replaced", file=sys.stderr)
             return 130

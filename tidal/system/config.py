@@ -136,6 +136,10 @@ class RunConfig:
     """Stop after this much wall time (checked between steps)."""
     target_accuracy: float | None = None
     """Stop early once held-out greedy accuracy reaches this."""
+    max_failed_steps: int = 3
+    """Stop the run (exit 1, one line naming the cause) after this many steps in a row whose every group failed:
+    every episode crashed or its reward raised, so nothing was trained. 3: one such step can be a transient, three
+    cannot (``system/failures.py`` has the arithmetic)."""
     eval_every: int = 10
     """Steps between held-out evaluations (step 0 is always evaluated: the base model)."""
     num_eval: int | None = None

@@ -39,13 +39,14 @@ from tidal.integrity.guard import SDCGuard
 from tidal.rewards.monitor import LengthBiasHook, reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.episodes import episode_metrics
-from tidal.rollout.evaluate import accuracy_metrics, greedy_samples, per_task_accuracy
+from tidal.rollout.evaluate import accuracy_metrics, check_evaluation, greedy_samples, per_task_accuracy
 from tidal.rollout.requests import group_requests
 from tidal.rollout.thinking import close_ids, train_budget, with_budgets
 from tidal.system.batching import collect_batch, informative, length_budget
 from tidal.system.buffer import BufferClosed, RolloutBuffer
 from tidal.system.config import RunConfig
 from tidal.system.curriculum import PromptSource
+from tidal.system.failures import FailedSteps
 from tidal.system.journal import GroupJournal
 from tidal.system.length_growth import LengthGrowth
 from tidal.system.staleness import StalenessManager
@@ -97,6 +98,7 @@ class Controller:
         self._elapsed_before = state.extra.get("elapsed_s", 0.0)  # RL time of the run before a resume
         self._unlogged: tuple[int, dict] | None = None  # (step, metrics) of a trained step not logged yet
         self._infra_failed = 0  # agent episodes left out because their environment failed
+        self.failed_steps = FailedSteps(cfg.max_failed_steps)  # stops a run whose every group fails (failures.py)
         self._resumed = state.step > 0  # marks this process's first row (``run/resumed``): counters restart there
         # Weights go to a local engine already in its dtype (a bf16 engine is sent half the bytes); other
         # engines take the trainer's.
@@ -213,6 +215,7 @@ class Controller:
         scores = self.reward_pool.score([(t.score_text, _with_length(prompts[i // n], t)) for i, t in single])
         for (_, t), (reward, details) in zip(single, scores):
             t.reward, t.reward_details = reward, details
+        self.failed_steps.note(trajs)
         if self.teacher is not None:  # on the scorer thread in async mode: off the trainer's path
             self.teacher.score([t for t in trajs if not t.infra_failed])
         groups = []
@@ -230,6 +233,7 @@ class Controller:
                                thinking=None if budget is None else (budget, self._think_close))
         if self.samples is not None:
             self.samples.record_eval(step, self.eval_prompts, trajs)
+        check_evaluation(trajs, f"the held-out evaluation at step {step}")  # all failed: no accuracy to report
         return {**accuracy_metrics(trajs, len(self.eval_prompts)), **per_task_accuracy(trajs, self.eval_prompts)}
 
     def _train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
@@ -320,11 +324,13 @@ class Controller:
         if done >= cfg.max_steps:
             stop = stop or f"reached max_steps={cfg.max_steps}"
         stop = stop or self._stop_reason
+        metrics["algo/failed_groups"] = float(self.failed_steps.observe(self._drawn))
         if cfg.max_time_s is not None and metrics["time/elapsed_s"] >= cfg.max_time_s:
             stop = stop or f"reached max_time_s={cfg.max_time_s}"
         self.tracker.log(done, metrics)
         self._unlogged = None
         self.history.append({"step": done, **metrics})
+        self.failed_steps.check(done)  # logged first: the failed steps' rows show what happened
         if done % cfg.checkpoint_every == 0 or stop:
             self.checkpoint(metrics["time/elapsed_s"])
         if bar is not None:

@@ -35,7 +35,7 @@ from tidal.rewards import build_reward
 from tidal.rewards.pool import RewardPool
 from tidal.rollout import ENGINES
 from tidal.rollout.episodes import EpisodeEngine
-from tidal.rollout.evaluate import greedy_samples
+from tidal.rollout.evaluate import check_evaluation, greedy_samples
 from tidal.rollout.local import LocalEngine
 from tidal.rollout.requests import check_prompts_fit
 from tidal.rollout.thinking import close_ids
@@ -203,7 +203,9 @@ def base_model_path(cfg: RunConfig, task, progress: bool = True) -> Path:
                                tokenizer, make_env)
 
         def successes(some: list) -> int:  # as greedy_accuracy counts them: full reward
-            return sum(t.reward >= 1.0 for t in greedy_samples(engine, tokenizer, some, pool))
+            trajs = greedy_samples(engine, tokenizer, some, pool)
+            check_evaluation(trajs, "the warm start's held-out check")  # all failed: no band to read, stop now
+            return sum(t.reward >= 1.0 for t in trajs)
 
         try:
             return screened_accuracy(successes, eval_prompts, cfg.sft.accuracy_band[0])

@@ -37,6 +37,7 @@ RULES: list[Rule] = [
     ("max_steps", COUNT, "an integer >= 1"),
     ("max_time_s", _optional(_positive), "> 0 seconds (or null)"),
     ("target_accuracy", _optional(_unit), "in [0, 1] (or null)"),
+    ("max_failed_steps", COUNT, "an integer >= 1 (steps in a row whose every group failed before the run stops)"),
     ("eval_every", COUNT, "an integer >= 1"),
     ("num_eval", _optional(COUNT), "an integer >= 1 (or null: all held-out prompts)"),
     ("checkpoint_every", COUNT, "an integer >= 1"),
