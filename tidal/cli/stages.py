@@ -4,7 +4,8 @@
 
 Each writes ``DIR/config.yaml``, ``DIR/metrics.jsonl``, ``DIR/checkpoints/`` and ``DIR/model`` (the next
 stage's, or RL's, ``model.path``) and prints a JSON summary. Bad input is one ``error:`` line and exit 2;
-Ctrl-C is one line saying how to resume and exit 130. Nothing heavy is imported until a stage runs, so
+Ctrl-C is one line saying how to resume (before the first checkpoint: how to start again) and exit 130.
+``--out`` follows every command's rules (``utils/outputs.py``). Nothing heavy is imported until a stage runs, so
 ``tidal score`` does not pay for it.
 """
 
@@ -30,7 +31,7 @@ def add_parsers(sub) -> None:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
         sp.add_argument("--out", help=f"run directory (default runs/{name})")
         sp.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-        sp.add_argument("--overwrite", action="store_true", help="delete the previous run in --out first")
+        sp.add_argument("--overwrite", action="store_true", help="delete the previous run's files in --out first")
         sp.set_defaults(fn=cmd_stage)
 
 
@@ -54,17 +55,56 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
+def saved_kind(out: Path) -> str | None:
+    """The command whose config ``out/config.yaml`` holds, for a run written before runs recorded their kind
+    (``utils/outputs.py``): the config class (``tidal train``'s or a stage's) with exactly its keys, else the one
+    class that has every key it has (an older version's config lacks newer keys)."""
+    import dataclasses
+
+    from tidal.system.config import RunConfig
+    from tidal.utils.yaml_file import read_yaml
+
+    try:
+        keys = set(read_yaml(out / "config.yaml", mapping=True))
+    except (OSError, ValueError):
+        return None
+    classes = {"train": RunConfig, **{name: getattr(importlib.import_module(module), cls)
+                                      for name, (module, cls, _) in STAGES.items()}}
+    fields = {kind: {f.name for f in dataclasses.fields(c)} for kind, c in classes.items()}
+    exact = [kind for kind, names in fields.items() if keys == names]  # a config saved by this version: every key
+    fits = exact or [kind for kind, names in fields.items() if keys and keys <= names]
+    return fits[0] if len(fits) == 1 else None
+
+
+def interrupted(args, out: Path) -> str:
+    """The line after Ctrl-C: resume from the last checkpoint or, before the first one (DPO's reference pass,
+    the first steps), the same command again with ``--overwrite``: ``--resume`` would find nothing to continue."""
+    import shlex
+
+    from tidal.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is not None:
+        return f"interrupted; checkpoint saved in {ckpt}; resume with: tidal {args.command} --out {out} --resume"
+    argv = [args.command, *([args.config] if args.config else []), *(a for kv in args.set for a in ("--set", kv)),
+            "--out", str(out), "--overwrite"]
+    return f"interrupted before the first checkpoint; start again with: tidal {shlex.join(argv)}"
+
+
 def cmd_stage(args) -> int:
     from tidal.stages.chat_data import DataError
+    from tidal.utils import outputs
 
     out = Path(args.out or f"runs/{args.command}")
     try:
+        if args.resume:  # before its config.yaml is read as this stage's
+            outputs.check_kind(out, args.command, guess=saved_kind)
         cfg = stage_config(args.command, args.config, args.set, out / "config.yaml" if args.resume else None)
         train = importlib.import_module(STAGES[args.command][0]).train
         last = train(cfg, str(out), resume=args.resume, overwrite=args.overwrite,
                      log=lambda line: print(line, file=sys.stderr))
     except KeyboardInterrupt:
-        print(f"interrupted; resume with: tidal {args.command} --out {out} --resume", file=sys.stderr)
+        print(interrupted(args, out), file=sys.stderr)
         return 130
     except (ValueError, OSError, KeyError, DataError) as e:  # ConfigError, a bad file, an unknown name
         print("error: " + one_line(e), file=sys.stderr)

@@ -30,6 +30,7 @@ from tidal.models import catalog, lora, tiny
 from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
+from tidal.utils import outputs
 
 
 @dataclass
@@ -199,39 +200,24 @@ StepFn = Callable[[torch.nn.Module, list], tuple[torch.Tensor, dict[str, float]]
 EvalFn = Callable[[torch.nn.Module], dict[str, float]]
 
 
-STAGE_OUTPUTS = ("config.yaml", "metrics.jsonl", "checkpoints", "model", "reference_logps.pt")
-"""Everything a stage writes into its directory (what ``--overwrite`` removes; nothing else is touched)."""
+STAGE_OUTPUTS = ("config.yaml", "metrics.jsonl", "checkpoints", "model", "model.tmp", "reference_logps.pt")
+"""Everything a stage writes into its directory (``--overwrite`` deletes what it wrote under these names)."""
+
+StageDirError = outputs.OutputError
+"""``--out`` cannot take this run (one line on the command line)."""
 
 
-class StageDirError(ConfigError):
-    """``--out`` cannot take this run (one line on the command line)."""
-
-
-def open_run(out: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None] = print) -> None:
-    """Check ``out`` can take the run before any work, with ``tidal train``'s rules: ``--resume`` continues
-    the run there, ``--overwrite`` deletes the previous run's files, and a previous run is never silently
-    mixed with a new one."""
-    out = Path(out)
-    if resume and overwrite:
-        raise StageDirError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
-    if out.exists() and not out.is_dir():
-        raise StageDirError(f"--out {out} is a file, not a directory")
-    ckpt = latest_checkpoint(out / "checkpoints")
-    if resume:
-        if ckpt is None:
-            raise StageDirError(f"--resume: {out} holds no checkpoint to continue from")
-        return
-    found = [name for name in ("metrics.jsonl", "model") if (out / name).exists()]
-    found += [f"checkpoints/{ckpt.name}"] if ckpt is not None else []
-    if found and not overwrite:
-        raise StageDirError(f"{out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
-                            "--overwrite to delete it and start again, or choose another --out")
-    removed = [name for name in STAGE_OUTPUTS if (out / name).exists()]
-    for name in removed:
-        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
-    if removed:
-        log(f"--overwrite: deleted the previous run's {', '.join(removed)} from {out}")
-    out.mkdir(parents=True, exist_ok=True)
+def open_run(out: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None] = print,
+             kind: str = "stage", cfg=None) -> outputs.RunDir:
+    """Check ``out`` can take the run and lock it, with ``tidal train``'s rules (``utils/outputs.py``):
+    ``--resume`` continues the run there (a run of this ``kind``), ``--overwrite`` replaces it, and a previous
+    run is never silently mixed with a new one; no input in ``cfg`` may be a file the run would delete or
+    rewrite. The stage then reads its model and rows and calls ``begin``, which deletes (with ``--overwrite``)
+    only once they loaded: a bad input leaves the previous run as it was."""
+    return outputs.RunDir.open(out, outputs.Layout(kind, STAGE_OUTPUTS, ("metrics.jsonl", "model")),
+                               resume=resume, overwrite=overwrite,
+                               inputs=outputs.config_inputs(cfg) if cfg is not None else None,
+                               checkpoint=lambda d: latest_checkpoint(d / "checkpoints"), log=log, begin=False)
 
 
 def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: list, step_fn: StepFn,
@@ -303,10 +289,12 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
         last = row
         if done % run.save_every == 0 or done == run.steps:
             state = TrainingState(step=done, version=done, next_group=0, extra={"data": data})
-            if writer is not None:
-                writer.save(out / "checkpoints", model, tokenizer, opt, sched, state, keep=run.keep)
+            if writer is not None:  # each checkpoint, once on disk, goes into the run's record of its files
+                writer.save(out / "checkpoints", model, tokenizer, opt, sched, state, keep=run.keep,
+                            on_saved=lambda _path: outputs.sweep(out))
             else:
                 save_checkpoint(out / "checkpoints", model, tokenizer, opt, sched, state, keep=run.keep)
+                outputs.sweep(out)
     if writer is not None:
         writer.wait()
     export(model, tokenizer, out / "model")
@@ -323,5 +311,4 @@ def export(model: torch.nn.Module, tokenizer, path: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    outputs.install(tmp, path, path.parent)  # a user's own file inside model/ stays

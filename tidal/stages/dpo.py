@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tidal.config import ConfigError
-from tidal.models import tiny
+from tidal.models import catalog, tiny
 from tidal.stages.chat_data import PairExample, SFTExample, encode_pair, load_examples
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
@@ -167,7 +167,11 @@ def with_reference(cfg: DPOStageConfig, policy, train_pairs, held_pairs, out: Pa
 def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate(cfg)
     check_lora(cfg.model)
-    open_run(out, resume, overwrite, log)
+    with open_run(out, resume, overwrite, log, "dpo", cfg) as run_dir:  # checked and locked, nothing deleted yet
+        return _train(cfg, out, resume, overwrite, log, run_dir.begin)
+
+
+def _train(cfg: DPOStageConfig, out: str, resume: bool, overwrite: bool, log, begin) -> dict:
     model, tokenizer = load_policy(cfg.model, cfg.data)
     pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
     log(line)
@@ -176,6 +180,11 @@ def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool =
         log(line)
     else:
         pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
+    if cfg.ref_path and cfg.loss_type not in REFERENCE_FREE:  # an input too: found before anything is deleted
+        if not catalog.is_model_dir(catalog.resolve(cfg.ref_path)):
+            raise ConfigError(f"ref_path={cfg.ref_path}: no Hugging Face model there (a model directory, a .gguf, "
+                              f"a .whl or one of {', '.join(catalog.CATALOG)})")
+    begin()  # the model and rows loaded: only now may --overwrite delete the previous run
     clock_start = time.perf_counter()  # the reference pass is part of the stage's time
     rows, held_rows = with_reference(cfg, model, pairs, held, Path(out), resume, log)
     model = with_lora(model, cfg.model, cfg.run.seed, "dpo", log)  # after the reference pass: the reference is the base

@@ -75,7 +75,11 @@ def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = 
     if cfg.model.lora.rank != 0:  # refused, not ignored: the saved config would say LoRA over a full run
         raise ConfigError(f"model.lora.rank={cfg.model.lora.rank}: tidal rm trains every weight (its new score head "
                           "is trained whole, which LoRA's frozen base would leave random); set model.lora.rank=0")
-    open_run(out, resume, overwrite, log)
+    with open_run(out, resume, overwrite, log, "rm", cfg) as run_dir:  # checked and locked, nothing deleted yet
+        return _train(cfg, out, resume, overwrite, log, run_dir.begin)
+
+
+def _train(cfg: RMStageConfig, out: str, resume: bool, overwrite: bool, log, begin) -> dict:
     policy, tokenizer = load_policy(cfg.model, cfg.data)
     rm = from_policy(policy)
     del policy
@@ -86,6 +90,7 @@ def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = 
         log(line)
     else:
         pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
+    begin()  # the model and rows loaded: only now may --overwrite delete the previous run
     pack_length = cfg.pack_length or cfg.data.max_length
 
     def step_fn(model, batch):

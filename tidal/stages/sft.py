@@ -88,7 +88,11 @@ def nll_sum(model, examples: list[SFTExample], pack_length: int, attention: str 
 def train(cfg: SFTStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate_stage(cfg)
     check_lora(cfg.model)
-    open_run(out, resume, overwrite, log)
+    with open_run(out, resume, overwrite, log, "sft", cfg) as run_dir:  # checked and locked, nothing deleted yet
+        return _train(cfg, out, resume, overwrite, log, run_dir.begin)
+
+
+def _train(cfg: SFTStageConfig, out: str, resume: bool, overwrite: bool, log, begin) -> dict:
     model, tokenizer = load_policy(cfg.model, cfg.data)
     model = with_lora(model, cfg.model, cfg.run.seed, "sft", log)
     rows, line = load_examples(cfg.data.path, encode_sft, tokenizer, cfg.data.max_length, cfg.data.split)
@@ -98,6 +102,7 @@ def train(cfg: SFTStageConfig, out: str, resume: bool = False, overwrite: bool =
         log(line)
     else:
         rows, held = split_rows(rows, cfg.data.eval_fraction, cfg.run.seed)
+    begin()  # the model and rows loaded: only now may --overwrite delete the previous run
     pack_length = cfg.pack_length or cfg.data.max_length
 
     def step_fn(model, batch):
