@@ -5,6 +5,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from tidal import cli
 from tidal.cli import stages_chain
 
@@ -42,3 +44,51 @@ def test_every_command_runs(tmp_path, capsys):
     assert summary["steps"] == 1
     metrics = [json.loads(line) for line in (tmp_path / "stages" / "rl_rm" / "metrics.jsonl").read_text().splitlines()]
     assert any("reward/mean" in m for m in metrics)
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["--set", "bogus"], "error: --set bogus: expected STAGE:KEY=VALUE"),
+    (["--set", "sfy:run.steps=2"], "error: --set sfy:run.steps=2: unknown stage 'sfy'"),
+    (["--set", "dpo:run.steps=2", "--set", "rl:nope=1"], "error: stage rl: unknown config key 'nope'"),
+], ids=["no-stage", "unknown-stage", "later-stage-key"])
+def test_every_stage_key_is_checked_before_the_first_stage_runs(tmp_path, capsys, sets, message):
+    """Issue 50 item 13: the chain ignored ``--set bogus``, and a later stage's bad key surfaced only after the
+    stages before it had trained."""
+    out = tmp_path / "stages"
+    with pytest.raises(SystemExit) as e:
+        stages_chain.main(["--out", str(out), *sets])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not out.exists(), "something ran before the keys were checked"
+
+
+def test_the_chain_passes_the_users_flags_and_keeps_a_previous_chain(tmp_path, monkeypatch, capsys):
+    """Issue 50 item 3: the chain added --overwrite to every stage itself, deleting an earlier run in its --out."""
+    calls = []
+
+    def fake_main(argv):  # every stage "runs" but rl, which stops the chain
+        calls.append(argv)
+        return 1 if argv[0] == "train" else 0
+
+    monkeypatch.setattr(cli, "main", fake_main)
+    out = tmp_path / "stages"
+    with pytest.raises(SystemExit, match="stage rl failed"):
+        stages_chain.run(str(out))
+    assert len(calls) == 5 and not any("--overwrite" in argv or "--resume" in argv for argv in calls)
+
+    (out / "sft" / "checkpoints" / "step_2").mkdir(parents=True)  # a previous chain's sft run
+    (out / "sft" / "checkpoints" / "step_2" / "trainer_state.pt").write_text("state")
+    (out / "sft" / "metrics.jsonl").write_text('{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"holds a previous chain's runs \(sft/\); pass --resume .* --overwrite"):
+        stages_chain.run(str(out))
+    assert (out / "sft" / "metrics.jsonl").read_text() == '{"step": 2}\n'
+
+    calls.clear()
+    with pytest.raises(SystemExit, match="stage rl failed"):
+        stages_chain.run(str(out), resume=True)
+    assert [argv[-1] for argv in calls] == [f"{out}/dapt", "--resume", f"{out}/dpo", f"{out}/rm", f"{out}/rl"]
+    calls.clear()
+    with pytest.raises(SystemExit, match="stage rl failed"):
+        stages_chain.run(str(out), overwrite=True)
+    assert all(argv[-1] == "--overwrite" for argv in calls) and len(calls) == 5
