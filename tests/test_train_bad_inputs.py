@@ -363,3 +363,36 @@ def test_progress_bars_stay_out_of_redirected_logs(tmp_path, cache):
                   "sft.accuracy_band=[0.0, 1.0]", "sft.check_every=5")
     assert cold.returncode == 0, cold.stderr[-3000:]
     assert "\r" not in cold.stderr and "warm start" not in cold.stderr, cold.stderr[-2000:]
+
+
+def test_overwrite_of_the_run_model_path_points_into_deletes_nothing(tmp_path, cache):
+    """Issue 50 item 1: ``check_inputs`` did not look at where model.path is, so ``--overwrite`` deleted the
+    checkpoint it named before the run failed to load it."""
+    out = tmp_path / "run"
+    shutil.copytree(cache / "warm", out)
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    before = _files(out)
+    proc = _train(out, ["--overwrite"], cache, f"model.path={ckpt}")
+    _one_error_line(proc, f"error: model.path={ckpt} is (or holds) the previous run's ", "--overwrite would delete")
+    after = _files(out)
+    after.pop(".tidal_lock"), before.pop(".tidal_lock")  # it took the lock (the file holds its pid), then refused
+    assert after == before, "the previous run was changed"
+
+
+def test_overwrite_keeps_a_users_file_in_checkpoints_and_a_second_process_is_refused(tmp_path, cache):
+    """Issue 50 items 2 and 5: --overwrite deleted all of checkpoints/; a second process on a run being written
+    (a --resume while the first still wrote) wrote into it too."""
+    from tidal.system.run_dir import TRAIN
+    from tidal.utils.outputs import RunDir
+
+    out = tmp_path / "run"
+    shutil.copytree(cache / "warm", out)
+    (out / "checkpoints" / "rows.jsonl").write_text("a user's rows\n")
+    with RunDir.open(out, TRAIN, resume=True):  # another process, still writing
+        _one_error_line(_train(out, ["--resume"], cache), f"{out} is being written by another tidal process "
+                                                          f"(pid {os.getpid()})")
+    proc = _train(out, ["--overwrite"], cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kept 1 file(s) tidal did not write: checkpoints/rows.jsonl" in proc.stderr.splitlines()[0]
+    assert (out / "checkpoints" / "rows.jsonl").read_text() == "a user's rows\n"
+    assert _steps(out) == [0, 1, 2, 3, 4]

@@ -74,7 +74,8 @@ def cmd_train(args) -> int:
     """Train a recipe (or a saved config.yaml); bad input is one line, Ctrl-C says how to resume (exit 130)."""
     from tidal.api import EngineFailed
     from tidal.system.run import check_inputs, train
-    from tidal.system.run_dir import interrupted_message, prepare_out_dir
+    from tidal.system.run_dir import interrupted_message, open_out_dir
+    from tidal.utils import outputs
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP or DiLoCo (elastic is refused there)
         from tidal.launch.torchrun import train
@@ -88,16 +89,24 @@ def cmd_train(args) -> int:
             from tidal.data.io import refuse_overwrite
 
             refuse_overwrite(out / "config.yaml", {"the config": args.recipe})  # the run writes its config there
+        if args.resume:  # before its config.yaml is read as a train config
+            from tidal.cli.stages import saved_kind
+
+            outputs.check_kind(out, "train", guess=saved_kind)
         saved = out / "config.yaml" if args.resume and (out / "config.yaml").is_file() else None
         cfg = train_config(args.recipe, args.set, saved)
         task = check_inputs(cfg)  # every input the run reads, before --overwrite deletes anything (every rank)
         if cfg.trainer.data_parallel == "elastic" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tidal.launch.elastic import train  # this process leads replica processes it starts
+        run_dir = None
         if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 owns the directory
-            note = prepare_out_dir(out, args.resume, args.overwrite)
-            if note:
-                print(note, file=sys.stderr)
-        result = train(cfg, out, resume=args.resume, task=task)
+            run_dir = open_out_dir(out, args.resume, args.overwrite, outputs.config_inputs(cfg),
+                                   lambda line: print(line, file=sys.stderr))
+        try:
+            result = train(cfg, out, resume=args.resume, task=task)
+        finally:
+            if run_dir is not None:
+                run_dir.close()  # what the run wrote goes into its record; the lock is released
     except KeyboardInterrupt as e:
         print(interrupted_message(out, args.recipe), file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130

@@ -56,6 +56,7 @@ from tidal.train.checkpoint import TrainingState
 from tidal.train.guidance import Guidance, num_guided, sampled
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
+from tidal.utils import outputs
 from tidal.utils.device import resolve_dtype
 from tidal.utils.progress import progress_bar
 
@@ -346,12 +347,16 @@ class Controller:
     def checkpoint(self, elapsed_s: float) -> Path:
         self.state.extra["elapsed_s"] = elapsed_s
         self._curriculum_state()
-        # the journal keeps the groups this checkpoint trained until the checkpoint is complete on disk
-        compact = (None if self.journal is None else
-                   lambda _path, start=self.state.next_group: self.journal.compact(start))
+        journal, start, out_dir = self.journal, self.state.next_group, self.out_dir
+
+        def saved(_path) -> None:  # once the checkpoint is complete on disk (on the writer's thread if async)
+            if journal is not None:  # the journal kept the groups this checkpoint trained until now
+                journal.compact(start)
+            outputs.sweep(out_dir)  # the run's record of the files it wrote (utils/outputs.py)
+
         path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", self.tokenizer, self.state,
                                             keep=self.cfg.keep_checkpoints, writer=self.ckpt_writer,
-                                            on_saved=compact)  # policy (and critic) state
+                                            on_saved=saved)  # policy (and critic) state
         if self.sdc is not None:
             if self.ckpt_writer is not None:
                 self.ckpt_writer.wait()  # the guard marks the checkpoint on disk and prunes by what is kept there
