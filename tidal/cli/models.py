@@ -90,10 +90,17 @@ def cmd_export(args) -> int:
     """A run's latest checkpoint (or a checkpoint) as LoRA adapters, a merged model, or full weights."""
     from tidal.models.export import export
     from tidal.train.checkpoint import latest_checkpoint
+    from tidal.utils import outputs
 
     src = Path(args.run)
-    if (src / "checkpoints").exists():
-        src = latest_checkpoint(src / "checkpoints") or src
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such run or checkpoint directory")
+    if (src / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(src / "checkpoints")
+        if ckpt is None:
+            raise ConfigError(f"{src}: no checkpoint under {src / 'checkpoints'} to export")
+        src = ckpt
+    outputs.check_outside(args.out, {"the run": args.run})  # and the checkpoint (export): rotation would delete it
     print(json.dumps(export(src, args.out, merge=args.merge)))
     return 0
 

@@ -310,10 +310,16 @@ def load_adapters(model: torch.nn.Module, directory: str | Path) -> None:
 
 
 def base_of(directory: str | Path) -> Path:
-    """The base model directory an adapter directory was trained on (its ``base_model_name_or_path``)."""
+    """The base model directory an adapter directory was trained on (its ``base_model_name_or_path``): a model
+    directory, or what ``model.path`` also takes and ``tidal export`` writes there for a base it imported (a
+    catalog name, a ``.gguf`` or a ``.whl``: ``models/catalog.py``), imported again if the cache was cleared."""
     import json
 
+    from tidal.models import catalog
+
     base = json.loads((Path(directory) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if base and not Path(base).is_dir() and (base in catalog.CATALOG or Path(base).suffix in (".gguf", ".whl")):
+        base = str(catalog.resolve(base))
     if not base or not (Path(base) / "config.json").exists():
         raise FileNotFoundError(f"{directory}: its base model {base!r} (adapter_config.json's base_model_name_or_path) "
                                 "is not a local model directory")
