@@ -49,3 +49,22 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "--teacher" in capsys.readouterr().err
     assert main(["distill", "logits", "--teacher", str(tmp_path), "--set", "student.residual=drop"]) == 2
     assert "student.residual must be one of" in capsys.readouterr().err
+
+
+def test_a_previous_run_in_out_needs_overwrite_which_keeps_a_users_file(tmp_path, teacher_dir, capsys):
+    """Issue 50: ``tidal distill`` wrote into an --out holding a previous run (its traces replaced, its
+    shards refused only after the teacher had sampled); --overwrite deletes only what that run wrote."""
+    out = tmp_path / "tr"
+    argv = ["distill", "traces", "--teacher", str(teacher_dir), "--out", str(out), "--no-train",
+            *sets(tmp_path, "traces.num_prompts=4", "traces.samples_per_prompt=1", "traces.min_reward=0")]
+    assert main(argv) == 0, capsys.readouterr().err
+    (out / "student").mkdir()
+    (out / "student" / "notes.txt").write_text("a user's notes\n")
+    before = (out / "traces.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{out} holds a previous run's traces.jsonl, summary.json; pass --overwrite" in err[0]
+    assert (out / "traces.jsonl").read_bytes() == before
+    assert main([*argv, "--overwrite"]) == 0, capsys.readouterr().err
+    assert (out / "student" / "notes.txt").read_text() == "a user's notes\n"

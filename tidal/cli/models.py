@@ -50,10 +50,12 @@ def cmd_distill(args) -> int:
     else:
         teacher = args.teacher
     out = Path(args.out or f"runs/distill_{args.mode}")
+    pipeline.open_out(out, args.mode, args.overwrite, cfg, {}).close()  # refused before the warm start
     student = args.student
     if student is None and not args.no_train:  # the recipe's base, as an RL run of it would start from
         student = str(base_model_path(cfg, load_task(cfg), progress=True))
-    common = dict(overrides=args.set, student=student, progress=True, train=not args.no_train)
+    common = dict(overrides=args.set, student=student, progress=True, train=not args.no_train,
+                  overwrite=args.overwrite)
     if args.mode == "traces":
         s = pipeline.distill_traces(teacher, out, train_config(args.recipe, []), **common)
         head = {"traces": s["traces"], "student": s.get("student")}
@@ -130,6 +132,8 @@ def add_parsers(sub) -> None:
     sp.add_argument("--compare-full", action="store_true",
                     help="logits: also train a student with full-vocabulary KL on the fly, from the same start")
     sp.add_argument("--no-train", action="store_true", help="write the teacher data only")
+    sp.add_argument("--overwrite", action="store_true", help="replace a previous distill run in --out (only the "
+                    "files it wrote)")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="traces.*, logits.*, student.* (docs/distill.md) or a run-config key")
     sp.set_defaults(fn=cmd_distill)

@@ -40,6 +40,7 @@ from tidal.distill.student import (
 from tidal.distill.teacher import TeacherConfig
 from tidal.distill.traces import TracesConfig, generate_traces, read_traces
 from tidal.models import tiny
+from tidal.utils.outputs import Layout, RunDir, config_inputs
 
 SECTIONS = {"traces": TracesConfig, "logits": LogitsConfig, "student": StudentConfig, "teacher": TeacherConfig}
 _Sections = dataclasses.make_dataclass("_Sections", [(name, cls, dataclasses.field(default_factory=cls))
@@ -73,68 +74,88 @@ def student_start(cfg, student: str | None, progress: bool) -> Path:
     return Path(student)
 
 
+OUTPUTS = ("traces.jsonl", "logits", "student", "student_full", "summary.json")
+"""What ``tidal distill`` writes into ``--out``: a previous run's are refused unless ``overwrite`` (which deletes
+what that run wrote, nothing else: ``utils/outputs.py``)."""
+
+
+def open_out(out: Path, mode: str, overwrite: bool, cfg, inputs: dict) -> RunDir:
+    """``out`` checked (no previous results without ``overwrite``, no input among the files it would delete)
+    and locked; ``begin`` it once the teacher, student and task are loaded."""
+    return RunDir.open(out, Layout(f"distill {mode}", OUTPUTS, OUTPUTS), overwrite=overwrite,
+                       inputs={**config_inputs(cfg), **inputs}, begin=False)
+
+
 def distill_traces(teacher_dir: str, out_dir: str | Path, base_cfg, overrides: list[str] = (),
-                   student: str | None = None, progress: bool = True, train: bool = True) -> dict:
+                   student: str | None = None, progress: bool = True, train: bool = True,
+                   overwrite: bool = False) -> dict:
     cfg, sec = resolve(base_cfg, list(overrides))
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    task = load_task(cfg)
-    teacher, tokenizer = load_model(teacher_dir, "teacher")
-    pool = reward_pool(cfg)
-    try:
-        evaluate = evaluator(cfg, tokenizer, pool, task)
-        summary: dict = {"teacher": str(teacher_dir), "teacher_accuracy": evaluate(teacher.eval())}
-        start = time.perf_counter()
-        counts = generate_traces(teacher, tokenizer, task, cfg, sec["traces"], pool, out / "traces.jsonl", progress)
-        summary.update(traces=counts, traces_seconds=time.perf_counter() - start,
-                       traces_config=dataclasses.asdict(sec["traces"]))
-        if train:
-            summary.update(train_from(cfg, sec["student"], student, read_traces(out / "traces.jsonl"), sft_loss,
-                                  evaluate, out / "student", progress, "student (SFT on traces)"))
-    finally:
-        pool.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    with open_out(out, "traces", overwrite, cfg, {"--teacher": teacher_dir, "--student": student}) as run_dir:
+        task = load_task(cfg)
+        teacher, tokenizer = load_model(teacher_dir, "teacher")
+        run_dir.begin()
+        pool = reward_pool(cfg)
+        try:
+            evaluate = evaluator(cfg, tokenizer, pool, task)
+            summary: dict = {"teacher": str(teacher_dir), "teacher_accuracy": evaluate(teacher.eval())}
+            start = time.perf_counter()
+            counts = generate_traces(teacher, tokenizer, task, cfg, sec["traces"], pool, out / "traces.jsonl",
+                                     progress)
+            summary.update(traces=counts, traces_seconds=time.perf_counter() - start,
+                           traces_config=dataclasses.asdict(sec["traces"]))
+            if train:
+                summary.update(train_from(cfg, sec["student"], student, read_traces(out / "traces.jsonl"), sft_loss,
+                                          evaluate, out / "student", progress, "student (SFT on traces)"))
+        finally:
+            pool.close()
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
 def distill_logits(teacher_dir: str, out_dir: str | Path, base_cfg, top_k: int | None = None,
                    overrides: list[str] = (), student: str | None = None, traces: str | None = None,
-                   compare_full: bool = False, progress: bool = True, train: bool = True) -> dict:
+                   compare_full: bool = False, progress: bool = True, train: bool = True,
+                   overwrite: bool = False) -> dict:
     cfg, sec = resolve(base_cfg, list(overrides))
     lcfg: LogitsConfig = sec["logits"]
     if top_k is not None:
         lcfg = dataclasses.replace(lcfg, top_k=top_k)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    task = load_task(cfg)
-    teacher, tokenizer = load_model(teacher_dir, "teacher")
-    start_dir = student_start(cfg, student, progress) if train else None
-    if start_dir is not None:
-        check_same_vocab(tokenizer, tiny.load_tokenizer(start_dir), teacher_dir)
-    pool = reward_pool(cfg)
-    try:
-        evaluate = evaluator(cfg, tokenizer, pool, task)
-        summary: dict = {"teacher": str(teacher_dir), "teacher_accuracy": evaluate(teacher.eval())}
-        seqs = read_traces(Path(traces)) if traces else teacher_samples(teacher, tokenizer, task, cfg, lcfg)
-        t0 = time.perf_counter()
-        meta = write_store(teacher, tokenizer, seqs, lcfg, out / "logits", progress,
-                           extra_meta={"teacher": str(teacher_dir), "source": traces or "teacher samples"})
-        summary.update(store={k: v for k, v in meta.items() if k != "shards"}, store_seconds=time.perf_counter() - t0)
-        if train:
-            held_out = held_out_samples(teacher, tokenizer, cfg, lcfg, task)
-            data = list(LogitShards(out / "logits"))
-            sparse = train_from(cfg, sec["student"], str(start_dir), data, sparse_kl_loss, evaluate, out / "student",
-                            progress, f"student (top-{lcfg.top_k} KL)", teacher, held_out)
-            summary["sparse"] = sparse
-            if compare_full:
-                pairs = [(s.prompt_ids, s.response_ids) for s in data]
-                full = train_from(cfg, sec["student"], str(start_dir), pairs, full_kl_loss_with(teacher), evaluate,
-                              out / "student_full", progress, "student (full KL)", teacher, held_out)
-                summary["full"] = full
-                summary["rel_loss_gap"] = sparse["eval_kl"] / full["eval_kl"] - 1.0
-    finally:
-        pool.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    inputs = {"--teacher": teacher_dir, "--student": student, "--traces": traces}
+    with open_out(out, "logits", overwrite, cfg, inputs) as run_dir:
+        task = load_task(cfg)
+        teacher, tokenizer = load_model(teacher_dir, "teacher")
+        start_dir = student_start(cfg, student, progress) if train else None
+        if start_dir is not None:
+            check_same_vocab(tokenizer, tiny.load_tokenizer(start_dir), teacher_dir)
+        run_dir.begin()
+        pool = reward_pool(cfg)
+        try:
+            evaluate = evaluator(cfg, tokenizer, pool, task)
+            summary: dict = {"teacher": str(teacher_dir), "teacher_accuracy": evaluate(teacher.eval())}
+            seqs = read_traces(Path(traces)) if traces else teacher_samples(teacher, tokenizer, task, cfg, lcfg)
+            t0 = time.perf_counter()
+            meta = write_store(teacher, tokenizer, seqs, lcfg, out / "logits", progress,
+                               extra_meta={"teacher": str(teacher_dir), "source": traces or "teacher samples"})
+            summary.update(store={k: v for k, v in meta.items() if k != "shards"},
+                           store_seconds=time.perf_counter() - t0)
+            if train:
+                held_out = held_out_samples(teacher, tokenizer, cfg, lcfg, task)
+                data = list(LogitShards(out / "logits"))
+                sparse = train_from(cfg, sec["student"], str(start_dir), data, sparse_kl_loss, evaluate,
+                                    out / "student", progress, f"student (top-{lcfg.top_k} KL)", teacher, held_out)
+                summary["sparse"] = sparse
+                if compare_full:
+                    pairs = [(s.prompt_ids, s.response_ids) for s in data]
+                    full = train_from(cfg, sec["student"], str(start_dir), pairs, full_kl_loss_with(teacher),
+                                      evaluate, out / "student_full", progress, "student (full KL)", teacher,
+                                      held_out)
+                    summary["full"] = full
+                    summary["rel_loss_gap"] = sparse["eval_kl"] / full["eval_kl"] - 1.0
+        finally:
+            pool.close()
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
