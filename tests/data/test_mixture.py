@@ -174,3 +174,26 @@ def test_a_method_pays_for_a_mixture_another_method_trained(tmp_path, capsys):
     assert own.loss([1.0, 0.0], 0) == shared.loss([1.0, 0.0], 0)  # the same run: a pure function of mixture, seed
     own.loss([1.0, 0.0], 0)
     assert problem.meter.steps == 9, "trained once more for the second method, not again for its repeat"
+
+
+def test_an_existing_out_needs_overwrite_and_a_folder_fails_before_the_search(tmp_path, monkeypatch, capsys):
+    """Issue 50 item 4: ``--out FILE`` replaced a user's data file with the report, and a folder as ``--out``
+    failed only after the whole search had run."""
+    from tidal.data import mixture_methods
+
+    def searched(*args, **kwargs):
+        raise AssertionError("the search ran")
+
+    domains, ev = corpus(tmp_path)
+    sets = ["--set", f"mixture.domains=[{', '.join(domains)}]", "--set", f"mixture.eval={ev}"]
+    (tmp_path / "mix.json").write_text("a user's file\n")
+    monkeypatch.setattr(mixture_methods, "run_mixture", searched)
+    rc, out = run(tmp_path, *sets)
+    assert rc == 2 and f"--out {out} exists; pass --overwrite to replace it" in one_error_line(capsys)
+    assert out.read_text() == "a user's file\n"
+    (tmp_path / "folder").mkdir()
+    assert main(["curate", "mixture", "--out", str(tmp_path / "folder"), *FAST, *sets]) == 2
+    assert f"--out {tmp_path / 'folder'} is a folder" in one_error_line(capsys)
+    monkeypatch.setattr(mixture_methods, "run_mixture", lambda cfg, progress: {"methods": {}})
+    rc, out = run(tmp_path, *sets, "--overwrite")
+    assert rc == 0 and json.loads(out.read_text()) == {"methods": {}}

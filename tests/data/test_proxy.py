@@ -33,3 +33,23 @@ def test_compare_ranks_in_distribution_text_above_noise(tmp_path, capsys):
 def test_compare_needs_two_datasets_and_an_eval_set(tmp_path, capsys):
     assert main(["curate", "compare", "--out", str(tmp_path / "c.json"), "--set", "proxy.datasets=[a.jsonl]"]) == 2
     assert "proxy.datasets" in capsys.readouterr().err
+
+
+def test_compare_keeps_an_existing_out_without_overwrite(tmp_path, monkeypatch, capsys):
+    """Issue 50 item 4, for ``compare``'s report too: an existing --out (a user's file) was replaced; now it is
+    refused before any proxy trains."""
+    from tidal.data import proxy
+
+    def trained(*args, **kwargs):
+        raise AssertionError("the proxies trained")
+
+    for name in ("a", "b", "e"):
+        write_rows(tmp_path / f"{name}.jsonl", [{"text": f"rows of {name}"}])
+    out = tmp_path / "c.json"
+    out.write_text("a user's file\n")
+    monkeypatch.setattr(proxy, "compare", trained)
+    argv = ["curate", "compare", "--out", str(out), "--set", f"proxy.datasets=[{tmp_path / 'a.jsonl'}, "
+            f"{tmp_path / 'b.jsonl'}]", "--set", f"proxy.eval={tmp_path / 'e.jsonl'}"]
+    assert main(argv) == 2
+    assert f"--out {out} exists; pass --overwrite" in capsys.readouterr().err
+    assert out.read_text() == "a user's file\n"

@@ -22,7 +22,7 @@ def cmd_curate(args) -> int:
     if args.recipe == "compare":
         from tidal.data.proxy import main_compare
 
-        result = main_compare(args.set, args.out)
+        result = main_compare(args.set, args.out, overwrite=args.overwrite)
         for block in result["by_lr"]:
             print(f"lr {block['lr']:g}: " + " < ".join(
                 f"{r['dataset']} ({r['mean_loss']:.3f} +- {r['std_loss']:.3f})" for r in block["rows"])
@@ -32,7 +32,7 @@ def cmd_curate(args) -> int:
     if args.recipe == "mixture":
         from tidal.data.mixture_methods import main_mixture
 
-        report = main_mixture(args.set, args.out, progress=sys.stderr.isatty())
+        report = main_mixture(args.set, args.out, progress=sys.stderr.isatty(), overwrite=args.overwrite)
         for name, r in report["methods"].items():
             mix = ", ".join(f"{d} {p:.2f}" for d, p in r["mix"].items())
             extra = (f"  regret {report['regret_by_method'][name]:+.2%}, compute "
@@ -197,6 +197,8 @@ def add_parsers(sub) -> None:
                     "written whole or not at all); OUT.report.json beside it")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="eval=PATH, workers=N, near_dedup.threshold=0.8, ... (CurateConfig keys)")
+    sp.add_argument("--overwrite", action="store_true", help="compare, mixture: replace an existing --out report "
+                    "(refused without it)")
     sp.set_defaults(fn=cmd_curate)
 
     sp = sub.add_parser("score", help="score JSONL rows from stdin with a reward; write them back with reward/details")

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tidal.utils.outputs import check_not_input as refuse_overwrite  # noqa: F401  (every command's rule)
+
 Row = dict[str, Any]
 
 
@@ -179,22 +181,3 @@ def _write(kind: str, tmp: Path, rows: Iterable[Row]) -> int:
 
         Dataset.from_list(table_rows).save_to_disk(str(tmp))
     return len(table_rows)
-
-
-def same_file(a: str | Path, b: str | Path) -> bool:
-    """Whether two paths name one file or directory (through symlinks, ``..`` and hard links)."""
-    a, b = Path(a), Path(b)
-    if a.exists() and b.exists():
-        return a.samefile(b)
-    return a.resolve() == b.resolve()
-
-
-def refuse_overwrite(out: str | Path, inputs: dict[str, str | Path]) -> None:
-    """A ConfigError (one line naming both) if ``out`` is one of ``inputs`` (``{"--in": path, ...}``):
-    writing the output would replace the data it is computed from."""
-    from tidal.config import ConfigError
-
-    for label, path in inputs.items():
-        if path and same_file(out, path):
-            raise ConfigError(f"--out {out} is the same file as {label} {path}; refusing to overwrite the input "
-                              "(choose another --out)")

@@ -210,15 +210,18 @@ def run_mixture(cfg: MixtureConfig, progress: bool = True) -> dict:
     return report
 
 
-def main_mixture(overrides: list[str], out: str | Path, progress: bool = True) -> dict:
+def main_mixture(overrides: list[str], out: str | Path, progress: bool = True, overwrite: bool = False) -> dict:
+    """Check the config, then ``out`` (never a folder, an input, or an existing file without ``overwrite``:
+    ``utils/outputs.py``) before the search; write the report to ``out`` whole."""
     import json
 
     from tidal.config import apply_overrides
-    from tidal.data.io import refuse_overwrite
     from tidal.utils.files import replace_text
+    from tidal.utils.outputs import claim_file
 
     cfg = apply_overrides(MixtureConfig(), [o.removeprefix("mixture.") for o in overrides])
-    refuse_overwrite(out, {"mixture.eval": cfg.eval, **{f"mixture.domains[{i}]": p for i, p in enumerate(cfg.domains)}})
+    inputs = {"mixture.eval": cfg.eval, **{f"mixture.domains[{i}]": p for i, p in enumerate(cfg.domains)}}
+    claim_file(out, inputs, overwrite)
     report = run_mixture(cfg, progress)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     replace_text(out, json.dumps(report, indent=2))

@@ -161,15 +161,18 @@ def compare(cfg: ProxyConfig, progress: bool = True) -> dict:
             "characters": {p: int(len(t)) for p, t in train.items()}}
 
 
-def main_compare(overrides: list[str], out: str | Path, progress: bool = True) -> dict:
+def main_compare(overrides: list[str], out: str | Path, progress: bool = True, overwrite: bool = False) -> dict:
+    """Check the config, then ``out`` (never a folder, an input, or an existing file without ``overwrite``:
+    ``utils/outputs.py``) before the search; write the report to ``out`` whole."""
     import json
 
     from tidal.config import apply_overrides
-    from tidal.data.io import refuse_overwrite
     from tidal.utils.files import replace_text
+    from tidal.utils.outputs import claim_file
 
     cfg = apply_overrides(ProxyConfig(), [o.removeprefix("proxy.") for o in overrides])
-    refuse_overwrite(out, {"proxy.eval": cfg.eval, **{f"proxy.datasets[{i}]": p for i, p in enumerate(cfg.datasets)}})
+    inputs = {"proxy.eval": cfg.eval, **{f"proxy.datasets[{i}]": p for i, p in enumerate(cfg.datasets)}}
+    claim_file(out, inputs, overwrite)
     result = compare(cfg, progress)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     replace_text(out, json.dumps(result, indent=2))
