@@ -18,11 +18,23 @@ per-token outputs and the backward recomputes one chunk's logits at a time. Peak
 [chunk x vocab] blocks instead of a few [tokens x vocab] ones, for one extra head matmul per chunk in the
 backward. docs/memory.md has the measured numbers.
 
+Only where it scores (``score_mask_bt``): the trainer's loss reads log-probs and entropies of the tokens
+its loss mask keeps, and in an RL batch about half the tokens are prompt (52% in the H200 bench, issue 51).
+Given a mask, the head (forward, the checkpoint's recompute and the backward) runs on those tokens only;
+the others come back 0. Each scored token's log-prob is the same row of the same float32 matmul, so it
+equals the full path's (tests/models/test_head_tokens.py checks values, entropies and gradients).
+
+TF32 (``tf32``): PyTorch's TF32 switch is process-wide, so it is set around the head's own matmuls only
+(``tf32_matmul``), forward, recompute and backward, and put back after each, exceptions included.
+
 Models that do not fit the Hugging Face causal-LM pattern (``get_decoder()`` + a linear
 ``get_output_embeddings()`` applied directly to the last hidden state) take the plain full-logits path.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -52,6 +64,8 @@ def token_logprobs(
     parents_bt: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     entropy_grad: bool = False,
+    score_mask_bt: torch.Tensor | None = None,
+    tf32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``logp_bt`` [B, T] (float32, differentiable) and, if asked, entropies [B, T]
     (float32; no gradient unless ``entropy_grad``, for an entropy bonus: the metric alone keeps no graph
@@ -62,9 +76,15 @@ def token_logprobs(
 
     ``parents_bt`` [B, T] names each token's predecessor by its column (-1: none, log-prob 0), for
     layouts where it is not the column before: prefix-shared tries (``train/prefix_tree.py``). Each
-    token is then scored from its parent's output. Default: the column before."""
+    token is then scored from its parent's output. Default: the column before.
+
+    ``score_mask_bt`` [B, T] (bool): the positions whose log-prob (and entropy) the caller reads; the head
+    runs on those only and every other position is 0. Pass it on the host: the positions are then found
+    without waiting for the device. None: every position (the full head). ``tf32``: the head's float32
+    matmuls on CUDA use TF32 (``tf32_matmul``)."""
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     device = model_device(model)  # inputs built on the host (packing, tries) go where the weights are
+    host_parents_bt = parents_bt  # where the caller built it: scored positions are found there
     input_ids_bt, position_ids, parents_bt = (x.to(device) if x is not None else None
                                               for x in (input_ids_bt, position_ids, parents_bt))
     if isinstance(attention_mask_bt, dict):  # one mask per layer type (sliding windows, ``models/architecture.py``)
@@ -79,6 +99,9 @@ def token_logprobs(
         out = model.get_decoder()(input_ids=input_ids_bt, attention_mask=attention_mask_bt,
                                   position_ids=position_ids, use_cache=False)
         out_btx = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if score_mask_bt is not None and head is not None:
+        return _scored_positions(out_btx, head, input_ids_bt, host_parents_bt, score_mask_bt, temperature,
+                                 with_entropy, chunk_size, entropy_grad, tf32)
     if parents_bt is None:  # the column before predicts each token; nothing predicts column 0
         preceding, targets = out_btx[:, :-1], input_ids_bt[:, 1:]
     else:
@@ -88,11 +111,46 @@ def token_logprobs(
         logp, ent = _logp_and_entropy(preceding.float(), targets, temperature, with_entropy, entropy_grad)
     else:
         logp, ent = chunked_head_logprobs(preceding, head.weight, head.bias, targets, temperature,
-                                          with_entropy, chunk_size, entropy_grad)
+                                          with_entropy, chunk_size, entropy_grad, tf32)
+    if score_mask_bt is not None:  # the full-logits path computed everything: keep the asked-for positions
+        keep = score_mask_bt.to(logp.device, torch.bool)
+        keep = keep[:, 1:] if parents_bt is None else keep
+        logp, ent = logp * keep, ent * keep if with_entropy else None
     if parents_bt is None:
         return torch.nn.functional.pad(logp, (1, 0)), torch.nn.functional.pad(ent, (1, 0)) if with_entropy else None
     orphan = parents_bt < 0
     return logp.masked_fill(orphan, 0.0), ent.masked_fill(orphan, 0.0) if with_entropy else None
+
+
+def _scored_positions(out_btx, head, input_ids_bt, parents_bt, score_mask_bt, temperature, with_entropy,
+                      chunk_size, entropy_grad, tf32):
+    """``token_logprobs``'s head on the positions ``score_mask_bt`` keeps: their predecessors' hidden states
+    are gathered into one [N, hidden] block, scored as the full path scores them, and scattered back into
+    zeros."""
+    b, t, h = out_btx.shape
+    keep_bt = score_mask_bt.to(torch.bool).clone()
+    keep_bt[:, 0] = False  # nothing precedes column 0
+    if parents_bt is None:
+        source_bt = torch.arange(-1, t - 1, device=keep_bt.device).expand(b, t)
+    else:
+        source_bt = parents_bt.to(keep_bt.device)
+        keep_bt &= source_bt >= 0  # a root or padding has no parent: 0, as in the full path
+    target_n = keep_bt.flatten().nonzero().squeeze(1)  # on the host when the caller passes a host mask
+    row_n = torch.div(target_n, t, rounding_mode="floor")
+    source_n = row_n * t + source_bt.flatten()[target_n]
+    device = out_btx.device
+    non_blocking = device.type == "cuda" and target_n.device.type == "cpu"
+    if non_blocking:  # pinned, so the upload does not wait for the host copy
+        target_n, source_n = target_n.pin_memory(), source_n.pin_memory()
+    target_n, source_n = target_n.to(device, non_blocking=non_blocking), source_n.to(device, non_blocking=non_blocking)
+    hidden_1nh = out_btx.reshape(b * t, h).index_select(0, source_n)[None]
+    targets_1n = input_ids_bt.reshape(b * t).index_select(0, target_n)[None]
+    logp_1n, ent_1n = chunked_head_logprobs(hidden_1nh, head.weight, head.bias, targets_1n, temperature,
+                                            with_entropy, chunk_size, entropy_grad, tf32)
+    zeros = torch.zeros(b * t, dtype=logp_1n.dtype, device=device)
+    logp_bt = zeros.index_put((target_n,), logp_1n[0]).reshape(b, t)
+    ent_bt = zeros.index_put((target_n,), ent_1n[0]).reshape(b, t) if with_entropy else None
+    return logp_bt, ent_bt
 
 
 def chunked_head_logprobs(
@@ -104,9 +162,11 @@ def chunked_head_logprobs(
     with_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     entropy_grad: bool = False,
+    tf32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T + bias)[target] per position, in float32, ``chunk_size`` positions at
-    a time; returns ([B, T] log-probs, [B, T] entropies or None; differentiable if ``entropy_grad``)."""
+    a time; returns ([B, T] log-probs, [B, T] entropies or None; differentiable if ``entropy_grad``).
+    ``tf32``: the matmuls (forward, recompute, backward) in TF32 on CUDA (``tf32_matmul``)."""
     b, t, h = hidden_bth.shape
     # Cast once, outside the chunks: a bf16 weight's gradient is then summed over chunks in float32 and
     # rounded to bf16 once, as in the unchunked head, rather than once per chunk.
@@ -117,9 +177,9 @@ def chunked_head_logprobs(
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden_nh, weight_vh, bias_v))
     logps, ents = [], []
-    for start in range(0, b * t, chunk_size):
+    for start in range(0, max(b * t, 1), chunk_size):  # one (empty) chunk when nothing is scored
         args = (hidden_nh[start:start + chunk_size], weight_vh, bias_v, targets_n[start:start + chunk_size],
-                temperature, with_entropy, entropy_grad)
+                temperature, with_entropy, entropy_grad, tf32)
         if needs_grad:
             logp_n, ent_n = checkpoint(_head_chunk, *args, use_reentrant=False, preserve_rng_state=False)
         else:
@@ -131,11 +191,49 @@ def chunked_head_logprobs(
     return logp_bt, ent_bt
 
 
-def _head_chunk(hidden_nh, weight_vh, bias_v, targets_n, temperature, with_entropy, entropy_grad):
+def _head_chunk(hidden_nh, weight_vh, bias_v, targets_n, temperature, with_entropy, entropy_grad, tf32=False):
     # Under a caller's bf16 autocast the matmul would silently drop back to bf16: keep the head in fp32.
     with torch.autocast(hidden_nh.device.type, enabled=False):
-        logits_nv = torch.nn.functional.linear(hidden_nh, weight_vh, bias_v)
+        if tf32 and hidden_nh.device.type == "cuda":
+            logits_nv = _TF32Linear.apply(hidden_nh, weight_vh, bias_v)
+        else:
+            logits_nv = torch.nn.functional.linear(hidden_nh, weight_vh, bias_v)
         return _logp_and_entropy(logits_nv, targets_n, temperature, with_entropy, entropy_grad)
+
+
+@contextlib.contextmanager
+def tf32_matmul(enabled: bool = True) -> Iterator[None]:
+    """CUDA float32 matmuls in TF32 inside the block, the previous setting restored on the way out
+    (exceptions too). The switch is PyTorch's process-wide one (``torch.backends.cuda.matmul.allow_tf32``;
+    there is no per-thread or per-call TF32), so keeping the block to the head's matmuls is what limits
+    which other work sees it: a float32 engine decoding in another thread at that moment still would."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = before or enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+class _TF32Linear(torch.autograd.Function):
+    """``linear`` whose forward and backward matmuls both run inside ``tf32_matmul``: the backward runs
+    after the forward's block has closed (on CUDA, in autograd's own thread), so it opens its own."""
+
+    @staticmethod
+    def forward(ctx, x_nh, weight_vh, bias_v):
+        ctx.save_for_backward(x_nh, weight_vh)
+        ctx.has_bias = bias_v is not None
+        with tf32_matmul():
+            return torch.nn.functional.linear(x_nh, weight_vh, bias_v)
+
+    @staticmethod
+    def backward(ctx, grad_nv):
+        x_nh, weight_vh = ctx.saved_tensors
+        with tf32_matmul():
+            grad_x = grad_nv @ weight_vh if ctx.needs_input_grad[0] else None
+            grad_w = grad_nv.t() @ x_nh if ctx.needs_input_grad[1] else None
+        grad_b = grad_nv.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
 
 
 def _logp_and_entropy(logits, targets, temperature, with_entropy, entropy_grad=False):
