@@ -2,7 +2,8 @@
 
 ``optim.name`` picks one of the ``OPTIMIZERS`` (docs/optimizers.md compares them on a small LM run):
 
-- ``adamw``: ``torch.optim.AdamW`` with the recipe's betas and eps (the default; unchanged behaviour).
+- ``adamw``: ``torch.optim.AdamW`` with the recipe's betas and eps (the default; unchanged behaviour), fused on
+  CUDA (``adamw_kernel``).
 - ``ademamix``: AdEMAMix (arXiv 2409.03137), Adam whose numerator adds ``alpha`` times a slow gradient EMA
   so that old gradients keep contributing for thousands of steps. ``pytorch_optimizer``'s implementation,
   built with ``weight_decouple=True``: its default is L2 decay folded into the gradient, while the paper's
@@ -36,17 +37,30 @@ ModelOrParams = torch.nn.Module | Iterable[torch.Tensor]
 OPTIMIZERS: Registry[Callable[[ModelOrParams, OptimConfig], torch.optim.Optimizer]] = Registry("optimizer")
 
 __all__ = ["OPTIMIZERS", "RUN_LENGTH", "AdEMAMixConfig", "CombinedOptimizer", "Muon", "MuonConfig", "OptimConfig",
-           "build_optimizer", "for_run", "newton_schulz", "split_hidden_matrices"]
+           "adamw_kernel", "build_optimizer", "for_run", "newton_schulz", "split_hidden_matrices"]
 
 
 def _params(target: ModelOrParams) -> Iterable[torch.Tensor]:
     return target.parameters() if isinstance(target, torch.nn.Module) else target
 
 
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """Which of ``torch.optim.AdamW``'s implementations to run over ``params``, decided here for every AdamW
+    tidal builds (the RL trainer's, Muon's AdamW half): ``fused=True`` (one kernel per step for every
+    parameter, PyTorch's recommended fastest path: the docs' "Algorithms" note on ``fused``) when every
+    parameter is a plain floating-point CUDA tensor; otherwise PyTorch's own default, as before (on CPU the
+    per-parameter loop, so CPU results are unchanged). FSDP's sharded DTensors keep the default: the fused
+    kernel's support for them varies across PyTorch versions."""
+    def plain_cuda(p: torch.Tensor) -> bool:
+        return p.is_cuda and p.is_floating_point() and type(p.data) is torch.Tensor
+    return {"fused": True} if params and all(plain_cuda(p) for p in params) else {}
+
+
 @OPTIMIZERS.register("adamw")
 def adamw(target: ModelOrParams, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(_params(target), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+    params = list(_params(target))
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, **adamw_kernel(params))
 
 
 @OPTIMIZERS.register("ademamix")
