@@ -61,9 +61,22 @@ class TrainerConfig:
     H100/H200) or ``tf32`` (tensor cores: inputs rounded to 10 mantissa bits, float32 accumulation and output,
     several times faster). The body runs under bf16 autocast, so the head (and the critic's value head) are the
     only float32 matmuls this affects; with a 152k vocabulary the head is a quarter of a 0.5B model's FLOPs
-    and an fp32 head caps its MFU near 0.2 (docs/gpu.md). Applied as PyTorch's process-wide TF32 switch for the
-    duration of ``step``: a float32 rollout engine decoding meanwhile would use TF32 too (a bf16 one is
-    unaffected). No effect on CPU."""
+    and an fp32 head caps its MFU near 0.2 (docs/gpu.md). PyTorch's TF32 switch is process-wide; it is set
+    around the head's own matmuls only (forward, checkpoint recompute, backward: ``models/logprobs.py``'s
+    ``tf32_matmul``) and restored after each, so the rest of the step, and the critic's value head, stay
+    float32; a float32 rollout engine decoding in another thread during those matmuls would still get TF32
+    (a bf16 one is unaffected). No effect on CPU."""
+    head_tokens: str = "all"
+    """Which tokens the LM head (the float32 matmul, log-softmax and entropy) scores in the trainer's passes:
+    ``all``, every position (the path every measurement so far used), or ``loss``, only the tokens the loss
+    mask keeps, which are the only ones the loss and the logged metrics read (``train/entropy`` is their
+    mean). An RL batch is about half prompt (52% in the H200 bench, issue 51), so ``loss`` about halves the
+    head's work, its checkpoint recompute and its backward. Same log-probs, entropies and gradients on the
+    loss tokens (``tests/models/test_head_tokens.py``: bit-equal on CPU when the head runs as one chunk,
+    within float rounding otherwise; ``tests/train/test_trainer_head_tokens.py`` for whole steps); tokens
+    outside the loss mask then carry the sampler's log-prob (``behav_logp_bt``, so every ratio there is 1)
+    and entropy 0, in the step's log-probs the sample recorder keeps too. The default stays ``all`` until
+    the device check (``tests/gpu/test_cuda.py``) confirms the equality in bf16 on CUDA."""
     data_parallel: str = "fsdp"
     """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
     ``parallel/fsdp.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
@@ -83,6 +96,8 @@ def validate(cfg: TrainerConfig) -> None:
         raise ConfigError(f"trainer.precision must be auto, fp32 or bf16, got {cfg.precision!r}")
     if cfg.head_matmul not in ("fp32", "tf32"):
         raise ConfigError(f"trainer.head_matmul must be fp32 or tf32, got {cfg.head_matmul!r}")
+    if cfg.head_tokens not in ("all", "loss"):
+        raise ConfigError(f"trainer.head_tokens must be all or loss, got {cfg.head_tokens!r}")
     if cfg.data_parallel not in ("fsdp", "diloco", "elastic"):
         raise ConfigError(f"trainer.data_parallel must be fsdp, diloco or elastic, got {cfg.data_parallel!r}")
     if cfg.packed_attention not in PACKED_ATTENTION:

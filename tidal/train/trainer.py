@@ -81,12 +81,22 @@ from tidal.train.data_parallel import (
     state_dict_bytes,
 )
 from tidal.train.guidance import demonstration_rows
+from tidal.train.host_batch import HostBatch, read_metrics
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, packed_attention_mask, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.types import TrainBatch
 from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
 from tidal.utils.memory import PeakMemory, optimizer_state_bytes
+
+
+def _packed_score_mask(layout, score_bt: torch.Tensor) -> torch.Tensor:
+    """The loss mask ``score_bt`` [B, T] (host, bool) in a packed or trie layout [R, L]: a slot is scored
+    when any sequence through it has a loss token there (a trie node shared by several samples)."""
+    mask_rl = torch.zeros(layout.input_ids_rl.shape, dtype=torch.bool)
+    keep = score_bt[layout.dest_b, layout.dest_t]
+    mask_rl[layout.source_rows[keep], layout.source_cols[keep]] = True
+    return mask_rl
 
 
 def _flash_attention(model: torch.nn.Module) -> bool:
@@ -179,6 +189,8 @@ class Trainer:
         """The last step's trainer log-probs ([B, T], the batch's layout: what each minibatch's loss saw)
         and advantages ([B] or [B, T]), kept for the sample recorder (``inspector/record.py``)."""
         self.last_adv: torch.Tensor | None = None
+        self._host: HostBatch | None = None  # the step's batch as read on the host (``_host_of``)
+        self._head_tf32 = self.device.type == "cuda" and cfg.head_matmul == "tf32"
         self.observers: list = []
         """Objects told ``after_backward()`` (gradients final, before clipping) and ``after_optimizer()``
         (parameters updated) in every minibatch: the SDC recorder (``integrity/sdc.py``) and fault injection."""
@@ -188,6 +200,7 @@ class Trainer:
         """``token_logprobs`` of ``model`` under ``trainer.precision``'s autocast, through its FSDP root when
         sharded (which unshards its weights)."""
         root = root_of(model)
+        kwargs["tf32"] = self._head_tf32  # the head's matmuls only (``models/logprobs.py``'s ``tf32_matmul``)
         with self.autocast():
             return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
 
@@ -196,12 +209,19 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype,
                               enabled=self.autocast_dtype != torch.float32)
 
+    def _host_of(self, batch: TrainBatch) -> HostBatch:
+        """``batch``'s layout on the host, read once per batch: laying out passes then never waits for the
+        device (``train/host_batch.py``)."""
+        if self._host is None or self._host.source is not batch:
+            self._host = HostBatch.of(batch)
+        return self._host
+
     def _my_micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's micro-batches of ``rows`` (positions into ``rows``): its whole groups, split as
         ``_micro_batches`` splits; with data parallel, padded with None up to the most any rank has, so
         every rank runs as many forward/backward passes (FSDP's collectives pair up across ranks)."""
-        lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
-        mine = torch.tensor(self.dp.part(batch.group_index_b[rows].tolist(), lengths), dtype=torch.long)
+        host = self._host_of(batch)
+        mine = torch.tensor(self.dp.part(host.groups(rows), host.lengths(rows)), dtype=torch.long)
         micros: list[torch.Tensor | None] = []
         if len(mine):
             micros = [mine[m] for m in self._micro_batches(batch, rows[mine])]
@@ -212,9 +232,10 @@ class Trainer:
         budget = self.cfg.micro_batch_tokens
         if budget is None:
             return [torch.arange(len(rows))]
-        lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
+        host = self._host_of(batch)
+        lengths = host.lengths(rows)
         if self.cfg.share_prefixes:  # whole groups, budgeted in trie nodes
-            split = group_micro_batches(batch.input_ids_bt[rows], lengths, batch.group_index_b[rows].tolist(), budget)
+            split = group_micro_batches(host.input_ids_bt[rows], lengths, host.groups(rows), budget)
         elif self.cfg.packing:
             split = pack_sequences(lengths, budget)
         else:
@@ -225,28 +246,38 @@ class Trainer:
                  entropy_grad: bool = False):
         """Per-token log-probs (and entropies, differentiable if ``entropy_grad``) of ``rows`` in the batch's
         [len(rows), T] layout, computed padded to the longest of these rows, packed without padding
-        (``packing``), or packed as one token trie per group (``share_prefixes``)."""
+        (``packing``), or packed as one token trie per group (``share_prefixes``). With ``head_tokens=loss`` the
+        LM head scores the loss mask's tokens only; the others carry the sampler's log-prob and entropy 0."""
+        logp, ent = self._layout_forward(model, batch, rows, with_entropy, entropy_grad)
+        if self.cfg.head_tokens == "loss":
+            scored = batch.loss_mask_bt[rows] > 0
+            logp = torch.where(scored, logp, batch.behav_logp_bt[rows])  # every ratio and KL outside is exact 0
+        return logp, ent
+
+    def _layout_forward(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor, with_entropy: bool,
+                        entropy_grad: bool):
         width = batch.input_ids_bt.shape[1]
-        lengths = batch.attention_mask_bt[rows].sum(-1).tolist()
-        if self.cfg.share_prefixes:
-            trees = pack_prefix_trees(batch.input_ids_bt[rows], lengths, batch.group_index_b[rows].tolist(),
-                                      self.cfg.pack_tokens)
-            mask = packed_attention_mask(trees, model, self.cfg.packed_attention)
-            logp, ent = self._logprobs(model, trees.input_ids_rl, mask, self.cfg.temperature,
-                                       with_entropy, position_ids=trees.position_ids_rl, parents_bt=trees.parents_rl,
-                                       chunk_size=self.cfg.logprob_chunk_size, entropy_grad=entropy_grad)
-            return unpack_trees(logp, trees, width), unpack_trees(ent, trees, width) if ent is not None else None
-        if self.cfg.packing:
-            packed = pack(batch.input_ids_bt[rows], lengths, self.cfg.pack_tokens)
-            mask = packed_attention_mask(packed, model, self.cfg.packed_attention)  # None for varlen flash
-            logp, ent = self._logprobs(model, packed.input_ids_rl, mask,
-                                       self.cfg.temperature, with_entropy, position_ids=packed.position_ids_rl,
-                                       chunk_size=self.cfg.logprob_chunk_size, entropy_grad=entropy_grad)
-            return unpack(logp, packed, width), unpack(ent, packed, width) if ent is not None else None
+        host = self._host_of(batch)
+        lengths = host.lengths(rows)
+        score_bt = host.loss_mask_bt[rows] if self.cfg.head_tokens == "loss" else None  # on the host: no sync
+        kw = {"chunk_size": self.cfg.logprob_chunk_size, "entropy_grad": entropy_grad}
+        if self.cfg.share_prefixes or self.cfg.packing:
+            if self.cfg.share_prefixes:
+                layout = pack_prefix_trees(host.input_ids_bt[rows], lengths, host.groups(rows), self.cfg.pack_tokens)
+                kw["parents_bt"], undo = layout.parents_rl, unpack_trees
+            else:
+                layout, undo = pack(host.input_ids_bt[rows], lengths, self.cfg.pack_tokens), unpack
+            if score_bt is not None:
+                kw["score_mask_bt"] = _packed_score_mask(layout, score_bt)
+            mask = packed_attention_mask(layout, model, self.cfg.packed_attention)  # None for varlen flash
+            logp, ent = self._logprobs(model, layout.input_ids_rl, mask, self.cfg.temperature, with_entropy,
+                                       position_ids=layout.position_ids_rl, **kw)
+            return undo(logp, layout, width), undo(ent, layout, width) if ent is not None else None
         used = max(lengths)  # right-padded rows: drop the columns none of them uses
+        if score_bt is not None:
+            kw["score_mask_bt"] = score_bt[:, :used]
         logp, ent = self._logprobs(model, batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used],
-                                   self.cfg.temperature, with_entropy, chunk_size=self.cfg.logprob_chunk_size,
-                                   entropy_grad=entropy_grad)
+                                   self.cfg.temperature, with_entropy, **kw)
         pad = (0, width - used)
         return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad) if ent is not None else None
 
@@ -254,7 +285,7 @@ class Trainer:
     def _scores(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs of ``rows`` (default: the whole batch) under ``model``, without gradient, one micro-batch
         at a time; other rows are 0."""
-        rows = torch.arange(batch.num_sequences) if rows is None else rows
+        rows = torch.arange(batch.num_sequences) if rows is None else rows.cpu()  # positions, laid out on the host
         out = torch.zeros_like(batch.behav_logp_bt)
         for micro in self._my_micro_batches(batch, rows):
             if micro is None:  # nothing left on this rank: a pass for the collectives only
@@ -295,14 +326,10 @@ class Trainer:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One policy update on ``batch`` (the module docstring's three stages); returns its metrics."""
-        tf32 = self.device.type == "cuda" and self.cfg.head_matmul == "tf32"
-        before = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = before or tf32
-        try:
-            return self._step(tensors_to(batch, self.device))
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = before
+        """One policy update on ``batch`` (the module docstring's three stages); returns its metrics.
+        ``trainer.head_matmul=tf32`` applies inside the LM head's matmuls only (``models/logprobs.py``)."""
+        self._host = None  # read afresh, even from a batch object passed before
+        return self._step(tensors_to(batch, self.device))
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         algo = self.algo
@@ -352,7 +379,7 @@ class Trainer:
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / len(chunks)
         metrics_sum.update(step_metrics)
         metrics_sum["train/lr"] = self.scheduler.get_last_lr()[0]
-        metrics_sum["train/num_tokens"] = float(batch.num_response_tokens)
+        metrics_sum["train/num_tokens"] = float(self._host_of(batch).loss_mask_bt.sum())
         metrics_sum.update(self._memory.step_metrics())
         metrics_sum["perf/trainable_params"] = float(self.num_trainable_params)
         metrics_sum["perf/optimizer_state_gb"] = optimizer_state_bytes(self.optimizer) / 1e9
@@ -371,9 +398,10 @@ class Trainer:
         entropy_weights_mb = self._agg_weights(entropy_loss, mask_mb, groups_mb) if bonus else None
         logp_mb = torch.zeros_like(mask_mb)
         entropy_mb = torch.zeros_like(mask_mb)
-        totals: dict[str, float] = {}
-        loss_total = 0.0
-        num_tokens = max(float(mask_mb.sum()), 1.0)
+        totals: dict[str, float | torch.Tensor] = {}
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, after the loop
+        host_mask = self._host_of(batch).loss_mask_bt  # token counts from the host copy: no sync per micro-batch
+        num_tokens = max(float(host_mask[idx].sum()), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         for micro in self._my_micro_batches(batch, idx):
             if micro is None:  # nothing left on this rank: a zero-weight pass keeps FSDP's collectives paired
@@ -411,12 +439,14 @@ class Trainer:
                 loss = loss + bonus_term
                 metrics.update(bonus_metrics)
             loss.backward()
-            loss_total += loss.item()
+            loss_total = loss_total + loss.detach().double()  # float64 as the Python floats it replaces
             logp_mb[micro], entropy_mb[micro] = logp.detach(), entropy.detach()
-            share = float(mask.sum()) / num_tokens  # per-token metrics: a token-weighted mean
+            share = float(host_mask[rows].sum()) / num_tokens  # per-token metrics: a token-weighted mean
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v * share
 
+        totals = read_metrics({**totals, "train/loss": loss_total})  # the micro-batches' one read
+        loss_total = totals.pop("train/loss")
         if self.dp.enabled:  # every rank filled its own rows; token-weighted metrics and losses add up
             self.dp.sum_(logp_mb)
             self.dp.sum_(entropy_mb)
@@ -441,11 +471,11 @@ class Trainer:
         totals["algo/seq_ess"] = ess
         totals["algo/lr_scale"] = lr_scale
         totals["train/loss"] = loss_total
-        totals["train/grad_norm"] = grad_norm.item()
-        totals["train/entropy"] = masked_mean(entropy_mb, mask_mb).item()
+        totals["train/grad_norm"] = grad_norm
+        totals["train/entropy"] = masked_mean(entropy_mb, mask_mb)
         if first:  # before any update on this batch
             totals.update(self._mismatch(logp_mb, batch.behav_logp_bt[idx], batch.versions_bt[idx], mask_mb))
-        return totals
+        return read_metrics(totals)
 
     def _lr_scale(self, logp_bt: torch.Tensor, batch: TrainBatch, idx: torch.Tensor) -> tuple[float, float]:
         """VCPO: the normalized ESS of this minibatch's sequence weights pi_theta / pi_behav, and the lr
