@@ -20,7 +20,9 @@ def _inputs(seed: int, extreme: bool = False):
 
 def _check(loss, metrics, logp, mask, expect_grad=True):
     assert loss.dim() == 0 and torch.isfinite(loss), f"loss {loss}"
-    assert metrics and all(isinstance(k, str) and type(v) is float for k, v in metrics.items()), metrics
+    # a float, or a 0-dim tensor without a graph that the trainer reads once per step (issue 51)
+    assert metrics and all(isinstance(k, str) and (type(v) is float or isinstance(v, torch.Tensor) and v.dim() == 0
+                                                   and not v.requires_grad) for k, v in metrics.items()), metrics
     assert all(v == v for v in metrics.values()), f"NaN metric in {metrics}"
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(grad).all()

@@ -83,8 +83,9 @@ def test_tf32_is_on_inside_the_head_only(small_model, tokenizer, monkeypatch):
 
 
 def test_host_synchronizations_per_step(small_model, tokenizer):
-    """How many synchronizing CUDA calls a step makes, one micro-batch against several (reported; the
-    trainer's own reads no longer grow with micro-batches, the algorithms' ``algo/*`` metrics still do)."""
+    """How many synchronizing CUDA calls a step makes, one micro-batch against several (reported for the device
+    check; on CPU ``tests/train/test_trainer_head_tokens.py`` shows tidal's own reads do not grow with
+    micro-batches on the default loss; what remains here is PyTorch's and the layout uploads')."""
     batch = _batch(LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12)), tokenizer)
     counts = {}
     for name, extra in (("one", {}), ("several", {"micro_batch_tokens": 200})):

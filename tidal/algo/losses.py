@@ -27,7 +27,6 @@ import torch
 
 from tidal.algo import POLICY_LOSSES
 from tidal.algo.aggregation import aggregate, masked_mean, zero_outside
-from tidal.algo.correction import effective_sample_size
 
 __all__ = ["masked_mean", "ppo_clip", "cispo", "gspo", "gmpo", "sapo", "decoupled_ppo", "reinforce"]
 
@@ -92,20 +91,46 @@ def _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_w
     )
 
 
-def _frac(flag_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
-    return masked_mean(flag_bt.float(), mask_bt).item()
+# The losses' metrics are 0-dim tensors on the loss's device, not floats: the trainer sums them over its
+# micro-batches and reads them all once per step, so no micro-batch waits for the device (issue 51).
 
 
-def _ratio_metrics(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, weight_bt: torch.Tensor) -> dict[str, float]:
+def _frac(flag_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    return masked_mean(flag_bt.float(), mask_bt)
+
+
+def _masked_extreme(values_bt: torch.Tensor, keep_bt: torch.Tensor, largest: bool, empty: float) -> torch.Tensor:
+    """max (or min) of ``values_bt`` where ``keep_bt``, ``empty`` when nothing is kept; no boolean indexing,
+    which would wait for the device to count the kept entries."""
+    if values_bt.numel() == 0:
+        return values_bt.new_tensor(empty)
+    fill = float("-inf") if largest else float("inf")
+    masked = torch.where(keep_bt, values_bt, fill)
+    extreme = masked.amax() if largest else masked.amin()
+    return torch.where(keep_bt.any(), extreme, values_bt.new_tensor(empty))
+
+
+def _ess(weight_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    """``correction.effective_sample_size`` as a 0-dim float64 tensor, computed without leaving the device:
+    (sum w)^2 / (n sum w^2) over the masked entries; 1 with none, 0 when every weight is 0."""
+    keep = mask_bt.bool()
+    w = torch.where(keep, weight_bt.detach().double(), 0.0)  # zeros add nothing to either sum
+    n, sq = keep.sum(), (w * w).sum()
+    one, zero = w.new_tensor(1.0), w.new_tensor(0.0)
+    return torch.where(n == 0, one, torch.where(sq == 0, zero, w.sum() ** 2 / (n * sq)))
+
+
+def _ratio_metrics(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor,
+                   weight_bt: torch.Tensor) -> dict[str, torch.Tensor]:
     """Ratio statistics over response tokens, approx KL and the ESS of the applied weights."""
     ratio_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp()
     keep = mask_bt.bool()
     return {
-        "algo/ratio_mean": masked_mean(ratio_bt, mask_bt).item(),
-        "algo/ratio_max": ratio_bt[keep].max().item() if keep.any() else 1.0,
-        "algo/ratio_min": ratio_bt[keep].min().item() if keep.any() else 1.0,
-        "algo/approx_kl": masked_mean(-log_ratio_bt, mask_bt).item(),
-        "algo/ess": effective_sample_size(weight_bt, mask_bt),
+        "algo/ratio_mean": masked_mean(ratio_bt, mask_bt),
+        "algo/ratio_max": _masked_extreme(ratio_bt, keep, largest=True, empty=1.0),
+        "algo/ratio_min": _masked_extreme(ratio_bt, keep, largest=False, empty=1.0),
+        "algo/approx_kl": masked_mean(-log_ratio_bt, mask_bt),
+        "algo/ess": _ess(weight_bt, mask_bt),
     }
 
 
@@ -257,14 +282,14 @@ def gspo(
 gspo.weight_scope = "sequence"
 
 
-def _sequence_ratio_metrics(seq_ratio_b, seq_weight_bt, mask_bt) -> dict[str, float]:
+def _sequence_ratio_metrics(seq_ratio_b, seq_weight_bt, mask_bt) -> dict[str, torch.Tensor]:
     """Mean sequence ratio over sequences with response tokens, and the ESS of the sequence weights
     the loss applies (ratio times the reduced correction weight)."""
     rows = (mask_bt.sum(-1) > 0).float()
     weight_b = seq_ratio_b if seq_weight_bt is None else seq_ratio_b * seq_weight_bt[:, 0]
     return {
-        "algo/seq_ratio_mean": ((seq_ratio_b * rows).sum() / rows.sum().clamp(min=1)).item(),
-        "algo/ess": effective_sample_size(weight_b, rows),
+        "algo/seq_ratio_mean": (seq_ratio_b * rows).sum() / rows.sum().clamp(min=1),
+        "algo/ess": _ess(weight_b, rows),
     }
 
 
@@ -367,7 +392,7 @@ def sapo(
     loss = _finish(loss_bt, mask_bt, is_weight_bt, agg, group_ids_b, max_gen_len, agg_weights_bt)
     with torch.no_grad():
         gate_weight_bt = 4 * gate_bt * (1 - gate_bt)
-        metrics = {"algo/clip_frac": 0.0, "algo/soft_gate_mean": masked_mean(gate_weight_bt, mask_bt).item()}
+        metrics = {"algo/clip_frac": 0.0, "algo/soft_gate_mean": masked_mean(gate_weight_bt, mask_bt)}
         weight_bt = ratio_bt * (1 if is_weight_bt is None else is_weight_bt)
         metrics.update(_ratio_metrics(log_ratio_bt.detach(), mask_bt, weight_bt))
     return loss, metrics
@@ -420,7 +445,7 @@ def decoupled_ppo(
         weight_bt = log_ratio_bt.clamp(-_MAX_LOG, _MAX_LOG).exp() * behav_w_bt
         weight_bt = weight_bt * (1 if is_weight_bt is None else is_weight_bt)
         metrics.update(_ratio_metrics(log_ratio_bt.detach(), mask_bt, weight_bt))
-        metrics["algo/behav_weight_mean"] = masked_mean(behav_w_bt, mask_bt).item()
+        metrics["algo/behav_weight_mean"] = masked_mean(behav_w_bt, mask_bt)
         metrics["algo/behav_cap_frac"] = _frac(over_cap_bt, mask_bt)
     return loss, metrics
 

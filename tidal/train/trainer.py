@@ -442,8 +442,8 @@ class Trainer:
             loss_total = loss_total + loss.detach().double()  # float64 as the Python floats it replaces
             logp_mb[micro], entropy_mb[micro] = logp.detach(), entropy.detach()
             share = float(host_mask[rows].sum()) / num_tokens  # per-token metrics: a token-weighted mean
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v * share
+            for k, v in metrics.items():  # a tensor stays on the device, in float64 as the float it replaces
+                totals[k] = totals.get(k, 0.0) + (v.double() if isinstance(v, torch.Tensor) else v) * share
 
         totals = read_metrics({**totals, "train/loss": loss_total})  # the micro-batches' one read
         loss_total = totals.pop("train/loss")
