@@ -158,3 +158,30 @@ def test_snapshot_buffers_are_reused_between_saves(small_model, tokenizer, tmp_p
     writer.wait()
     assert writer.buffers.bytes_allocated == first, "a second save of the same shapes allocated again"
     assert set(writer.timings) == {"wait_s", "snapshot_s", "write_s", "write_cpu_s"}
+
+
+@pytest.mark.parametrize("thread_ran", [False, True])
+def test_an_interrupt_inside_thread_start_leaves_wait_usable(small_model, tokenizer, tmp_path, monkeypatch,
+                                                             thread_ran):
+    """SIGTERM's handler raising inside ``Thread.start`` (CI flake: ``wait()`` then raised "cannot join thread
+    before it is started"): a writer that never ran is nothing to wait for; one that did run is waited for
+    and its checkpoint is whole."""
+    model, opt, sched = _trained(small_model)
+    root, writer = tmp_path / "ckpt", AsyncCheckpointer()
+    start = threading.Thread.start
+
+    def interrupted_start(self):
+        if thread_ran:
+            start(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        writer.save(root, model, tokenizer, opt, sched, TrainingState(1, 1, 0, {}))
+    monkeypatch.setattr(threading.Thread, "start", start)
+    writer.wait()
+    assert not writer.in_flight
+    if thread_ran:
+        assert latest_checkpoint(root) == root / "step_1" and verify_hashes(root / "step_1") == 2
+    else:
+        assert latest_checkpoint(root) is None

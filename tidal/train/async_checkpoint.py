@@ -62,6 +62,8 @@ class AsyncCheckpointer:
     def __init__(self) -> None:
         self.buffers = HostBuffers()
         self._thread: threading.Thread | None = None
+        self._began = threading.Event()  # set by the writer thread as it begins: see ``wait``
+        self._start_returned = False
         self._error: BaseException | None = None
         self._fallback = False
         self.timings: dict[str, float] = {}
@@ -104,12 +106,16 @@ class AsyncCheckpointer:
             self.timings = {"wait_s": waited - start, "snapshot_s": 0.0, "write_s": time.perf_counter() - waited}
             return path
         self.timings = {"wait_s": waited - start, "snapshot_s": time.perf_counter() - waited}
+        self._began.clear()
+        self._start_returned = False
         self._thread = threading.Thread(target=self._write, args=(root, model, tokenizer, contents, keep, on_saved),
                                         name=f"tidal-checkpoint-step_{state.step}")
         self._thread.start()
+        self._start_returned = True
         return Path(root) / f"step_{state.step}"
 
     def _write(self, root, model, tokenizer, contents, keep, on_saved) -> None:
+        self._began.set()
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             path = write_checkpoint(root, model, tokenizer, contents, keep)
@@ -121,10 +127,14 @@ class AsyncCheckpointer:
         self.timings["write_cpu_s"] = time.thread_time() - cpu  # this thread's CPU: what it can take from training
 
     def wait(self) -> None:
-        """Block until the write in flight (if any) is complete; raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Block until the write in flight (if any) is complete; raise its error if it failed.
+
+        A signal handler that raises inside ``Thread.start`` (SIGTERM during a save) leaves a thread that may
+        or may not run: one that began within a second is joined (its checkpoint completes), one that did not
+        never will, and ``join`` on it would raise "cannot join thread before it is started"."""
+        thread, self._thread = self._thread, None
+        if thread is not None and (self._start_returned or self._began.wait(1.0)):
+            thread.join()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
