@@ -40,6 +40,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tidal.utils.device import model_device
+from tidal.utils.phases import phase
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per LM-head chunk. One float32 [1024 x vocab] block is 4 KiB per vocab entry: 128 MiB at a 32k
@@ -110,8 +111,9 @@ def token_logprobs(
     if head is None:
         logp, ent = _logp_and_entropy(preceding.float(), targets, temperature, with_entropy, entropy_grad)
     else:
-        logp, ent = chunked_head_logprobs(preceding, head.weight, head.bias, targets, temperature,
-                                          with_entropy, chunk_size, entropy_grad, tf32)
+        with phase("head"):  # the trainer's ``perf/trainer_head_ms`` (``utils/phases.py``)
+            logp, ent = chunked_head_logprobs(preceding, head.weight, head.bias, targets, temperature,
+                                              with_entropy, chunk_size, entropy_grad, tf32)
     if score_mask_bt is not None:  # the full-logits path computed everything: keep the asked-for positions
         keep = score_mask_bt.to(logp.device, torch.bool)
         keep = keep[:, 1:] if parents_bt is None else keep
@@ -145,8 +147,9 @@ def _scored_positions(out_btx, head, input_ids_bt, parents_bt, score_mask_bt, te
     target_n, source_n = target_n.to(device, non_blocking=non_blocking), source_n.to(device, non_blocking=non_blocking)
     hidden_1nh = out_btx.reshape(b * t, h).index_select(0, source_n)[None]
     targets_1n = input_ids_bt.reshape(b * t).index_select(0, target_n)[None]
-    logp_1n, ent_1n = chunked_head_logprobs(hidden_1nh, head.weight, head.bias, targets_1n, temperature,
-                                            with_entropy, chunk_size, entropy_grad, tf32)
+    with phase("head"):
+        logp_1n, ent_1n = chunked_head_logprobs(hidden_1nh, head.weight, head.bias, targets_1n, temperature,
+                                                with_entropy, chunk_size, entropy_grad, tf32)
     zeros = torch.zeros(b * t, dtype=logp_1n.dtype, device=device)
     logp_bt = zeros.index_put((target_n,), logp_1n[0]).reshape(b, t)
     ent_bt = zeros.index_put((target_n,), ent_1n[0]).reshape(b, t) if with_entropy else None

@@ -88,6 +88,7 @@ from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpa
 from tidal.types import TrainBatch
 from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
 from tidal.utils.memory import PeakMemory, optimizer_state_bytes
+from tidal.utils.phases import PhaseTimer, phase
 
 
 def _packed_score_mask(layout, score_bt: torch.Tensor) -> torch.Tensor:
@@ -248,7 +249,8 @@ class Trainer:
         [len(rows), T] layout, computed padded to the longest of these rows, packed without padding
         (``packing``), or packed as one token trie per group (``share_prefixes``). With ``head_tokens=loss`` the
         LM head scores the loss mask's tokens only; the others carry the sampler's log-prob and entropy 0."""
-        logp, ent = self._layout_forward(model, batch, rows, with_entropy, entropy_grad)
+        with phase("forward"):
+            logp, ent = self._layout_forward(model, batch, rows, with_entropy, entropy_grad)
         if self.cfg.head_tokens == "loss":
             scored = batch.loss_mask_bt[rows] > 0
             logp = torch.where(scored, logp, batch.behav_logp_bt[rows])  # every ratio and KL outside is exact 0
@@ -329,7 +331,9 @@ class Trainer:
         """One policy update on ``batch`` (the module docstring's three stages); returns its metrics.
         ``trainer.head_matmul=tf32`` applies inside the LM head's matmuls only (``models/logprobs.py``)."""
         self._host = None  # read afresh, even from a batch object passed before
-        return self._step(tensors_to(batch, self.device))
+        with PhaseTimer(self.device) as timer:  # perf/trainer_{forward,head,backward,optimizer}_ms
+            metrics = self._step(tensors_to(batch, self.device))
+        return {**metrics, **timer.read()}
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         algo = self.algo
@@ -405,7 +409,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for micro in self._my_micro_batches(batch, idx):
             if micro is None:  # nothing left on this rank: a zero-weight pass keeps FSDP's collectives paired
-                (self._forward(self.model, batch, idx[:1])[0].sum() * 0.0).backward()
+                zero = self._forward(self.model, batch, idx[:1])[0].sum() * 0.0
+                with phase("backward"):
+                    zero.backward()
                 continue
             rows = idx[micro]
             mask, behav = batch.loss_mask_bt[rows], batch.behav_logp_bt[rows]
@@ -438,7 +444,8 @@ class Trainer:
                     entropy, mask)
                 loss = loss + bonus_term
                 metrics.update(bonus_metrics)
-            loss.backward()
+            with phase("backward"):
+                loss.backward()
             loss_total = loss_total + loss.detach().double()  # float64 as the Python floats it replaces
             logp_mb[micro], entropy_mb[micro] = logp.detach(), entropy.detach()
             share = float(host_mask[rows].sum()) / num_tokens  # per-token metrics: a token-weighted mean
@@ -457,13 +464,14 @@ class Trainer:
         for observer in self.observers:
             observer.after_backward()
         ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
-        if self.dp.enabled:  # a DTensor: the global norm over every rank's shards
-            grad_norm = local_value(grad_norm)
-        if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
-            for group in self.optimizer.param_groups:
-                group["lr"] *= lr_scale
-        self.optimizer.step()
+        with phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+            if self.dp.enabled:  # a DTensor: the global norm over every rank's shards
+                grad_norm = local_value(grad_norm)
+            if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
+                for group in self.optimizer.param_groups:
+                    group["lr"] *= lr_scale
+            self.optimizer.step()
         for observer in self.observers:
             observer.after_optimizer()
         self.scheduler.step()
