@@ -2,7 +2,8 @@
 the ``all`` step's log-probs, loss and gradients under bf16 autocast, and ``trainer.head_matmul=tf32`` turns
 TF32 on for the head's matmuls only. The CPU proofs are ``tests/models/test_head_tokens.py`` and
 ``tests/train/test_trainer_head_tokens.py``; this is what the device check confirms before ``loss`` becomes
-the default. Measured gaps go to ``$TIDAL_GPU_REPORT``."""
+the default. Also: AdamW is fused on CUDA, and the syncs per step are counted. Measured gaps go to
+``$TIDAL_GPU_REPORT``."""
 
 import copy
 import warnings
@@ -14,7 +15,7 @@ from tests.gpu.test_cuda import LAYOUTS, _batch, report
 from tests.train.test_precision import grads_of_step
 from tidal.algo.config import AlgoConfig
 from tidal.models import logprobs
-from tidal.optim import OptimConfig
+from tidal.optim import OptimConfig, build_optimizer
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.train.config import TrainerConfig
 from tidal.train.trainer import Trainer
@@ -104,3 +105,11 @@ def test_host_synchronizations_per_step(small_model, tokenizer):
         counts[f"{name}_micro_batches"] = len(trainer._micro_batches(batch, torch.arange(batch.num_sequences)))
     report("trainer_syncs_per_step", **counts)
     assert counts["several_micro_batches"] > counts["one_micro_batches"]
+
+
+def test_the_trainer_s_adamw_is_fused_on_cuda(small_model):
+    """``optim.adamw_kernel``: every parameter on CUDA, so the fused kernel; weights and state stay float32."""
+    trainer = Trainer(copy.deepcopy(small_model), AlgoConfig(), OptimConfig(lr=1e-3), TrainerConfig(), device="cuda")
+    assert trainer.optimizer.param_groups[0]["fused"] is True
+    opt, _ = build_optimizer(torch.nn.Linear(4, 4).cuda(), OptimConfig())
+    assert opt.param_groups[0]["fused"] is True

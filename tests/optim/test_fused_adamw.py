@@ -1,9 +1,9 @@
 """AdamW's implementation is chosen per device in one place (``optim.adamw_kernel``): fused on CUDA, PyTorch's
-default elsewhere, so CPU results are those of a plain ``torch.optim.AdamW`` (issue 51)."""
+default elsewhere, so CPU results are those of a plain ``torch.optim.AdamW`` (issue 51). On CUDA:
+``tests/gpu/test_trainer_head_gpu.py``."""
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from tidal.optim import OptimConfig, adamw_kernel, build_optimizer
@@ -46,11 +46,3 @@ def test_cpu_results_equal_plain_adamw():
             opt.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_parameters_get_the_fused_kernel():
-    model = torch.nn.Linear(4, 4).cuda()
-    opt, _ = build_optimizer(model, OptimConfig())
-    assert opt.param_groups[0]["fused"] is True
