@@ -74,7 +74,7 @@ def clip_cov(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """Clip-Cov (arXiv 2505.22617, sec. 4): PPO's per-token surrogate, except that max(1, floor(r N))
     tokens drawn uniformly at random from those with clip_cov_low < Cov_t < clip_cov_high (and not
     already clipped by PPO) get loss 0 and no gradient:
@@ -133,7 +133,7 @@ def kl_cov(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """KL-Cov (arXiv 2505.22617, sec. 4): the unclipped ratio objective, with a KL penalty between the
     old and current policy on the max(1, floor(k N)) tokens of largest covariance:
 

@@ -33,7 +33,7 @@ def entropy_loss(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """The entropy bonus as a loss term, -entropy_coef * aggregate(H): add it to the policy loss.
 
     The default 0.01 is A3C's beta (arXiv 1602.01783) and PPO's c2 on Atari (arXiv 1707.06347, eq. 9
@@ -49,7 +49,8 @@ def entropy_loss(
     )
     with torch.no_grad():
         token_mean = masked_mean(entropy_bt, mask_bt)
-    return -bonus, {"algo/entropy_bonus": entropy_coef * token_mean.item()}
+    # float64 on the device, as the float it replaces: the trainer reads its metrics once per step
+    return -bonus, {"algo/entropy_bonus": token_mean.double() * entropy_coef}
 
 
 def high_entropy_mask(

@@ -76,7 +76,7 @@ def kl_loss(
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
     behav_logp_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """kl_coef * aggregate(k(logp, ref_logp)) as a loss term; defaults are GRPO's (k3, 0.04).
     ``behav_logp_bt`` (the log-probs the tokens were sampled with) reaches estimators that take
     ``old_logp_bt`` (``k3_is``). Padding (mask 0) may hold -inf or NaN in any input: the inputs are
@@ -90,7 +90,7 @@ def kl_loss(
     )
     with torch.no_grad():
         kl = masked_mean(k_bt, mask_bt)
-    return loss, {"algo/kl": kl.item()}
+    return loss, {"algo/kl": kl}  # a device tensor: the trainer reads its metrics once per step
 
 
 def kl_reward_penalty_tokens(

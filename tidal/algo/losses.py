@@ -177,7 +177,7 @@ def ppo_clip(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) per token, r = pi / pi_old:
 
         loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
@@ -211,7 +211,7 @@ def cispo(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, sec. 3.1, eq. 4-5): clip the importance weight, not the
     update, and stop its gradient:
 
@@ -253,7 +253,7 @@ def gspo(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """GSPO (Qwen, arXiv 2507.18071): one length-normalized (geometric-mean) ratio per sequence,
 
         s_i = exp(mean_t (logp - old_logp)),   loss_i = -w_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
@@ -307,7 +307,7 @@ def gmpo(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673): maximize the geometric mean of the
     token-level clipped objectives instead of their arithmetic mean, so one outlier ratio moves the
     sequence's objective by its |y|-th root only. Clipping is per token and in log space:
@@ -367,7 +367,7 @@ def sapo(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """SAPO (Soft Adaptive Policy Optimization, Qwen, arXiv 2511.20347): a smooth, temperature-
     controlled gate on the token ratio instead of a hard clip,
 
@@ -416,7 +416,7 @@ def decoupled_ppo(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """Decoupled PPO (AReaL, arXiv 2505.24298, its decoupled objective): for stale samples, trust-region clip against
     the proximal policy pi_prox (the trainer's weights before this update) and correct the sampling
     with the behaviour weight pi_prox / pi_behav, here ``old_logp_bt`` = behaviour log-probs:
@@ -462,7 +462,7 @@ def reinforce(
     group_ids_b: torch.Tensor | None = None,
     max_gen_len: int | None = None,
     agg_weights_bt: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
     """REINFORCE with a baseline (Williams 1992), loss_t = -A_t log pi(y_t): no ratio, on-policy.
     ``old_logp_bt`` only feeds the ratio metrics (how off-policy the batch was); correct staleness
     with ``is_weight_bt``. Aggregation: ``token_mean``."""
