@@ -108,16 +108,19 @@ def _float_reads_from_tidal(monkeypatch):
 
 @pytest.mark.parametrize("layout", [{"micro_batch_tokens": 20}, {"micro_batch_tokens": 20, "packing": True,
                                                                   "pack_tokens": 16}])
-def test_the_trainer_reads_the_device_a_fixed_number_of_times_per_step(small_model, batch, monkeypatch, layout):
-    """The loss and the per-token metrics (the trainer's and the default policy loss's) accumulate on the
-    device and are read once after the micro-batches: the reads do not grow with their number."""
+@pytest.mark.parametrize("algo", [AlgoConfig(), AlgoConfig(kl_coef=0.1, entropy_coef=0.05)], ids=["grpo", "kl_bonus"])
+def test_the_trainer_reads_the_device_a_fixed_number_of_times_per_step(small_model, batch, monkeypatch, layout,
+                                                                        algo):
+    """The loss and the per-token metrics (the trainer's, the policy loss's, the KL term's and the entropy
+    bonus's) accumulate on the device and are read once after the micro-batches: the reads do not grow with
+    their number."""
+    ref = copy.deepcopy(small_model) if algo.kl_coef > 0 else None
     count = _float_reads_from_tidal(monkeypatch)
-    _step(small_model, batch, AlgoConfig(), TrainerConfig())
+    _step(small_model, batch, algo, TrainerConfig(), ref)
     whole = count[0]
     count[0] = 0
-    trainer_cfg = TrainerConfig(**layout)
-    model = copy.deepcopy(small_model)
-    trainer = Trainer(model, AlgoConfig(), OptimConfig(lr=1e-3, grad_clip=1e9), trainer_cfg)
+    trainer = Trainer(copy.deepcopy(small_model), algo, OptimConfig(lr=1e-3, grad_clip=1e9), TrainerConfig(**layout),
+                      ref_model=ref)
     assert len(trainer._micro_batches(batch, torch.arange(batch.num_sequences))) >= 3
     trainer.step(copy.deepcopy(batch))
     assert count[0] == whole, (count[0], whole)
