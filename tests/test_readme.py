@@ -9,16 +9,35 @@ import pytest
 from tidal.cli import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+MODELS_DOC = README.parent / "docs" / "models.md"
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
         "model.intermediate_size=64", "sft.steps=2", "sft.accuracy_band=null",
         "sft.batch_size=8", "max_steps=2", "eval_every=1",
         "num_eval=8", "rollout.prompts_per_step=2", "rollout.group_size=2", "algo.passk_k=2", "log.progress=false"]
 
 
-def readme_commands() -> list[list[str]]:
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+def readme_commands(path: Path = README) -> list[list[str]]:
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S)
     lines = [line.split("#", 1)[0].strip() for block in blocks for line in block.splitlines()]
     return [shlex.split(line)[1:] for line in lines if line.startswith("tidal ")]
+
+
+def _without_out(argv: list[str]) -> tuple[str, ...]:
+    i = argv.index("--out") if "--out" in argv else len(argv)
+    return tuple(argv[:i] + argv[i + 2:])
+
+
+def run_by_the_models_doc_test() -> set[tuple[str, ...]]:
+    """README commands that docs/models.md also shows: tests/models/test_models_doc.py runs them on the real
+    model (~35 s of SmolLM2 each), so this test does not run them twice."""
+    return {_without_out(c) for c in readme_commands(MODELS_DOC)
+            if c[0] in ("train", "eval")} & {_without_out(c) for c in readme_commands()}
+
+
+def test_the_skipped_commands_are_the_models_docs():
+    skipped = run_by_the_models_doc_test()
+    assert ("train", "smollm2_quickstart") in skipped, skipped  # the README and the doc still agree
+    assert all(c[0] in ("train", "eval") and any("smollm2" in x for x in c) for c in skipped), skipped
 
 
 def test_readme_has_the_two_setup_commands():
@@ -32,7 +51,10 @@ def test_readme_commands_run(tmp_path, monkeypatch, capsys, smollm2_dir):
     (tmp_path / "benchmarks").symlink_to(README.parent / "benchmarks")
     commands = readme_commands()
     assert any(c[0] == "train" for c in commands), "README lost its train example"
+    skipped = run_by_the_models_doc_test()
     for argv in commands:
+        if _without_out(argv) in skipped:
+            continue
         extra = []
         if argv[0] in ("train", "bench"):
             extra = [x for kv in TINY for x in ("--set", kv)]
