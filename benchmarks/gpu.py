@@ -4,7 +4,8 @@ Runs on whatever device is present (``--set device=cpu`` forces the CPU). On CUD
 Qwen2.5-0.5B's exact shapes (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936,
 tied embeddings, rope theta 1e6), built locally with random weights (no hub); on CPU a small stand-in
 (hidden 128, 2 layers, vocab 4,096) and smaller workloads (``CPU_DEFAULTS``), so every code path runs in
-seconds and the JSON says ``"model": "...stand-in..."``. Each part catches its own failure (the error string
+seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (the log says ON CPU);
+``--set tiny=true`` shrinks everything to toy sizes (``TINY_DEFAULTS``). Each part catches its own failure (the error string
 goes under its key) so one part's crash never loses the others' numbers.
 
 1. ``train``: tidal's ``Trainer`` (fp32 master weights, ``trainer.precision`` bf16 autocast on CUDA, packed
@@ -72,6 +73,12 @@ goes under its key) so one part's crash never loses the others' numbers.
    phase of the last of ``rl_steps`` steps (the first warms up the reward workers and the engine) and their
    fractions.
 
+Issue 51's keys, at the top level of the JSON: ``trainer_phase_ms`` (``train``'s last step, ``{forward, head,
+backward, optimizer}`` from its ``perf/trainer_<phase>_ms`` metrics; the head's ms lie inside the forward's),
+``decode_step_ms`` (``generate``: the engine's timed seconds over the decode steps of its schedule, prefill
+included) and ``rl_samples_per_s`` (``rl_step``: samples of the last step over its seconds) with
+``rl_response_lengths`` beside it (the responses' token counts: mean, median, p90, max, and their budgets' law).
+
 Reading the numbers: they are for one device and these shapes; the model is small for an H100, so per-step
 overheads (kernel launches, Python) weigh more than at 7B. The defaults are sized to finish in about 2-3
 minutes on one H100 (an estimate, not yet measured), most of it in part 2's ``generate``, which decodes every
@@ -121,6 +128,9 @@ roofline = load("_roofline")  # benchmarks/_roofline.py: the FLOP, byte and peak
 class Settings:
     device: str = "auto"
     """``auto`` (CUDA if present), ``cpu``, ``cuda`` or ``cuda:N``. On CPU, ``CPU_DEFAULTS`` apply first."""
+    tiny: bool = False
+    """Toy shapes and workloads (``TINY_DEFAULTS``, after ``CPU_DEFAULTS`` and before the command line's ``--set``):
+    every part's code path in seconds, numbers meaningless (``bash scripts/device_check.sh --dry-run`` uses it)."""
     model: str = "qwen2.5-0.5b"
     """A key of ``MODELS``."""
     parts: list[str] = field(default_factory=lambda: ["train", "train_tf32", "generate", "rl_step"])
@@ -172,6 +182,14 @@ CPU_DEFAULTS = [
     "rl_prompts=4", "rl_group_size=4", "rl_max_new_tokens=32",
 ]
 """What changes on a CPU (before the command line's ``--set``): the stand-in model and small workloads."""
+
+TINY_DEFAULTS = [
+    "model=stand-in", "parts=[train,generate,rl_step]", "matmul_size=64", "copy_mb=8",
+    "train_groups=2", "group_size=4", "prompt_len=8", "max_response=24", "pack_tokens=64", "micro_batch_tokens=64",
+    "train_steps=1", "gen_prompts=2", "gen_group_size=3", "gen_prompt_len=4", "gen_max_new_tokens=8",
+    "gen_max_batch_size=4", "rl_prompts=2", "rl_group_size=3", "rl_max_new_tokens=6", "rl_steps=1",
+]
+"""``tiny=true``: toy sizes (6 generate requests over 4 slots, so the engine refills a slot and HF runs two batches)."""
 
 
 # ---- formulas (pure) -------------------------------------------------------------------------------------
@@ -263,8 +281,18 @@ def part_train(s: Settings, base: torch.nn.Module, device: torch.device, peaks: 
         "measured matmul (no datasheet peak for this device)", "trainer_mfu_vs_measured_matmul": achieved / measured,
         "autocast_dtype": str(trainer.autocast_dtype),
         "last_step_metrics": {k: v for k, v in metrics.items() if k.startswith("perf/")},
+        "trainer_phase_ms": trainer_phase_ms(metrics),
         **({"profile": profiled} if profiled is not None else {}),
     }
+
+
+def trainer_phase_ms(metrics: dict) -> dict:
+    """``{forward, head, backward, optimizer}`` milliseconds of a trainer step from its ``perf/trainer_<phase>_ms``
+    metrics (``utils/phases.py``: CUDA events on a GPU, ``perf_counter`` on a CPU); the head's time is inside the
+    forward's (the head runs within the forward pass), the backward's includes the head's recompute."""
+    from tidal.utils.phases import PHASES
+
+    return {name: metrics.get(f"perf/trainer_{name}_ms") for name in PHASES}
 
 
 # ---- part 2: the engine vs HF generate -------------------------------------------------------------------
@@ -346,7 +374,8 @@ def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peak
         "hf_generate_tokens_per_s": hf_rate, "engine_roofline_frac": engine_rate / ceiling,
         "roofline_tokens_per_s": ceiling, "useful_tokens": engine_tokens, "hf_useful_tokens": hf_tokens,
         "hf_computed_tokens": hf_computed, "engine_s": engine_s, "hf_s": hf_s, "requests": len(requests),
-        "decode_steps": len(steps), "weight_bytes": weight_bytes, "kv_bytes_per_token": kv, "dtype": str(dtype),
+        "decode_steps": len(steps), "decode_step_ms": engine_s * 1e3 / len(steps),
+        "weight_bytes": weight_bytes, "kv_bytes_per_token": kv, "dtype": str(dtype),
         **({"profile": profiled} if profiled is not None else {}),
     }
 
@@ -366,6 +395,15 @@ def rl_requests(s: Settings, tokenizer) -> list:
         for j in range(s.rl_group_size):
             requests.append(GenRequest(prompt, ids, j, budgets[len(requests)]))
     return requests
+
+
+def length_summary(lengths: list[int], budget: int) -> dict:
+    """The response-length distribution that ``rl_samples_per_s`` holds for: samples/s means little without it."""
+    ordered = sorted(lengths)
+    return {"distribution": f"budgets n ~ 1/n in [1, {budget}] (rl_max_new_tokens), EOS may end one sooner",
+            "count": len(ordered), "mean": statistics.fmean(ordered), "min": ordered[0],
+            "median": statistics.median(ordered), "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "max": ordered[-1], "total": sum(ordered)}
 
 
 def rl_step(trainer, engine, pool, requests, s: Settings, pad_id: int, device: torch.device) -> dict:
@@ -398,6 +436,7 @@ def rl_step(trainer, engine, pool, requests, s: Settings, pad_id: int, device: t
     total = sum(split.values())
     return {"seconds": split, "fractions": {k: v / total for k, v in split.items()}, "total_s": total,
             "samples": len(trajs), "response_tokens": sum(t.num_tokens for t in trajs),
+            "response_lengths": length_summary([t.num_tokens for t in trajs], s.rl_max_new_tokens),
             "reward_std": statistics.pstdev(t.reward for t in trajs)}
 
 
@@ -418,8 +457,10 @@ def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks
         steps = [rl_step(trainer, engine, pool, requests, s, tokenizer.pad_token_id, device) for _ in range(s.rl_steps)]
     finally:
         pool.close()
-    return {"step_time_split": {**steps[-1]["seconds"], "fractions": steps[-1]["fractions"]},
-            "rl_step_s": steps[-1]["total_s"], "rl_steps": steps, "engine_dtype": str(engine.dtype)}
+    last = steps[-1]
+    return {"step_time_split": {**last["seconds"], "fractions": last["fractions"]},
+            "rl_samples_per_s": last["samples"] / last["total_s"], "rl_response_lengths": last["response_lengths"],
+            "rl_step_s": last["total_s"], "rl_steps": steps, "engine_dtype": str(engine.dtype)}
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
@@ -430,12 +471,17 @@ def part_train_tf32(s: Settings, base: torch.nn.Module, device: torch.device, pe
 
 PARTS = {"train": part_train, "train_tf32": part_train_tf32, "generate": part_generate, "rl_step": part_rl_step}
 HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split"}
+TOP_LEVEL = {"train": ["trainer_phase_ms"], "generate": ["decode_step_ms"],
+             "rl_step": ["rl_samples_per_s", "rl_response_lengths"]}
+"""Issue 51's keys, copied to the top level of the JSON (None when their part did not run or failed)."""
 
 
 def resolve(overrides: list[str]) -> tuple[Settings, torch.device]:
     """Settings with ``CPU_DEFAULTS`` under the command line's overrides when the device is a CPU."""
-    device = resolve_device(apply_overrides(Settings(), overrides).device, "device")
-    s = apply_overrides(Settings(), [*(CPU_DEFAULTS if device.type == "cpu" else []), *overrides])
+    first = apply_overrides(Settings(), overrides)
+    device = resolve_device(first.device, "device")
+    s = apply_overrides(Settings(), [*(CPU_DEFAULTS if device.type == "cpu" else []),
+                                     *(TINY_DEFAULTS if first.tiny else []), *overrides])
     unknown = set(s.parts) - set(PARTS)
     assert not unknown and s.model in MODELS, f"parts must be among {list(PARTS)}, model among {list(MODELS)}"
     return s, device
@@ -470,16 +516,25 @@ def table(result: dict) -> list[dict]:
     row("generate", "engine / HF generate", gen.get("engine_over_hf_generate"), "")
     row("generate", "engine roofline frac", gen.get("engine_roofline_frac"), "weights + live KV per step")
     split = rl.get("step_time_split") or {}
+    row("generate", "decode step ms", gen.get("decode_step_ms"), "engine s / decode steps of its schedule")
+    for phase, ms in (train.get("trainer_phase_ms") or {}).items():
+        row("train", f"{phase} ms", ms, "perf/trainer_*_ms of the last step")
     for phase in ("generate", "score", "train", "weight_sync"):
         note = f"{split['fractions'][phase]:.1%}" if split else rl.get("error", "")
         row("rl_step", f"{phase} s", split.get(phase), note)
+    lengths = rl.get("rl_response_lengths") or {}
+    row("rl_step", "samples/s", rl.get("rl_samples_per_s"),
+        f"response tokens mean {lengths['mean']:.1f}, median {lengths['median']}, max {lengths['max']}" if lengths else "")
     return rows
 
 
 def run(overrides: list[str], out_dir: Path) -> dict:
     s, device = resolve(overrides)
-    print(f"[bench gpu] device {device}, model {s.model}, parts {s.parts}", flush=True)
+    print(f"[bench gpu] device {device}, model {s.model}, parts {s.parts}{', tiny shapes' if s.tiny else ''}", flush=True)
+    if device.type == "cpu":
+        print("[bench gpu] ON CPU: no GPU was used; these are CPU figures of a stand-in model, not a GPU's", flush=True)
     result: dict = {"benchmark": "gpu", "description": DESCRIPTION, "model": f"{s.model} ({MODEL_NOTES[s.model]})",
+                    "on_cpu": device.type == "cpu", "tiny": s.tiny,
                     "torch": torch.__version__, "transformers": transformers.__version__}
     result.update(measure_peaks(s, device))
     print(f"[bench gpu] peaks: {result['matmul_tflops_measured']:.4g} TFLOP/s matmul, "
@@ -507,6 +562,9 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     for name, key in HEADLINE.items():
         result[key] = result.get(name, {}).get(key)
     result["trainer_mfu_tf32_head"] = result.get("train_tf32", {}).get("trainer_mfu")
+    for name, keys in TOP_LEVEL.items():
+        for key in keys:
+            result[key] = result.get(name, {}).get(key)
     result["settings"] = {f.name: getattr(s, f.name) for f in fields(s)}
     result["table"] = table(result)
     return result

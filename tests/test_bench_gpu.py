@@ -1,6 +1,7 @@
 """``tidal bench gpu``: its FLOP and roofline formulas against hand-computed numbers, and the whole benchmark on a
 toy size on CPU in bf16 (the dtypes it uses on a GPU), every part's code path included."""
 
+import dataclasses
 import json
 
 import pytest
@@ -58,6 +59,14 @@ def test_cpu_defaults_sit_under_the_command_line():
     assert gpu.MODELS["qwen2.5-0.5b"]["vocab_size"] == 151936 and gpu.Settings().model == "qwen2.5-0.5b"
 
 
+def test_tiny_shapes_sit_between_the_device_defaults_and_the_command_line():
+    s, _ = gpu.resolve(["device=cpu", "tiny=true", "train_steps=2"])
+    assert s.tiny and s.model == "stand-in" and s.matmul_size == 64 and s.rl_max_new_tokens == 6 and s.train_steps == 2
+    toy, _ = gpu.resolve(TOY)
+    assert gpu.resolve(["device=cpu", "tiny=true", "precision=bf16", "engine_dtype=bf16"])[0] == dataclasses.replace(
+        toy, tiny=True)
+
+
 def test_long_tailed_lengths_are_mostly_short():
     import random
 
@@ -82,7 +91,18 @@ def test_the_whole_benchmark_on_a_toy_size(tmp_path):
     assert set(split) == {"generate", "score", "train", "weight_sync", "fractions"}
     assert all(split[k] > 0 for k in split["fractions"]) and sum(split["fractions"].values()) == pytest.approx(1)
     assert rl["rl_steps"][0]["samples"] == 6 and rl["rl_steps"][0]["reward_std"] > 0
-    assert [r["part"] for r in result["table"]].count("rl_step") == 4
+    assert [r["part"] for r in result["table"]].count("rl_step") == 5
+    # issue 51's keys, at the top level
+    assert result["on_cpu"] is True and result["tiny"] is False
+    assert set(result["trainer_phase_ms"]) == {"forward", "head", "backward", "optimizer"}
+    assert all(ms > 0 for ms in result["trainer_phase_ms"].values()), result["trainer_phase_ms"]
+    assert result["trainer_phase_ms"]["head"] <= result["trainer_phase_ms"]["forward"]
+    assert result["decode_step_ms"] == pytest.approx(gen["engine_s"] * 1e3 / gen["decode_steps"])
+    step = rl["rl_steps"][-1]
+    assert result["rl_samples_per_s"] == pytest.approx(6 / step["total_s"])
+    lengths = result["rl_response_lengths"]
+    assert lengths["count"] == 6 and lengths["total"] == step["response_tokens"]
+    assert 1 <= lengths["min"] <= lengths["median"] <= lengths["max"] <= 6 and "1/n" in lengths["distribution"]
     assert bench.format_table(result["table"])
     json.dumps(result)  # the harness writes it as JSON
     partial = json.loads((tmp_path / "gpu_partial.json").read_text())  # kept after each part, for a timed-out run
@@ -97,6 +117,7 @@ def test_a_failing_part_keeps_the_others(tmp_path, monkeypatch):
     result = gpu.run([*TOY, "parts=[generate]"], tmp_path / "gpu")
     assert result["generate"]["error"] == "RuntimeError: out of memory, say"
     assert result["engine_over_hf_generate"] is None and result["trainer_mfu"] is None
+    assert result["decode_step_ms"] is None and result["rl_samples_per_s"] is None
     assert result["matmul_tflops_measured"] > 0 and bench.format_table(result["table"])
 
 
@@ -110,14 +131,14 @@ def test_documented_commands_name_real_settings():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     lines = re.findall(r"^tidal bench gpu.*$", doc, flags=re.M)
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     for line in lines:
         args = shlex.split(line, comments=True)[3:]
         sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
         settings = apply_overrides(gpu.Settings(), sets)
         for kv in sets:
             key, value = kv.split("=", 1)
-            assert str(getattr(settings, key)).replace("'", "") == value, kv
+            assert str(getattr(settings, key)).replace("'", "").lower() == value.lower(), kv
 
 
 def test_profile_table_names_the_costliest_ops():
