@@ -20,7 +20,6 @@ so a checkpoint written on Ctrl-C in the middle of a step never skips that step'
 from __future__ import annotations
 
 import dataclasses
-import json
 import queue
 import sys
 import threading
@@ -58,6 +57,7 @@ from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt, Trajectory
 from tidal.utils import outputs
 from tidal.utils.device import resolve_dtype
+from tidal.utils.metrics import last_logged_step, logged_rows
 from tidal.utils.progress import progress_bar
 
 
@@ -373,30 +373,10 @@ class Controller:
     def _earlier_rows(self) -> list[dict]:
         """On resume, the rows logged up to the checkpoint (``metrics.jsonl``, already cut there by the
         tracker), so the result covers the whole run: its base accuracy included."""
-        rows = []
-        for line in self._metrics_lines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a row torn by the crash we resume from
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= self.state.step:
-                rows.append(row)
+        rows = logged_rows(self.out_dir / "metrics.jsonl", self.state.step)
         if not any(r["step"] == 0 for r in rows) and "base_eval" in self.state.extra:
             rows.insert(0, {"step": 0, **self.state.extra["base_eval"]})
         return rows
-
-    def _last_logged_step(self) -> int | None:
-        """The step of the last row in ``metrics.jsonl``. Read from the file because a Ctrl-C can land just
-        after a row was written and before any bookkeeping about it."""
-        lines = self._metrics_lines()
-        try:
-            return json.loads(lines[-1])["step"] if lines else None
-        except (json.JSONDecodeError, KeyError, TypeError):
-            return None
-
-    def _metrics_lines(self) -> list[str]:
-        path = self.out_dir / "metrics.jsonl"
-        return path.read_text().splitlines() if path.exists() else []
 
     def run(self) -> RunResult:
         cfg = self.cfg
@@ -421,7 +401,8 @@ class Controller:
             if self.trainer.version == self.state.version + 1:  # the step trained, then was stopped: it counts
                 self.state.step, self.state.version = self.state.step + 1, self.trainer.version
                 self.state.next_group = self._cursor
-            if self._unlogged is not None and self._unlogged[0] == self.state.step != self._last_logged_step():
+            last = last_logged_step(self.out_dir / "metrics.jsonl")
+            if self._unlogged is not None and self._unlogged[0] == self.state.step != last:
                 self.tracker.log(*self._unlogged)  # counted in the checkpoint: logged too, once
             self.checkpoint(self._elapsed_before + self._rl_seconds)
             self.wait_for_checkpoint()  # on disk before the caller says where it is

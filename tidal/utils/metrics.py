@@ -31,6 +31,30 @@ def keep_steps_through(path: Path, step: int) -> None:
     replace_text(path, "".join(x + "\n" for x in kept))
 
 
+def logged_rows(path: Path, through_step: int) -> list[dict]:
+    """The rows of the JSONL file ``path`` whose ``step`` is <= ``through_step``, skipping a row torn by a
+    crash (a resumed run's history up to its checkpoint). No file: no rows."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a row torn by the crash we resume from
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= through_step:
+            rows.append(row)
+    return rows
+
+
+def last_logged_step(path: Path) -> int | None:
+    """The step of the last row of the JSONL file ``path`` (None if there is none or it is torn). Read from
+    the file because a Ctrl-C can land just after a row was written and before any bookkeeping about it."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    try:
+        return json.loads(lines[-1])["step"] if lines else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
 class JsonlTracker:
     def __init__(self, path: str | Path, resume_after_step: int | None = None):
         self.path = Path(path)
