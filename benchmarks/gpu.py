@@ -4,9 +4,9 @@ Runs on whatever device is present (``--set device=cpu`` forces the CPU). On CUD
 Qwen2.5-0.5B's exact shapes (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936,
 tied embeddings, rope theta 1e6), built locally with random weights (no hub); on CPU a small stand-in
 (hidden 128, 2 layers, vocab 4,096) and smaller workloads (``CPU_DEFAULTS``), so every code path runs in
-seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (the log says ON CPU);
-``--set tiny=true`` shrinks everything to toy sizes (``TINY_DEFAULTS``). Each part catches its own failure (the error string
-goes under its key) so one part's crash never loses the others' numbers.
+seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (the log: ON CPU);
+``--set tiny=true`` shrinks everything to toy sizes (``TINY_DEFAULTS``). Each part catches its own failure
+(the error string goes under its key) so one part's crash never loses the others' numbers.
 
 1. ``train``: tidal's ``Trainer`` (fp32 master weights, ``trainer.precision`` bf16 autocast on CUDA, packed
    rows of ``pack_tokens``) on groups of ``group_size`` samples sharing a ``prompt_len``-token prompt, with
@@ -523,16 +523,17 @@ def table(result: dict) -> list[dict]:
         note = f"{split['fractions'][phase]:.1%}" if split else rl.get("error", "")
         row("rl_step", f"{phase} s", split.get(phase), note)
     lengths = rl.get("rl_response_lengths") or {}
-    row("rl_step", "samples/s", rl.get("rl_samples_per_s"),
-        f"response tokens mean {lengths['mean']:.1f}, median {lengths['median']}, max {lengths['max']}" if lengths else "")
+    note = f"response tokens mean {lengths['mean']:.1f}, median {lengths['median']}, max {lengths['max']}"
+    row("rl_step", "samples/s", rl.get("rl_samples_per_s"), note if lengths else "")
     return rows
 
 
 def run(overrides: list[str], out_dir: Path) -> dict:
     s, device = resolve(overrides)
-    print(f"[bench gpu] device {device}, model {s.model}, parts {s.parts}{', tiny shapes' if s.tiny else ''}", flush=True)
+    tiny = ", tiny shapes" if s.tiny else ""
+    print(f"[bench gpu] device {device}, model {s.model}, parts {s.parts}{tiny}", flush=True)
     if device.type == "cpu":
-        print("[bench gpu] ON CPU: no GPU was used; these are CPU figures of a stand-in model, not a GPU's", flush=True)
+        print("[bench gpu] ON CPU: no GPU was used; CPU figures of a stand-in model, not a GPU's", flush=True)
     result: dict = {"benchmark": "gpu", "description": DESCRIPTION, "model": f"{s.model} ({MODEL_NOTES[s.model]})",
                     "on_cpu": device.type == "cpu", "tiny": s.tiny,
                     "torch": torch.__version__, "transformers": transformers.__version__}
