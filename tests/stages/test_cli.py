@@ -4,36 +4,20 @@ import json
 
 import pytest
 
-from tidal.cli import main
-from tidal.stages import synthetic
-
-from .conftest import SMALL
-
-MODEL = [x for k, v in SMALL.items() for x in ("--set", f"model.{k}={v}")]
-
-
-@pytest.fixture(scope="module")
-def domain(tmp_path_factory):
-    return synthetic.build(tmp_path_factory.mktemp("dom"), num_sft=40, num_pairs=40, num_eval=10)
-
-
-def _run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from .conftest import MODEL, run_cli
 
 
 @pytest.mark.parametrize("stage, data", [("sft", "sft"), ("dpo", "pairs"), ("rm", "pairs")])
 def test_stage_runs_and_resumes(stage, data, domain, tmp_path, capsys):
     args = [stage, "--set", f"data.path={domain[data]}", "--set", "run.steps=1", "--set", "run.threads=1",
             "--out", str(tmp_path / stage), *MODEL]
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_cli(capsys, *args)
     assert code == 0, err
     summary = json.loads(out)
     assert summary["step"] == 1 and summary["model"] == str(tmp_path / stage / "model")
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_cli(capsys, *args)
     assert code == 2 and err.startswith("error: ") and "--resume" in err and len(err.strip().splitlines()) == 1
-    code, out, err = _run(capsys, *[a if a != "run.steps=1" else "run.steps=2" for a in args], "--resume")
+    code, out, err = run_cli(capsys, *[a if a != "run.steps=1" else "run.steps=2" for a in args], "--resume")
     assert code == 0 and json.loads(out)["step"] == 2, err
 
 
@@ -44,5 +28,5 @@ def test_stage_runs_and_resumes(stage, data, domain, tmp_path, capsys):
     (["sft"], "error: data.path is required"),
 ])
 def test_bad_input_is_one_line(argv, message, tmp_path, capsys):
-    code, out, err = _run(capsys, *argv, "--out", str(tmp_path / "r"))
+    code, out, err = run_cli(capsys, *argv, "--out", str(tmp_path / "r"))
     assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err

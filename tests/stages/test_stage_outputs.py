@@ -10,23 +10,7 @@ import shutil
 
 import pytest
 
-from tidal.cli import main
-from tidal.stages import synthetic
-
-from .conftest import SMALL
-
-MODEL = [x for k, v in SMALL.items() for x in ("--set", f"model.{k}={v}")]
-
-
-@pytest.fixture(scope="module")
-def domain(tmp_path_factory):
-    return synthetic.build(tmp_path_factory.mktemp("dom"), num_sft=40, num_pairs=40, num_eval=10)
-
-
-def _run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from .conftest import MODEL, run_cli
 
 
 def _sft(domain, out, *extra):
@@ -37,7 +21,7 @@ def _sft(domain, out, *extra):
 @pytest.fixture
 def sft_run(domain, tmp_path, capsys):
     out = tmp_path / "sft"
-    code, _, err = _run(capsys, *_sft(domain, out))
+    code, _, err = run_cli(capsys, *_sft(domain, out))
     assert code == 0, err
     return out
 
@@ -57,7 +41,7 @@ def test_starting_from_the_runs_own_model_with_overwrite_deletes_nothing(sft_run
     """Issue 50 item 1: this deleted the previous run, model included, and only then failed: "no Hugging Face
     model at OUT/model"."""
     before = _files(sft_run)
-    code, _, err = _run(capsys, *_sft(domain, sft_run, "--set", f"model.path={sft_run / where}", "--overwrite"))
+    code, _, err = run_cli(capsys, *_sft(domain, sft_run, "--set", f"model.path={sft_run / where}", "--overwrite"))
     assert code == 2
     line = _one_error_line(err)
     assert line.startswith(f"error: model.path={sft_run / where} is (or holds) the previous run's "), line
@@ -71,7 +55,7 @@ def test_a_users_files_inside_model_and_checkpoints_survive_overwrite_and_the_ru
     rows = sft_run / "model" / "my_rows.jsonl"
     shutil.copy(domain["sft"], rows)
     (sft_run / "checkpoints" / "notes.txt").write_text("a user's notes\n")
-    code, out, err = _run(capsys, *[a if a != f"data.path={domain['sft']}" else f"data.path={rows}"
+    code, out, err = run_cli(capsys, *[a if a != f"data.path={domain['sft']}" else f"data.path={rows}"
                                     for a in _sft(domain, sft_run)], "--overwrite")
     assert code == 0, err
     assert (f"--overwrite: deleted the previous run's config.yaml, metrics.jsonl, checkpoints/, model/ from {sft_run}; "
@@ -89,11 +73,11 @@ def test_resume_of_a_run_of_another_kind_names_it(sft_run, domain, recorded, cap
     """Issue 50 item 12: ``tidal dpo --out SFT_RUN --resume`` failed on a config key the two do not share."""
     if not recorded:
         (sft_run / ".tidal_outputs.json").unlink(missing_ok=True)  # an older run: its kind read from config.yaml
-    code, _, err = _run(capsys, "dpo", "--set", f"data.path={domain['pairs']}", "--out", str(sft_run), "--resume")
+    code, _, err = run_cli(capsys, "dpo", "--set", f"data.path={domain['pairs']}", "--out", str(sft_run), "--resume")
     assert code == 2
     assert _one_error_line(err) == (f"error: --resume: {sft_run} is a tidal sft run, not a tidal dpo run; continue "
                                     f"it with: tidal sft --out {sft_run} --resume")
-    code, _, err = _run(capsys, "train", "quickstart", "--out", str(sft_run), "--resume")
+    code, _, err = run_cli(capsys, "train", "quickstart", "--out", str(sft_run), "--resume")
     assert code == 2 and "is a tidal sft run, not a tidal train run" in _one_error_line(err)
 
 
@@ -110,13 +94,13 @@ def test_ctrl_c_in_dpo_reference_pass_suggests_a_command_that_works(domain, tmp_
             "--out", str(out), *MODEL]
     with monkeypatch.context() as m:
         m.setattr(dpo, "reference_logps", interrupted)
-        code, _, err = _run(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
     assert code == 130
     (line,) = err.strip().splitlines()[-1:]
     assert line.startswith("interrupted before the first checkpoint; start again with: tidal dpo "), err
     command = shlex.split(line.split("start again with: ")[1])
     assert command[0] == "tidal" and "--resume" not in command
-    code, out_, err = _run(capsys, *command[1:])
+    code, out_, err = run_cli(capsys, *command[1:])
     assert code == 0, err
     assert json.loads(out_)["step"] == 1
 
@@ -127,7 +111,7 @@ def test_a_second_process_on_the_same_out_is_one_line_naming_the_first(sft_run, 
 
     before = _files(sft_run)
     with RunDir.open(sft_run, Layout("sft", ("model",), ()), resume=True):  # the first process, still writing
-        code, _, err = _run(capsys, *_sft(domain, sft_run), "--resume")
+        code, _, err = run_cli(capsys, *_sft(domain, sft_run), "--resume")
     assert code == 2
     assert f"is being written by another tidal process (pid {os.getpid()})" in _one_error_line(err)
     assert {k: v for k, v in _files(sft_run).items() if not k.startswith(".tidal")} == \
