@@ -523,8 +523,9 @@ def table(result: dict) -> list[dict]:
         note = f"{split['fractions'][phase]:.1%}" if split else rl.get("error", "")
         row("rl_step", f"{phase} s", split.get(phase), note)
     lengths = rl.get("rl_response_lengths") or {}
-    note = f"response tokens mean {lengths['mean']:.1f}, median {lengths['median']}, max {lengths['max']}"
-    row("rl_step", "samples/s", rl.get("rl_samples_per_s"), note if lengths else "")
+    note = (f"response tokens mean {lengths['mean']:.1f}, median {lengths['median']}, max {lengths['max']}"
+            if lengths else rl.get("error", ""))
+    row("rl_step", "samples/s", rl.get("rl_samples_per_s"), note)
     return rows
 
 
