@@ -1,6 +1,7 @@
 """The slot cache's layout moves (rows leaving, the live span moving back, buffers growing) keep every
 sample's log-probs equal to a full forward of its own sequence."""
 
+import pytest
 import torch
 
 from tidal.models.logprobs import token_logprobs
@@ -84,3 +85,61 @@ def test_buffers_are_kept_across_calls(small_model, tokenizer):
     for a, b, c in zip(first, again, fresh, strict=True):
         assert a.token_ids == b.token_ids == c.token_ids
         assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=1e-5)
+
+
+def test_remove_moves_rows_like_the_per_layer_copies(small_model):
+    """``remove`` moves all layers' keys and values with one indexed copy of the stacked buffer; the cache then
+    holds what the per-layer copies (one per layer and keys or values) left, and the other slots are untouched."""
+    cache = slots_module.SlotCache(small_model, max_slots=6, min_columns=8)
+    cache._resize(6, 8)
+    torch.manual_seed(0)
+    cache.kv.copy_(torch.randn_like(cache.kv))
+    cache.n, cache.lo, cache.t = 6, 1, 7
+    cache.start[:6] = torch.tensor([1, 2, 1, 3, 4, 1])
+    cache.last_pos[:6] = torch.arange(6)
+    cache.logits[:6] = torch.randn(6, cache.logits.shape[1])
+    keys, values = [k.clone() for k in cache.keys], [v.clone() for v in cache.values]
+    start, last_pos, logits = cache.start.clone(), cache.last_pos.clone(), cache.logits.clone()
+    keep = torch.tensor([False, True, False, True, True, True])
+    holes, movers = cache.remove(keep)
+    assert (holes, movers, cache.n, cache.lo) == ([0, 2], [4, 5], 4, 1)
+    for buf in (*keys, *values):  # the path before: one copy per layer and per keys or values
+        buf[holes, :, 1:7] = buf[movers, :, 1:7]
+    for per_row in (start, last_pos, logits):
+        per_row[holes] = per_row[movers]
+    assert all(torch.equal(a, b) for a, b in zip((*cache.keys, *cache.values), (*keys, *values), strict=True))
+    assert torch.equal(cache.start, start) and torch.equal(cache.last_pos, last_pos)
+    assert torch.equal(cache.logits, logits)
+    assert cache.keys[0].data_ptr() == cache.kv.data_ptr(), "the per-layer buffers are views of the stacked one"
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_nan_left_in_a_freed_slot_reaches_no_later_row(small_model, tokenizer, graphs):
+    """Rows join while others run (their spans start further right) and leave, so a slot's masked columns hold
+    what earlier rows left there. A masked column weighs 0, but 0 x NaN is NaN: with every buffer column poisoned
+    between two calls, the second call's samples must still be a fresh engine's (admission clears a slot)."""
+    requests = group_requests(tokenizer, [Prompt(f"p{i}", f"{i * 37}+{i}=", "") for i in range(8)], 2)
+    cfg = SamplingConfig(max_new_tokens=10, max_batch_size=3, cuda_graphs=graphs)
+
+    def run(engine):
+        queue, got = list(requests), {}
+
+        def source(n, block):
+            if not queue:
+                return None
+            taken, queue[:] = queue[:1], queue[1:]  # one at a time: later rows start right of earlier ones
+            return taken
+
+        engine.stream(source, lambda r, t: got.__setitem__((r.prompt.uid, r.sample_index), t))
+        return got
+
+    engine = LocalEngine(small_model, tokenizer, cfg)
+    run(engine)
+    generation = engine._slots.generation
+    engine._slots.kv.fill_(float("nan"))
+    poisoned = run(engine)
+    assert engine._slots.generation == generation, "the buffers were reallocated: the poison never got read"
+    fresh = run(LocalEngine(small_model, tokenizer, cfg))
+    for key, t in fresh.items():
+        assert poisoned[key].token_ids == t.token_ids
+        assert torch.allclose(torch.tensor(poisoned[key].logprobs), torch.tensor(t.logprobs), atol=1e-5)

@@ -6,7 +6,8 @@ layer's keys and values (a copy of the whole cache), dropping finished rows copi
 copies took as long as all the matmuls (``tidal bench generate``, profiled with cProfile). Here the
 buffers are allocated once and a step writes one column in place.
 
-Layout, per layer: keys and values of shape [slots, heads, columns, head_dim].
+Layout, per layer: keys and values of shape [slots, heads, columns, head_dim], views of one buffer ``kv``
+stacking every layer's (so a row move is one indexed copy, not two per layer).
 - Running rows live in slots [0, n). When rows finish, rows from the end move into their slots
   (only the finished rows' worth of data moves), so the running batch stays a contiguous prefix.
 - Every row writes its next token at one shared column ``t``; a row's sequence occupies columns
@@ -81,7 +82,8 @@ class SlotCache(Cache):
         self.n = 0  # running rows, in slots [0, n)
         self.t = 0  # the column the next token is written to
         self.lo = 0  # the earliest column a running row attends to
-        self.keys: list[torch.Tensor] = []
+        self.kv = torch.zeros(0)
+        self.keys: list[torch.Tensor] = []  # views of ``kv``, one per layer
         self.values: list[torch.Tensor] = []
         self.start = torch.zeros(0, dtype=torch.long, device=self.device)
         self.last_pos = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -225,6 +227,7 @@ class SlotCache(Cache):
             self._resize(min(self.max_slots, max(2 * len(self.start), self.n + k)), self.columns)
         self._place(width, extra=1)
         rows = slice(self.n, self.n + k)
+        self._clear_stale(rows, lo=int(self.t - mask_dw.sum(dim=1).max()))
         for layer, kv in enumerate(cache.layers):
             self.keys[layer][rows, :, self.t - width : self.t] = kv.keys[source_k]
             self.values[layer][rows, :, self.t - width : self.t] = kv.values[source_k]
@@ -236,6 +239,15 @@ class SlotCache(Cache):
         self.lo = int(self.start[: self.n + k].min())
         self.n += k
 
+    def _clear_stale(self, rows: slice, lo: int) -> None:
+        """Zero what attention may read but masks out before new ``rows`` join with spans from column ``lo``: their
+        slots (left by earlier rows), and the running rows' columns from ``lo`` to the current ``lo`` when the live
+        span widens left. A masked column weighs exactly 0, but 0 x NaN is NaN: a NaN or inf an earlier row left in
+        a masked column would reach every later row reading it. Zeros change no finite result."""
+        self.kv[:, rows].zero_()
+        if self.n and lo < self.lo:
+            self.kv[:, : self.n, :, lo : self.lo].zero_()
+
     def remove(self, keep_n: torch.Tensor) -> tuple[list[int], list[int]]:
         """Drop the running rows where ``keep_n`` is False: kept rows from the end move into the
         freed slots. Returns (destination slots, source slots) so the caller moves its rows alike."""
@@ -243,10 +255,14 @@ class SlotCache(Cache):
         holes = (~keep_n[:m]).nonzero().squeeze(1)
         movers = keep_n[m:].nonzero().squeeze(1) + m
         if len(holes):
-            for buf in (*self.keys, *self.values):
-                buf[holes, :, self.lo : self.t] = buf[movers, :, self.lo : self.t]
+            # one upload of both index lists, then one gather for all layers' keys and values (``kv`` stacks them)
+            dst, src = torch.stack([holes, movers]).to(self.device, non_blocking=True)
+            # static decode reads every column (masked outside the span): the whole slot moves, so no column the
+            # freed row left behind stays under the moved row (``_clear_stale``)
+            cols = slice(None) if self.static is not None else slice(self.lo, self.t)
+            self.kv[:, dst, :, cols] = self.kv[:, src, :, cols]
             for per_row in (self.start, self.last_pos, self.logits, self.rejected):
-                per_row[holes] = per_row[movers]
+                per_row[dst] = per_row[src]
         self.n = m
         self.lo = int(self.start[:m].min()) if m else self.t
         return holes.tolist(), movers.tolist()
@@ -317,13 +333,14 @@ class SlotCache(Cache):
         """Reallocate with ``slots`` x ``columns``, copying the live span to start at column ``dst``."""
         n, span = self.n, self.t - self.lo
         dst = self.lo if dst is None else dst
-        new_kv = []
-        for buf in (*self.keys, *self.values) if self.keys else [None] * (2 * self.num_layers):
-            new = torch.zeros(slots, self.heads, columns, self.head_dim, dtype=self.dtype, device=self.device)
-            if buf is not None and n:
-                new[:n, :, dst : dst + span] = buf[:n, :, self.lo : self.t]
-            new_kv.append(new)
-        self.keys, self.values = new_kv[: self.num_layers], new_kv[self.num_layers :]
+        kv = torch.zeros(2 * self.num_layers, slots, self.heads, columns, self.head_dim,
+                         dtype=self.dtype, device=self.device)
+        if self.keys and n:
+            kv[:, :n, :, dst : dst + span] = self.kv[:, :n, :, self.lo : self.t]
+        self.kv = kv
+        """[2 x layers, slots, heads, columns, head_dim]: every layer's keys, then every layer's values, in one
+        buffer so that moving rows (``remove``) is one indexed copy rather than two per layer."""
+        self.keys, self.values = list(kv[: self.num_layers]), list(kv[self.num_layers :])
         holes = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
         if n and self.rejected.numel():
             holes[:n, dst : dst + span] = self.rejected[:n, self.lo : self.t]
