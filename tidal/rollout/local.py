@@ -35,6 +35,7 @@ from tidal.models.attention import NAME as PACKED_ATTENTION
 from tidal.models.prompts import end_of_turn_ids
 from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
+from tidal.rollout.head import HEAD_DTYPES, fill_head, keep_head_fp32
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
@@ -68,6 +69,10 @@ class SamplingConfig:
     CUDA, fp32 on CPU (``utils/device.py``). The engine lives on the device of the model it copies
     (``system.device``). A bf16 engine samples from slightly different log-probs than the trainer computes:
     ``train/logp_mismatch_mean`` shows the gap and ``algo.correction`` (TIS/MIS) corrects for it."""
+    head_dtype: str = "auto"
+    """The engine's LM head: ``auto`` in ``dtype`` like the rest of the copy; ``fp32`` keeps its weights in fp32
+    (an untied copy where the head is tied) and upcasts its input, so a bf16 engine's log-probs lose the head's
+    rounding, its largest share of the gap to the trainer's fp32 head (``rollout/head.py``)."""
     early_stop_run: int | None = None
     """MiniMax-M1's early truncation (arXiv 2506.13585, sec. 4): stop a sample once this many
     consecutive sampled tokens each had probability > ``early_stop_prob`` (finish_reason
@@ -181,6 +186,9 @@ class LocalEngine:
         self.device = model_device(self.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
         self.model.to(self.dtype)
+        if cfg.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"rollout.head_dtype={cfg.head_dtype!r}: one of {', '.join(HEAD_DTYPES)}")
+        self._head_ties = keep_head_fp32(self.model) if cfg.head_dtype == "fp32" and self.dtype != torch.float32 else {}
         if self._lora_base is not None:
             self._lora_base = {k: v.to(self.dtype) for k, v in self._lora_base.items()}
         self._static_decode = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and self.device.type == "cuda")
@@ -232,7 +240,7 @@ class LocalEngine:
         else:
             state_dict = dequantize_state_dict(state_dict, next(self.model.parameters()).dtype)  # fp8_block sync
             # strict (a mismatched checkpoint must fail loudly), but a tied head comes as its embedding only
-            load_weights(self.model, state_dict)
+            load_weights(self.model, fill_head(state_dict, self._head_ties))
         with self._lock:
             if self._pending is pending:  # not replaced by a newer update meanwhile
                 self._pending = None
