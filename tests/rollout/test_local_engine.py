@@ -207,3 +207,18 @@ def test_generation_config_end_of_turn_ids_stop_a_row(small_model, tokenizer):
         cut = next((i for i, t in enumerate(x.token_ids) if t == stop), None)
         assert y.token_ids == (x.token_ids if cut is None else x.token_ids[: cut + 1])
         assert y.finish_reason == ("stop" if cut is not None else x.finish_reason)
+
+
+def test_engine_counts_decode_steps_removals_and_recordings(small_model, tokenizer):
+    """The engine's counters (issue 51) in ``stats``: every decode step timed, every finished row removed once,
+    and with static decode the recorded buckets (recorded only on CUDA: 0 here)."""
+    requests = group_requests(tokenizer, [Prompt(f"p{i}", f"{i}+{i}=", "") for i in range(3)], 2)
+    for graphs in ("off", "on"):
+        engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=5, cuda_graphs=graphs))
+        out = engine.generate(requests)
+        stats = engine.stats()
+        longest = max(len(t.token_ids) for t in out)
+        assert stats["rollout/decode_steps"] >= longest  # each step samples one token per row
+        assert stats["rollout/decode_step_host_ms"] > 0
+        assert stats["rollout/removed_rows"] == len(requests)
+        assert stats["rollout/graph_recordings"] == 0 and stats["rollout/graph_record_s"] == 0.0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class StaticDecoder:
         self._pool = None
         self.failed = False
         self.num_recorded = 0
+        self.record_seconds = 0.0  # host wall-clock time of the recordings, warm-ups included (engine metrics)
 
     def decode(self, tokens_n: torch.Tensor, pos_n: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of the running rows after feeding ``tokens_n`` at position ids ``pos_n``; writes each
@@ -156,6 +158,7 @@ class StaticDecoder:
         """Warm up on a side stream (as ``torch.cuda.graphs`` requires), then record. Warm-up and recording
         write column ``t`` of rows [0, bucket): the running rows' next column and free slots, both overwritten
         by the real step."""
+        began = time.perf_counter()
         step.t_index.fill_(self.slots.t)
         for mask in step.mask.values() if isinstance(step.mask, dict) else (step.mask,):
             mask.fill_(True)
@@ -178,3 +181,4 @@ class StaticDecoder:
         finally:
             gc.enable()
         self.num_recorded += 1
+        self.record_seconds += time.perf_counter() - began

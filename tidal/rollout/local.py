@@ -213,6 +213,11 @@ class LocalEngine:
         self._turn_kv = _TurnStore()
         self.num_reused_tokens = 0
         self.num_shared_decodes = 0  # row-steps whose decode was copied from an identical row
+        # Engine counters (issue 51): where a decode step's time goes. Host time is the step's wall-clock time on
+        # the host: on CUDA the time to issue it (plus any read that waits for the device), on the CPU all of it.
+        self.num_decode_steps = 0
+        self.decode_host_seconds = 0.0
+        self.num_removed_rows = 0  # rows dropped from the slot cache (each a slot move when not the last)
         self._next_node = 0
         # Speculative decoding (off: None). Its verify forward has a dynamic width and runs eagerly; a step where no
         # row drafted is a plain decode step, replayed from a CUDA graph where plain decoding would be
@@ -258,7 +263,19 @@ class LocalEngine:
             "rollout/weight_updates": float(self.num_weight_updates),
             "rollout/reused_kv_tokens": float(self.num_reused_tokens),
             "rollout/shared_decode_frac": self.num_shared_decodes / max(self.num_generated_tokens, 1),
+            **self._step_counters(),
             **(self._spec.stats() if self._spec is not None else {}),
+        }
+
+    def _step_counters(self) -> dict[str, float]:
+        """Decode steps, their mean host time, removed rows and graph recordings (cumulative, per process)."""
+        static = self._slots.static if self._slots is not None else None
+        return {
+            "rollout/decode_steps": float(self.num_decode_steps),
+            "rollout/decode_step_host_ms": 1e3 * self.decode_host_seconds / max(self.num_decode_steps, 1),
+            "rollout/removed_rows": float(self.num_removed_rows),
+            "rollout/graph_recordings": float(static.num_recorded if static is not None else 0),
+            "rollout/graph_record_s": static.record_seconds if static is not None else 0.0,
         }
 
     # ---- generation --------------------------------------------------------------------------
@@ -311,7 +328,10 @@ class LocalEngine:
                         return
                     continue
                 step = self._sample_step if self._spec is None else self._spec.step
+                began = time.perf_counter()
                 rows = step(rows, slots, temperature, on_done)
+                self.decode_host_seconds += time.perf_counter() - began
+                self.num_decode_steps += 1
         finally:
             self.generate_seconds += time.perf_counter() - start
             if slots is self._slots:
@@ -398,6 +418,7 @@ class LocalEngine:
                 self._save_turn(row, slots, slot)  # the episode's next turn will extend this context
             on_done(row.request, self._to_trajectory(row))
         if not keep.all():
+            self.num_removed_rows += len(keep) - int(keep.sum())
             holes, movers = slots.remove(keep)
             for hole, mover in zip(holes, movers):
                 rows[hole] = rows[mover]
