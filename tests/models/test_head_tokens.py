@@ -13,6 +13,19 @@ from tidal.train.packing import pack, unpack
 from tidal.train.prefix_tree import pack_prefix_trees, unpack_trees
 
 
+def count_head_rows(monkeypatch) -> list[int]:
+    """The rows each call of the LM head's matmul (``logprobs._head_chunk``) sees, appended as they come."""
+    rows = []
+    real = logprobs._head_chunk
+
+    def counting(hidden_nh, *args):
+        rows.append(hidden_nh.shape[0])
+        return real(hidden_nh, *args)
+
+    monkeypatch.setattr(logprobs, "_head_chunk", counting)
+    return rows
+
+
 def _batch(seed=0):
     """Right-padded rows sharing a prompt per group; the loss mask keeps the responses (some tokens off)."""
     g = torch.Generator().manual_seed(seed)
@@ -79,14 +92,7 @@ def test_scored_positions_equal_the_full_head(small_model, layout, chunk_size):
 def test_the_head_runs_on_the_scored_tokens_only(small_model, monkeypatch):
     """The work saved: the head's matmul sees the loss tokens' rows, not the prompt's."""
     ids, attn, loss_mask, *_ = _batch()
-    rows = []
-    real = logprobs._head_chunk
-
-    def counting(hidden_nh, *args):
-        rows.append(hidden_nh.shape[0])
-        return real(hidden_nh, *args)
-
-    monkeypatch.setattr(logprobs, "_head_chunk", counting)
+    rows = count_head_rows(monkeypatch)
     token_logprobs(small_model, ids, attn, score_mask_bt=loss_mask)
     assert sum(rows) == int(loss_mask.sum())
     rows.clear()

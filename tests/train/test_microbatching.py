@@ -16,14 +16,19 @@ from tidal.train.trainer import Trainer
 from .test_trainer import _groups
 
 
-@pytest.fixture(scope="module")
-def batch(small_model, tokenizer):
+def long_tailed_batch(small_model, tokenizer):
+    """Three sampled groups of three, their responses cut to long-tailed lengths 2..9."""
     engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=9))
     groups = _groups(engine, tokenizer, [[1.0, 0.0, 0.5], [0.0, 1.0, 1.0], [0.2, 0.0, 1.0]])
-    for k, t in enumerate(t for g in groups for t in g.trajectories):  # long-tailed lengths 2..9
+    for k, t in enumerate(t for g in groups for t in g.trajectories):
         n = 2 + (k * 3) % 8
         t.token_ids, t.logprobs, t.versions = t.token_ids[:n], t.logprobs[:n], t.versions[:n]
-    batch, _ = build_train_batch(groups, AlgoConfig(), tokenizer.pad_token_id)
+    return build_train_batch(groups, AlgoConfig(), tokenizer.pad_token_id)[0]
+
+
+@pytest.fixture(scope="module")
+def batch(small_model, tokenizer):
+    batch = long_tailed_batch(small_model, tokenizer)
     lengths = batch.attention_mask_bt.sum(-1)
     assert len(set(lengths.tolist())) > 1, "the check needs sequences of different lengths"
     return batch

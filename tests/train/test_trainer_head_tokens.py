@@ -11,14 +11,12 @@ import torch
 
 from tidal.algo.config import AlgoConfig
 from tidal.config import ConfigError
-from tidal.models import logprobs
 from tidal.optim import OptimConfig
-from tidal.rollout.local import LocalEngine, SamplingConfig
-from tidal.train.batch import build_train_batch
 from tidal.train.config import TrainerConfig, validate
 from tidal.train.trainer import Trainer
 
-from .test_trainer import _groups
+from ..models.test_head_tokens import count_head_rows
+from .test_microbatching import long_tailed_batch
 
 LAYOUTS = [{}, {"micro_batch_tokens": 20}, {"micro_batch_tokens": 30, "packing": True, "pack_tokens": 16},
            {"share_prefixes": True, "pack_tokens": 16}, {"micro_batch_tokens": 30, "share_prefixes": True}]
@@ -26,12 +24,7 @@ LAYOUTS = [{}, {"micro_batch_tokens": 20}, {"micro_batch_tokens": 30, "packing":
 
 @pytest.fixture(scope="module")
 def batch(small_model, tokenizer):
-    engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=9))
-    groups = _groups(engine, tokenizer, [[1.0, 0.0, 0.5], [0.0, 1.0, 1.0], [0.2, 0.0, 1.0]])
-    for k, t in enumerate(t for g in groups for t in g.trajectories):  # long-tailed lengths 2..9
-        n = 2 + (k * 3) % 8
-        t.token_ids, t.logprobs, t.versions = t.token_ids[:n], t.logprobs[:n], t.versions[:n]
-    batch, _ = build_train_batch(groups, AlgoConfig(), tokenizer.pad_token_id)
+    batch = long_tailed_batch(small_model, tokenizer)
     last = int(batch.attention_mask_bt[0].sum()) - 1
     batch.loss_mask_bt[0, last] = 0.0  # a response token the loss leaves out keeps its behaviour log-prob
     return batch
@@ -69,14 +62,7 @@ def test_loss_tokens_only_equals_every_token(small_model, batch, layout, algo):
 
 
 def test_the_head_sees_only_the_loss_tokens_in_a_step(small_model, batch, monkeypatch):
-    rows = []
-    real = logprobs._head_chunk
-
-    def counting(hidden_nh, *args):
-        rows.append(hidden_nh.shape[0])
-        return real(hidden_nh, *args)
-
-    monkeypatch.setattr(logprobs, "_head_chunk", counting)
+    rows = count_head_rows(monkeypatch)
     _step(small_model, batch, AlgoConfig(), TrainerConfig(head_tokens="loss"))
     loss_tokens = int(batch.loss_mask_bt.sum())
     assert rows == [loss_tokens, loss_tokens]  # the forward, and the checkpoint's recompute in the backward
