@@ -72,6 +72,9 @@ class Trajectory:
         assert self.teacher_logprobs is None or len(self.teacher_logprobs) == n, (
             f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but {len(self.teacher_logprobs)} "
             "teacher log-probs")
+        assert self.routes is None or len(self.routes) == len(self.prompt_ids) + n, (
+            f"trajectory {self.prompt_uid}/{self.sample_index}: {len(self.prompt_ids) + n} tokens but routes for "
+            f"{len(self.routes)}")
         assert self.loss_mask is None or len(self.loss_mask) == n, (
             f"trajectory {self.prompt_uid}/{self.sample_index}: {n} tokens but {len(self.loss_mask)} mask entries")
 
@@ -151,6 +154,9 @@ class TrainBatch:
     group_index_b: torch.Tensor  # long, which group each row came from
     rewards_b: torch.Tensor  # float, each sequence's scalar reward
     teacher_logp_bt: torch.Tensor | None = None  # float, a teacher's log-prob of each response token (distillation)
+    routes_btlk: torch.Tensor | None = None
+    """uint8 [B, T, layers, k]: the engine's expert choices per token (``Trajectory.routes``; ``NO_ROUTE`` for
+    padding and tokens without one), for routing replay (``trainer.moe``); None for dense models."""
 
     @property
     def num_sequences(self) -> int:

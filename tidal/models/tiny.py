@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen3MoeConfig
 
 from tidal.models import catalog, lora, prompts
 from tidal.models.lora import LoraConfig
@@ -51,6 +51,13 @@ class ModelConfig:
     max_position_embeddings: int = 128
     init_seed: int = 0
     """Seed for the tiny model's random initialization."""
+    num_experts: int = 0
+    """Tiny-model mixture of experts: 0 builds the dense ``Qwen2ForCausalLM``; N > 0 a ``Qwen3MoeForCausalLM``
+    whose every MLP is N experts, ``experts_per_token`` of them chosen per token (``models/moe.py``, docs/moe.md)."""
+    experts_per_token: int = 2
+    """Top-k of the tiny MoE's routers (Mixtral's and the issue's k = 2)."""
+    expert_intermediate_size: int = 256
+    """Each expert's MLP width: 2 x 256 active per token matches the dense model's 512."""
     tokenizer: str = "char"
     """The tiny model's tokenizer: ``char`` (one token per character, BOS/EOS; single-turn and plain
     agent episodes) or ``chat`` (the same characters plus JSON punctuation, ChatML markers and a chat
@@ -127,7 +134,11 @@ def tokenizer_for(cfg: ModelConfig) -> PreTrainedTokenizerFast:
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
-    config = Qwen2Config(
+    """The tiny model ``cfg`` describes (dense Qwen2, or Qwen3-MoE with ``num_experts``), randomly initialized."""
+    if cfg.num_experts < 0 or (cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts):
+        raise ValueError(f"model.num_experts={cfg.num_experts}, model.experts_per_token={cfg.experts_per_token}: "
+                         "need num_experts >= 0 and 1 <= experts_per_token <= num_experts")
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
@@ -141,6 +152,13 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.n
         eos_token_id=tokenizer.eos_token_id,
         attn_implementation="sdpa",
     )
+    if cfg.num_experts:
+        moe = {k: v for k, v in common.items() if k != "intermediate_size"}
+        config = Qwen3MoeConfig(**moe, num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                                moe_intermediate_size=cfg.expert_intermediate_size, norm_topk_prob=True,
+                                head_dim=cfg.hidden_size // cfg.num_heads)
+    else:
+        config = Qwen2Config(**common)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.init_seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
