@@ -62,6 +62,10 @@ class Trajectory:
     teacher_logprobs: list[float] | None = None
     """On-policy distillation: the teacher's log-probability of each token (``distill/teacher.py`` fills it
     in the scorer, off the trainer's path); None when no teacher scored this sample."""
+    routes: torch.Tensor | None = None
+    """MoE models: the experts the engine chose for each token, CPU uint8 [len(prompt_ids) + len(token_ids),
+    layers, k] (``models/moe.py``; ``NO_ROUTE`` where it has none, e.g. the last sampled token, never fed),
+    replayed by the trainer (routing replay, ``train/routing.py``); None for dense models."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
