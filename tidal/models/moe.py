@@ -111,6 +111,8 @@ class Routing:
         """[N, layers, k] expert ids to use (``NO_ROUTE``: the model's own), N the flattened tokens of the forward."""
         self.replace = True
         """With a plan: use it (replay), or only compare with it (agreement without replay)."""
+        self.count: torch.Tensor | None = None
+        """With a plan: bool [N], the tokens whose choices count toward the agreement (None: every planned one)."""
         self.keep_logits = False
         self.logits: list[torch.Tensor | None] = [None] * self.num_layers
         """Each layer's router logits [N, E] of the last forward (``keep_logits``): the auxiliary losses read them."""
@@ -129,15 +131,16 @@ class Routing:
         finally:
             self.sink = previous
 
-    def set_plan(self, plan_nlk: torch.Tensor | None, replace: bool = True) -> None:
-        """Replay (``replace``) or compare with ``plan_nlk`` [N, layers, k] on every forward until ``clear_plan``."""
+    def set_plan(self, plan_nlk: torch.Tensor | None, replace: bool = True, count_n: torch.Tensor | None = None) -> None:
+        """Replay (``replace``) or compare with ``plan_nlk`` [N, layers, k] on every forward until ``clear_plan``;
+        ``count_n`` (bool [N]) limits which tokens count toward the agreement."""
         if plan_nlk is not None:
             assert plan_nlk.dim() == 3 and plan_nlk.shape[1:] == (self.num_layers, self.top_k), (
                 f"a route plan is [tokens, {self.num_layers} layers, {self.top_k}], got {tuple(plan_nlk.shape)}")
-        self.plan, self.replace = plan_nlk, replace
+        self.plan, self.replace, self.count = plan_nlk, replace, count_n
 
     def clear_plan(self) -> None:
-        self.plan, self.replace = None, True
+        self.plan, self.replace, self.count = None, True, None
 
     @contextlib.contextmanager
     def planned(self, plan_nlk: torch.Tensor | None, replace: bool = True) -> Iterator[None]:
@@ -182,10 +185,11 @@ class _RouterHook:
                                                 f"{own.shape[0]} (the plan must follow the forward's layout)")
             known = planned[:, 0] != NO_ROUTE
             with torch.no_grad():
-                same = (planned.long().sort(-1).values == own.sort(-1).values).all(-1) & known
+                counted = known if r.count is None else known & r.count.to(own.device)
+                same = (planned.long().sort(-1).values == own.sort(-1).values).all(-1) & counted
                 if r.agree.device != own.device:
                     r.agree = r.agree.to(own.device)
-                r.agree += torch.stack([same.sum(), known.sum()]).double()
+                r.agree += torch.stack([same.sum(), counted.sum()]).double()
             if r.replace:
                 chosen = torch.where(known[:, None], planned.long(), own)
                 weights = gates(module, logits, chosen, weights.dtype)

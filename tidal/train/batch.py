@@ -6,6 +6,7 @@ import torch
 
 from tidal.algo.config import AlgoConfig
 from tidal.algo.filters import informative as rewards_informative
+from tidal.models.moe import NO_ROUTE
 from tidal.types import Group, TrainBatch
 
 
@@ -53,4 +54,18 @@ def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tupl
     group_index = torch.tensor([gi for gi in keep for _ in groups[gi].trajectories])
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     teacher_bt = torch.tensor(teacher) if teacher is not None else None
-    return TrainBatch(input_ids, attn, loss_mask, behav, versions, group_index, rewards, teacher_bt), metrics
+    return TrainBatch(input_ids, attn, loss_mask, behav, versions, group_index, rewards, teacher_bt,
+                      routes_btlk=batch_routes(trajs, width)), metrics
+
+
+def batch_routes(trajs: list, width: int) -> torch.Tensor | None:
+    """The samples' recorded expert choices (``Trajectory.routes``) as uint8 [B, width, layers, k], right-padded
+    with ``NO_ROUTE``, as are samples without routes (a demonstration); None when no sample has any."""
+    recorded = [t.routes for t in trajs if t.routes is not None]
+    if not recorded:
+        return None
+    out = torch.full((len(trajs), width, *recorded[0].shape[1:]), NO_ROUTE, dtype=torch.uint8)
+    for i, t in enumerate(trajs):
+        if t.routes is not None:
+            out[i, : len(t.routes)] = t.routes
+    return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tidal.config import ConfigError
 from tidal.train.data_parallel import DiLoCoConfig, ElasticConfig, validate_elastic
 from tidal.train.packing import PACKED_ATTENTION
+from tidal.train.routing import MoeConfig, validate_moe
 
 
 @dataclass
@@ -88,6 +89,9 @@ class TrainerConfig:
     (``num_minibatches`` per trainer step); the default H=500 is the paper's, far apart for an RL run."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     """The replicas with ``data_parallel=elastic``: how many, failure timeouts, restarts."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts models: routing replay (``off``/``r2``/``r3``) and the router's auxiliary losses
+    (``train/routing.py``, docs/moe.md). Ignored for dense models."""
 
 
 def validate(cfg: TrainerConfig) -> None:
@@ -104,6 +108,7 @@ def validate(cfg: TrainerConfig) -> None:
         raise ConfigError(f"trainer.packed_attention must be one of {', '.join(PACKED_ATTENTION)}, "
                           f"got {cfg.packed_attention!r}")
     validate_elastic(cfg.elastic)
+    validate_moe(cfg.moe)
     try:
         cfg.diloco.__post_init__()
     except ValueError as e:

@@ -77,6 +77,8 @@ class Critic:
             enable_activation_checkpointing(self.model.decoder)
         self.cfg = cfg
         self.layout = layout
+        self.routes = None
+        """The trainer's ``TrainerRouting`` (set by the trainer): an MoE critic replays the policy's routes."""
         # a LoRA policy's critic copies its frozen base and adapters: the optimizer gets what trains (adapters, head)
         frozen = any(not p.requires_grad for p in self.model.parameters())
         self.optimizer, self.scheduler = build_optimizer(
@@ -92,16 +94,27 @@ class Critic:
             trees = pack_prefix_trees(batch.input_ids_bt[rows], lengths, batch.group_index_b[rows].tolist(),
                                       self.layout.pack_tokens)
             mask = packed_attention_mask(trees, self.model.decoder, self.layout.packed_attention)
+            self._plan(rows, trees, tuple(trees.input_ids_rl.shape), None)
             v = self.model(trees.input_ids_rl, mask, position_ids=trees.position_ids_rl, parents_bt=trees.parents_rl)
             return unpack_trees(v, trees, width)
         if self.layout.packing:
             packed = pack(batch.input_ids_bt[rows], lengths, self.layout.pack_tokens)
             mask = packed_attention_mask(packed, self.model.decoder, self.layout.packed_attention)
+            self._plan(rows, packed, tuple(packed.input_ids_rl.shape), None)
             v = self.model(packed.input_ids_rl, mask, position_ids=packed.position_ids_rl)
             return unpack(v, packed, width)
         used = max(lengths)
+        self._plan(rows, None, (len(rows), used), batch.attention_mask_bt[rows, :used])
         v = self.model(batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used])
         return torch.nn.functional.pad(v, (0, width - used))
+
+    def _plan(self, rows, layout, width_rl, attention_bt) -> None:
+        if self.routes is not None:
+            self.routes.before_forward(self.model.decoder, rows, layout, width_rl, attention_bt)
+
+    def _end_pass(self) -> None:
+        if self.routes is not None:
+            self.routes.end_pass()
 
     @torch.no_grad()
     def targets(self, estimator, algo: AlgoConfig, batch: TrainBatch, rewards_b: torch.Tensor,
@@ -110,6 +123,7 @@ class Critic:
         old_values_bt = torch.zeros_like(batch.loss_mask_bt)
         for micro in micro_batches:
             old_values_bt[micro] = self.values(batch, micro)
+            self._end_pass()
         mask = batch.loss_mask_bt
         adv_bt, returns_bt = bind(estimator, algo)(rewards_b, old_values_bt, mask)
         metrics = {"critic/explained_var": explained_variance(old_values_bt, returns_bt, mask),
@@ -133,6 +147,7 @@ class Critic:
             loss, metrics = bind(value_loss, algo, agg_weights_bt=weights_mb[micro])(
                 self.values(batch, rows), targets.old_values_bt[rows], targets.returns_bt[rows], mask)
             loss.backward()
+            self._end_pass()
             totals["critic/value_loss"] += metrics.pop("critic/value_loss")  # parts of one weighted sum
             share = float(mask.sum()) / num_tokens  # per-token metrics: a token-weighted mean
             for k, v in metrics.items():

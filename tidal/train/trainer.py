@@ -85,6 +85,7 @@ from tidal.train.host_batch import HostBatch, read_metrics
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, packed_attention_mask, unpack
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
+from tidal.train.routing import TrainerRouting
 from tidal.types import TrainBatch
 from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
 from tidal.utils.memory import PeakMemory, optimizer_state_bytes
@@ -192,6 +193,9 @@ class Trainer:
         self.last_adv: torch.Tensor | None = None
         self._host: HostBatch | None = None  # the step's batch as read on the host (``_host_of``)
         self._head_tf32 = self.device.type == "cuda" and cfg.head_matmul == "tf32"
+        self.routes = TrainerRouting(model, cfg.moe)  # MoE models: routing replay, agreement, router losses
+        if self.critic is not None:
+            self.critic.routes = self.routes
         self.observers: list = []
         """Objects told ``after_backward()`` (gradients final, before clipping) and ``after_optimizer()``
         (parameters updated) in every minibatch: the SDC recorder (``integrity/sdc.py``) and fault injection."""
@@ -272,12 +276,14 @@ class Trainer:
             if score_bt is not None:
                 kw["score_mask_bt"] = _packed_score_mask(layout, score_bt)
             mask = packed_attention_mask(layout, model, self.cfg.packed_attention)  # None for varlen flash
+            self.routes.before_forward(model, rows, layout, tuple(layout.input_ids_rl.shape), None)
             logp, ent = self._logprobs(model, layout.input_ids_rl, mask, self.cfg.temperature, with_entropy,
                                        position_ids=layout.position_ids_rl, **kw)
             return undo(logp, layout, width), undo(ent, layout, width) if ent is not None else None
         used = max(lengths)  # right-padded rows: drop the columns none of them uses
         if score_bt is not None:
             kw["score_mask_bt"] = score_bt[:, :used]
+        self.routes.before_forward(model, rows, None, (len(rows), used), batch.attention_mask_bt[rows, :used])
         logp, ent = self._logprobs(model, batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used],
                                    self.cfg.temperature, with_entropy, **kw)
         pad = (0, width - used)
@@ -292,8 +298,11 @@ class Trainer:
         for micro in self._my_micro_batches(batch, rows):
             if micro is None:  # nothing left on this rank: a pass for the collectives only
                 self._forward(model, batch, rows[:1])
+                self.routes.end_pass()
                 continue
             out[rows[micro]] = self._forward(model, batch, rows[micro])[0]
+            self.routes.after_forward(batch)  # r2's recording pass keeps the routes it chose
+            self.routes.end_pass()
         return self.dp.sum_(out)  # each row is non-zero on exactly one rank
 
     def _reference_scores(self, batch: TrainBatch) -> torch.Tensor | None:
@@ -340,7 +349,10 @@ class Trainer:
         everything = torch.arange(batch.num_sequences)
         chunks = minibatches(batch.group_index_b, self.cfg.num_minibatches)
         prox_bt = None  # with one minibatch the weights do not change before its loss: prox = logp.detach()
-        if self._needs_prox and (len(chunks) > 1 or _accepts(self.advantage, "seq_is_weight_b")):
+        self.routes.begin_step(batch, self.version)
+        needs_prox = self._needs_prox and (len(chunks) > 1 or _accepts(self.advantage, "seq_is_weight_b"))
+        moe_metrics = self._routing_pass(batch, chunks, needs_prox)
+        if needs_prox:
             prox_bt = self._scores(self.model, batch)
         if (demos := demonstration_rows(batch)) is not None:  # guidance: a demonstration's ratio starts at 1
             now_bt = prox_bt if prox_bt is not None else self._scores(self.model, batch, demos[0])
@@ -377,11 +389,14 @@ class Trainer:
                     self.last_adv = adv.new_zeros((batch.num_sequences, *adv.shape[1:]))
                 self.last_adv[idx] = adv
             metrics = self._minibatch_step(batch, idx, adv, prox_bt, ref_bt, first=mb_index == 0)
+            if mb_index == 0 and self.routes.replay != "r2":  # the step's first pass, before any update
+                moe_metrics.update(read_metrics(self.routes.agreement()))
             if self.critic is not None:  # the same rows and micro-batches as the policy's step
                 metrics.update(self.critic.minibatch_step(algo, batch, idx, self._micro_batches(batch, idx), targets))
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / len(chunks)
         metrics_sum.update(step_metrics)
+        metrics_sum.update(moe_metrics)
         metrics_sum["train/lr"] = self.scheduler.get_last_lr()[0]
         metrics_sum["train/num_tokens"] = float(self._host_of(batch).loss_mask_bt.sum())
         metrics_sum.update(self._memory.step_metrics())
@@ -412,6 +427,7 @@ class Trainer:
                 zero = self._forward(self.model, batch, idx[:1])[0].sum() * 0.0
                 with phase("backward"):
                     zero.backward()
+                self.routes.end_pass()
                 continue
             rows = idx[micro]
             mask, behav = batch.loss_mask_bt[rows], batch.behav_logp_bt[rows]
@@ -444,11 +460,15 @@ class Trainer:
                     entropy, mask)
                 loss = loss + bonus_term
                 metrics.update(bonus_metrics)
+            share = float(host_mask[rows].sum()) / num_tokens  # per-token metrics: a token-weighted mean
+            router_loss = self.routes.aux_loss(metrics)  # MoE: the router's losses (when on) and their values
+            if router_loss is not None:
+                loss = loss + router_loss * share  # a mean over this micro-batch's tokens, weighted like them
             with phase("backward"):
                 loss.backward()
+            self.routes.end_pass()  # after the backward: activation checkpointing's recompute replays the plan
             loss_total = loss_total + loss.detach().double()  # float64 as the Python floats it replaces
             logp_mb[micro], entropy_mb[micro] = logp.detach(), entropy.detach()
-            share = float(host_mask[rows].sum()) / num_tokens  # per-token metrics: a token-weighted mean
             for k, v in metrics.items():  # a tensor stays on the device, in float64 as the float it replaces
                 totals[k] = totals.get(k, 0.0) + (v.double() if isinstance(v, torch.Tensor) else v) * share
 
@@ -484,6 +504,26 @@ class Trainer:
         if first:  # before any update on this batch
             totals.update(self._mismatch(logp_mb, batch.behav_logp_bt[idx], batch.versions_bt[idx], mask_mb))
         return read_metrics(totals)
+
+    def _routing_pass(self, batch: TrainBatch, chunks: list[torch.Tensor], needs_prox: bool) -> dict[str, float]:
+        """MoE models, before the step's updates: r2 records the trainer's own routes (in the proximal pass when
+        one runs, else in a no-grad pass of its own; with one minibatch and no proximal pass nothing runs after an
+        update, so nothing is recorded); ``trainer.moe.mismatch_unreplayed`` scores the first minibatch without
+        replay. Returns their metrics (agreement, the unreplayed gap)."""
+        metrics: dict[str, float] = {}
+        if not self.routes.active:
+            return metrics
+        if self.routes.cfg.mismatch_unreplayed and self.routes.replay != "off":
+            idx = chunks[0]
+            with self.routes.unreplayed():
+                unreplayed = self._scores(self.model, batch, idx)[idx]
+            gap = self._mismatch(unreplayed, batch.behav_logp_bt[idx], batch.versions_bt[idx], batch.loss_mask_bt[idx])
+            metrics.update({k.replace("train/logp_mismatch", "moe/logp_mismatch_unreplayed"): v for k, v in gap.items()})
+        if self.routes.replay == "r2" and (needs_prox or len(chunks) > 1):
+            with self.routes.recording_pass(batch):
+                self._scores(self.model, batch)  # the proximal pass below replays these routes: the same log-probs
+            metrics.update(read_metrics(self.routes.agreement()))
+        return metrics
 
     def _lr_scale(self, logp_bt: torch.Tensor, batch: TrainBatch, idx: torch.Tensor) -> tuple[float, float]:
         """VCPO: the normalized ESS of this minibatch's sequence weights pi_theta / pi_behav, and the lr
