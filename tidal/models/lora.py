@@ -23,6 +23,17 @@ What the rest of tidal gets from this module:
 - ``save_adapters`` / ``load_adapters``: checkpoints in PEFT's own layout (``adapter_config.json`` +
   ``adapter_model.safetensors``, ``PeftModel.from_pretrained`` loads them).
 
+Mixture-of-experts models (``models/moe.py``): transformers 5 stores each layer's routed experts as fused 3-D
+parameters (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]), not ``nn.Linear`` layers, so
+``target_modules`` cannot name them. ``experts`` (default on) adapts them through PEFT's ``target_parameters``
+(``ParamWrapper``): every expert gets its own A [r, in] and B [out, r] (PEFT stacks them as A [E r, in] and
+B [out, E r]), merged as W0[e] + s B_e A_e. The routers stay frozen: a router is an E x H matrix, and training it
+moves which experts a token meets, which routing replay (R3) pins to what the engine sampled with. tidal resolves
+``all-linear`` itself on an MoE model (the attention and any dense or shared-expert ``nn.Linear``): PEFT's own
+``all-linear`` adds the experts *and* the routers for some MoE families and nothing for others (Qwen2-MoE).
+In an update an expert adapter is keyed by its parameter's name (``...mlp.experts.gate_up_proj``), a linear
+layer's by its module's name.
+
 Only the initializations that leave the base untouched are offered (``init``): PiSSA, OLoRA and LoftQ
 rewrite W, so "adapters disabled" would no longer be the base the run started from.
 """
@@ -42,6 +53,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 INITS = ("default", "gaussian")
 QUANTIZE = ("none", "4bit")
 _A, _B, _SCALE = ".lora_A", ".lora_B", ".lora_scale"
+_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -59,7 +71,13 @@ class LoraConfig:
     makes the trainer's own log-probs random, which decoupled PPO's proximal policy does not expect."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Which linear layers get adapters: module names (``q_proj``, ``down_proj``, ...) or ``all-linear``
-    (PEFT: every linear layer except the LM head: attention and MLP, as LoRA Without Regret recommends)."""
+    (PEFT: every linear layer except the LM head: attention and MLP, as LoRA Without Regret recommends). On a
+    mixture-of-experts model these are the ``nn.Linear`` layers only (attention, dense and shared-expert MLPs);
+    the routed experts are ``experts``."""
+    experts: bool = True
+    """Mixture-of-experts models: also adapt every routed expert's fused weights (``gate_up_proj``, ``down_proj``;
+    each expert its own rank-``rank`` A and B), as LoRA Without Regret adapts the MLP. False: attention (and
+    ``target_modules``) only. Ignored for a dense model."""
     init: str = "default"
     """How A and B start: ``default`` (PEFT/Hu et al.: A Kaiming-uniform, B zero, so step 0 is the base) or
     ``gaussian`` (A normal with std 1/r, B zero)."""
@@ -87,6 +105,8 @@ def validate(cfg: LoraConfig) -> None:
                           f"got {cfg.target_modules!r}")
     if "all-linear" in cfg.target_modules and len(cfg.target_modules) > 1:
         raise ConfigError("model.lora.target_modules: all-linear already names every linear layer; list it alone")
+    if not isinstance(cfg.experts, bool):
+        raise ConfigError(f"model.lora.experts must be true or false, got {cfg.experts!r}")
     if cfg.init not in INITS:
         raise ConfigError(f"model.lora.init must be one of {', '.join(INITS)} (PiSSA, OLoRA and LoftQ rewrite the base "
                           f"weights, so the adapters-off reference would not be the base), got {cfg.init!r}")
@@ -117,33 +137,95 @@ def is_peft(model: torch.nn.Module) -> bool:
 def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None = None) -> torch.nn.Module:
     """``model`` with LoRA adapters (``get_peft_model``): base frozen, adapters trainable. ``base_path``:
     recorded in the adapter config (``base_model_name_or_path``), where ``tidal export`` and
-    ``PeftModel.from_pretrained`` users find the base."""
+    ``PeftModel.from_pretrained`` users find the base. A mixture-of-experts model gets its targets from
+    ``moe_targets`` (the module docstring)."""
     peft = _peft()
     targets = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    parameters = None
+    experts = expert_parameters(model)
+    if experts:
+        targets, parameters = moe_targets(model, cfg, experts)
     init = True if cfg.init == "default" else cfg.init
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                             init_lora_weights=init, bias="none", task_type="CAUSAL_LM")
+                             target_parameters=parameters, init_lora_weights=init, bias="none", task_type="CAUSAL_LM")
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as e:  # no module matched target_modules
         raise ConfigError(f"model.lora.target_modules={cfg.target_modules}: {' '.join(str(e).split())}") from None
+    if experts:
+        _check_moe_adapters(wrapped, cfg, experts)
     if base_path is not None:
         wrapped.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
     return wrapped
+
+
+def expert_parameters(model: torch.nn.Module) -> list[str]:
+    """The full names of the routed experts' fused 3-D weights (``...mlp.experts.gate_up_proj``): the 3-D
+    parameters of modules whose class is named ``*Experts`` (how transformers 5 writes Qwen-MoE, Mixtral, OLMoE,
+    GPT-OSS); empty for a dense model."""
+    return [f"{name}.{p_name}" for name, module in model.named_modules() if type(module).__name__.endswith("Experts")
+            for p_name, p in module.named_parameters(recurse=False) if p.dim() == 3]
+
+
+def moe_targets(model: torch.nn.Module, cfg: LoraConfig, experts: list[str]) -> tuple[list[str], list[str] | None]:
+    """PEFT's ``target_modules`` and ``target_parameters`` for an MoE model: ``all-linear`` resolved here to the
+    leaf names of its ``nn.Linear`` layers but the LM head (PEFT's own resolution differs per MoE family: the
+    module docstring), and the experts' parameters named by their last two parts (``experts.gate_up_proj``:
+    PEFT matches suffixes, and a saved adapter config then fits every layer count)."""
+    if cfg.target_modules == ["all-linear"]:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                          if isinstance(m, torch.nn.Linear) and m is not head})
+    else:
+        targets = list(cfg.target_modules)
+    parameters = sorted({".".join(name.split(".")[-2:]) for name in experts}) if cfg.experts else None
+    return targets, parameters
+
+
+def _check_moe_adapters(model: torch.nn.Module, cfg: LoraConfig, experts: list[str]) -> None:
+    """PEFT remaps transformers-4 names on some MoE families (``gate_proj``/``down_proj``/``w1``/``gate`` to the
+    fused experts or the router: ``peft/utils/transformers_weight_conversion.py``): one line when the result is
+    not what ``model.lora`` asked for, rather than training other weights than the user named."""
+    from tidal.models.moe import find_routers
+
+    adapted = {name for name, _ in _lora_layers(model)}
+    base = model.get_base_model()
+    routers = {f"{_plain(name)}.weight" for name, m in base.named_modules() if m in find_routers(base)}
+    wanted = set(experts) if cfg.experts else set()
+    got = adapted & set(experts)
+    if adapted & routers or got != wanted:
+        raise ConfigError(f"model.lora.target_modules={cfg.target_modules} with model.lora.experts={cfg.experts} "
+                          f"adapted {len(adapted & routers)} routers and {len(got)} of the {len(wanted)} expert "
+                          "weights asked for (PEFT maps MLP names such as gate_proj, down_proj or w1 onto the fused "
+                          "experts on this MoE family): name attention and dense layers in target_modules, and "
+                          "choose the routed experts with model.lora.experts")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _lora_layers(model: torch.nn.Module):
-    """(name in the plain model, layer) of every adapted layer of a PEFT model."""
-    from peft.tuners.lora import LoraLayer
+def _plain(name: str) -> str:
+    """A PEFT module name as the plain model names it (no ``base_model.model.`` prefix, no ``.base_layer``)."""
+    name = name[len(_PREFIX):] if name.startswith(_PREFIX) else name
+    return name.replace(".base_layer", "")
 
-    prefix = "base_model.model."
+
+def _lora_layers(model: torch.nn.Module):
+    """(name in the plain model, layer) of every adapted layer of a PEFT model: a linear layer by its module's
+    name, a targeted parameter (``ParamWrapper``: the MoE experts' fused weights) by the parameter's name."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and "default" in module.lora_A:
-            yield name[len(prefix):] if name.startswith(prefix) else name, module
+            if isinstance(module, ParamWrapper):
+                yield f"{_plain(name)}.{module.parameter_name}", module
+            else:
+                yield _plain(name), module
+
+
+def _is_param(layer: torch.nn.Module) -> bool:
+    return type(layer).__name__ == "ParamWrapper"
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -171,13 +253,14 @@ def is_adapter_update(state_dict) -> bool:
 
 def engine_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
     """For a rollout engine: a plain copy of ``model`` and, if it is a PEFT model, the base weights W0 of
-    its adapted layers (the copy's are merged: W0 + s B A)."""
+    its adapted layers and parameters (the copy's are merged: W0 + s B A), by their names in the update."""
     import copy
 
     if not is_peft(model):
         return copy.deepcopy(model), None
     clone = copy.deepcopy(model)
-    base = {name: _dense_weight(layer.base_layer).detach().clone() for name, layer in _lora_layers(clone)}
+    base = {name: (layer.get_param() if _is_param(layer) else _dense_weight(layer.base_layer)).detach().clone()
+            for name, layer in _lora_layers(clone)}
     if any(_is_4bit(m) for m in clone.modules()):
         _dequantize_bases(clone)  # the engine samples from a bf16 base (QLoRA: the trainer's base is NF4)
     plain = _merged(clone)
@@ -187,17 +270,22 @@ def engine_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torc
 
 
 def _merged(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain model of a PEFT model, each adapted layer's base weight plus its delta (s B A). Done here rather
-    than by peft's ``merge_and_unload``: for QLoRA that dequantizes through bitsandbytes' ``quant_state``, which the
-    bf16 base ``_dequantize_bases`` put in place has not (the first H200 run failed on it)."""
-    for name, layer in list(_lora_layers(model)):
-        dense = layer.base_layer
+    """The plain model of a PEFT model, each adapted weight plus its delta (s B A). Done here rather than by peft's
+    ``merge_and_unload``: for QLoRA that dequantizes through bitsandbytes' ``quant_state``, which the bf16 base
+    ``_dequantize_bases`` put in place has not (the first H200 run failed on it). A ``ParamWrapper`` (nested, one
+    per targeted parameter of a module) is replaced by the module it wraps once all its deltas are in."""
+    layers = list(_lora_layers(model))
+    for _, layer in layers:
+        weight = layer.get_param() if _is_param(layer) else layer.base_layer.weight
         for adapter in layer.active_adapters:
             if adapter in layer.lora_A:
-                dense.weight.data += layer.get_delta_weight(adapter).to(dense.weight.dtype)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_base_model().get_submodule(parent), child, dense)
-    return model.get_base_model()
+                weight.data += layer.get_delta_weight(adapter).to(weight.dtype)
+    plain = model.get_base_model()
+    for name, module in list(plain.named_modules()):
+        if ".base_layer" not in name and any(module is layer for _, layer in layers):
+            parent, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent), child, module.get_base_layer())
+    return plain
 
 
 def _is_4bit(layer: torch.nn.Module) -> bool:
@@ -226,21 +314,44 @@ def _dequantize_bases(model: torch.nn.Module) -> None:
         setattr(model.get_submodule(parent), child, dense)
 
 
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, shape: torch.Size, transposed: bool = False) -> torch.Tensor:
+    """s B A in the layout of the weight it adds to (``shape``). A linear layer: B [out, r] @ A [r, in]. Fused
+    experts [E, out, in] (PEFT's ``ParamWrapper``): A [E r, in] holds expert e's A_e in rows e r .. e r + r - 1 and
+    B [out, r E] its B_e in the columns e, e + E, ... (``ParamWrapper.get_delta_weight``), delta[e] = s B_e A_e;
+    ``transposed``: the experts store [E, in, out] (``is_transposed``, GPT-OSS)."""
+    if len(shape) == 2:
+        return scale * (b @ a)
+    num_experts = shape[0]
+    a_eri = a.reshape(num_experts, -1, a.shape[-1])
+    b_ore = b.reshape(b.shape[0], -1, num_experts)
+    delta = torch.einsum("ore,eri->eoi", b_ore, a_eri) * scale
+    return delta.transpose(1, 2) if transposed else delta
+
+
+def _weight_of(model: torch.nn.Module, name: str) -> tuple[torch.Tensor, bool]:
+    """The plain model's tensor an update's ``name`` adapts: a linear layer's weight or a named parameter (fused
+    experts), and whether that parameter is stored transposed ([E, in, out])."""
+    try:
+        return model.get_submodule(name).weight, False
+    except AttributeError:
+        parent, _, _ = name.rpartition(".")
+        return model.get_parameter(name), bool(getattr(model.get_submodule(parent), "is_transposed", False))
+
+
 @torch.no_grad()
 def apply_update(model: torch.nn.Module, base: dict[str, torch.Tensor], update) -> None:
-    """Write W0 + s B A (computed in float32, stored in the weight's dtype) into each adapted layer of the
-    engine's plain ``model``, in place. Every adapted layer must be in ``update`` and nothing else."""
+    """Write W0 + s B A (computed in float32, stored in the weight's dtype) into each adapted layer or expert
+    parameter of the engine's plain ``model``, in place. Every adapted name must be in ``update`` and nothing else."""
     names = {k[: -len(_SCALE)] for k in update if k.endswith(_SCALE)}
     if names != set(base):
         missing, extra = sorted(set(base) - names)[:3], sorted(names - set(base))[:3]
         raise RuntimeError(f"adapter update does not match the engine's adapted layers: missing {missing}, "
                            f"unexpected {extra}")
-    modules = dict(model.named_modules())
     for name, w0 in base.items():
-        weight = modules[name].weight
+        weight, transposed = _weight_of(model, name)
         a, b = update[name + _A].to(weight.device, torch.float32), update[name + _B].to(weight.device, torch.float32)
-        scale = float(update[name + _SCALE])
-        weight.copy_((w0.float() + scale * (b @ a)).to(weight.dtype))
+        delta = lora_delta(a, b, float(update[name + _SCALE]), w0.shape, transposed)
+        weight.copy_((w0.float() + delta).to(weight.dtype))
 
 
 def save_adapters(model: torch.nn.Module, directory: str | Path, state_dict: dict | None = None) -> None:
@@ -287,6 +398,9 @@ def check_adapters(model: torch.nn.Module, directory: str | Path) -> None:
     if _targets(saved.get("target_modules")) != _targets(mine.target_modules):
         differ.append(f"adapters on {sorted(_targets(saved.get('target_modules')))} "
                       f"(this run: {sorted(_targets(mine.target_modules))}, model.lora.target_modules)")
+    if _targets(saved.get("target_parameters")) != _targets(mine.target_parameters):
+        differ.append(f"adapters on the expert weights {sorted(_targets(saved.get('target_parameters')))} "
+                      f"(this run: {sorted(_targets(mine.target_parameters))}, model.lora.experts)")
     if differ:
         raise AdapterMismatch(f"checkpoint {directory} was trained with {'; '.join(differ)}: resume with the "
                               "model.lora settings it was written with (drop the --set that changes them)")

@@ -287,5 +287,27 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
         return lora.read_adapters(path), torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
     # On the host: a checkpoint saved on a GPU resumes on any device (``load_state_dict`` moves each tensor,
     # optimizer state included, to its parameter's device).
-    return load_file(path / "model.safetensors"), torch.load(path / "trainer_state.pt", weights_only=False,
-                                                             map_location="cpu")
+    weights = in_model_layout(path, load_file(path / "model.safetensors"))
+    return weights, torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+
+
+def in_model_layout(path: Path, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights under the names and shapes the model has in memory. transformers 5 holds some
+    architectures in another layout than their files (MoE experts fused into one [E, ...] tensor per projection;
+    ``save_pretrained`` writes the Hub's per-expert tensors back: its "weight conversions"). Checkpoints keep the
+    Hub's layout, which vLLM, ``from_pretrained`` and other tools read; for those architectures the weights are
+    read back through transformers' own loader, which applies the conversions (the model is built on the host,
+    as the plain read already holds every tensor there)."""
+    config_file = path / "config.json"
+    if not config_file.exists():
+        return weights
+    from transformers import AutoModelForCausalLM
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type is None or get_checkpoint_conversion_mapping(model_type) is None:
+        return weights
+    dtype = next(iter(weights.values())).dtype if weights else torch.float32
+    del weights
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return {name: t.detach() for name, t in model.state_dict().items()}

@@ -1,0 +1,210 @@
+"""Mixture-of-experts models wherever tidal runs dense ones (issue 52): LoRA on attention and the fused experts,
+merged into an engine copy and by ``tidal export --merge``; checkpoints and ``tiny.save``/``tiny.load``; the
+architecture check. fp32 on the CPU, tiny Qwen3-MoE (and tiny Qwen2-MoE, Mixtral, OLMoE where the family matters)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from tidal.config import ConfigError
+from tidal.models import architecture, lora, moe, tiny
+from tidal.models.export import export
+from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
+
+pytest.importorskip("peft", reason="needs peft: pip install 'tidal[lora]'")
+
+
+def tiny_moe(tokenizer, **kw) -> torch.nn.Module:
+    cfg = tiny.ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4,
+                           expert_intermediate_size=16, **kw)
+    return tiny.build_model(cfg, tokenizer).eval()
+
+
+def family(name: str, tokenizer) -> torch.nn.Module:
+    """A tiny random model of an MoE family transformers 5 writes with fused experts and a TopK router."""
+    c = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256, num_experts_per_tok=2,
+             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+             eos_token_id=tokenizer.eos_token_id, attn_implementation="sdpa")
+    config = {"qwen3_moe": lambda: Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, **c),
+              "qwen2_moe": lambda: Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16,
+                                                  shared_expert_intermediate_size=16, **c),
+              "mixtral": lambda: MixtralConfig(num_local_experts=4, **c),
+              "olmoe": lambda: OlmoeConfig(num_experts=4, **c)}[name]()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def perturb(peft_model, seed=0, scale=0.05):
+    """Non-zero adapters (B starts at zero: a fresh adapter changes nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture
+def ids(tokenizer):
+    return torch.randint(3, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+# ---- architecture ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", FAMILIES)
+def test_check_architecture_accepts_the_moe_families(name, tokenizer):
+    model = family(name, tokenizer)
+    assert architecture.check_architecture(model).windows == {architecture.FULL: None}
+    assert len(moe.find_routers(model)) == 2
+
+
+# ---- LoRA --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_adapts_attention_and_every_expert_but_no_router(name, tokenizer):
+    """PEFT's own all-linear adapts experts and routers on Qwen3-MoE, Mixtral and OLMoE and no expert at all on
+    Qwen2-MoE; tidal's is the same on every family: the linear layers and the experts' fused weights."""
+    model = family(name, tokenizer)
+    wrapped = lora.wrap(copy.deepcopy(model), lora.LoraConfig(rank=2))
+    adapted = {n for n, _ in lora._lora_layers(wrapped)}
+    experts = set(lora.expert_parameters(model))
+    assert experts and experts <= adapted
+    attention = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert attention <= adapted
+    assert not any(".gate.weight" in n or n.endswith(".mlp.gate") for n in adapted), "a router was adapted"
+    if name == "qwen2_moe":  # its shared expert is nn.Linear layers: adapted as dense MLPs are
+        assert "model.layers.0.mlp.shared_expert.down_proj" in adapted
+    trainable = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_each_expert_gets_rank_r_adapters(tokenizer):
+    wrapped = lora.wrap(tiny_moe(tokenizer), lora.LoraConfig(rank=2))
+    layer = dict(lora._lora_layers(wrapped))["model.layers.0.mlp.experts.gate_up_proj"]
+    assert layer.num_experts == 4 and layer.r["default"] == 2 and layer.scaling["default"] == 16.0
+    assert tuple(layer.lora_A["default"].weight.shape) == (4 * 2, 32)  # [E r, hidden]
+    assert tuple(layer.lora_B["default"].weight.shape) == (2 * 16, 4 * 2)  # [2 I, r E]
+
+
+def test_experts_false_adapts_attention_only(tokenizer):
+    wrapped = lora.wrap(tiny_moe(tokenizer), lora.LoraConfig(rank=2, experts=False))
+    assert {n.rsplit(".", 1)[-1] for n, _ in lora._lora_layers(wrapped)} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_mlp_names_that_peft_maps_onto_the_experts_are_one_line(tokenizer):
+    """On Qwen3-MoE PEFT maps ``down_proj`` (a transformers-4 expert name) onto the fused experts' down_proj: with
+    experts off that would train weights the config did not ask for."""
+    with pytest.raises(ConfigError, match="model.lora.experts"):
+        lora.wrap(tiny_moe(tokenizer), lora.LoraConfig(rank=2, experts=False, target_modules=["q_proj", "down_proj"]))
+
+
+def test_lora_delta_is_peft_s_delta(tokenizer):
+    """``lora_delta`` (what the engine computes from an update) against PEFT's own ``get_delta_weight``."""
+    wrapped = lora.wrap(tiny_moe(tokenizer), lora.LoraConfig(rank=2))
+    perturb(wrapped)
+    for name, layer in lora._lora_layers(wrapped):
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        shape = (layer.get_param() if lora._is_param(layer) else layer.base_layer.weight).shape
+        torch.testing.assert_close(lora.lora_delta(a, b, layer.scaling["default"], shape),
+                                   layer.get_delta_weight("default"), rtol=0, atol=1e-6, msg=name)
+
+
+def test_engine_copy_after_an_update_computes_the_peft_model(tokenizer, ids):
+    """The engine's merged copy, then an adapter update applied in place (``apply_update``, as
+    ``LocalEngine._apply_pending_update`` does), against the PEFT model's own forward: fp32, the same logits."""
+    wrapped = lora.wrap(tiny_moe(tokenizer), lora.LoraConfig(rank=2)).eval()
+    perturb(wrapped, seed=0)
+    engine, base = lora.engine_copy(wrapped)
+    assert not lora.is_peft(engine) and type(engine).__name__ == "Qwen3MoeForCausalLM"
+    assert "model.layers.1.mlp.experts.down_proj" in base
+    torch.testing.assert_close(logits(engine, ids), logits(wrapped, ids), rtol=0, atol=1e-5)
+    before = logits(engine, ids)
+    perturb(wrapped, seed=1)
+    update = lora.adapter_update(wrapped)
+    assert update["model.layers.0.mlp.experts.gate_up_proj.lora_A"].shape == (4 * 2, 32)
+    lora.apply_update(engine, base, update)
+    torch.testing.assert_close(logits(engine, ids), logits(wrapped, ids), rtol=0, atol=1e-5)
+    assert (logits(engine, ids) - before).abs().max() > 1e-2, "the update changed nothing: the test proves nothing"
+    with wrapped.disable_adapter():  # the experts' adapters matter: without them the logits move
+        assert (logits(wrapped, ids) - logits(engine, ids)).abs().max() > 1e-2
+    assert moe.routing_of(engine) is not None and len(moe.routing_of(engine).routers) == 2
+
+
+def test_export_merge_of_an_moe_lora_checkpoint(tokenizer, ids, tmp_path):
+    """``tidal export --merge`` of an MoE LoRA run: a plain Qwen3-MoE directory whose forward is the PEFT model's;
+    the checkpoint itself loads (``tiny.load``) as the base with the adapters merged."""
+    base = tiny_moe(tokenizer)
+    tiny.save(base, tokenizer, tmp_path / "base")
+    wrapped = lora.wrap(copy.deepcopy(base), lora.LoraConfig(rank=2), base_path=tmp_path / "base").eval()
+    perturb(wrapped)
+    opt = torch.optim.AdamW(lora.trainable_parameters(wrapped), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = save_checkpoint(tmp_path / "ckpts", wrapped, tokenizer, opt, sched, TrainingState(3, 3, 0, {}))
+    info = export(ckpt, tmp_path / "merged", merge=True)
+    assert info["kind"] == "merged"
+    merged, _ = tiny.load(tmp_path / "merged")
+    assert type(merged).__name__ == "Qwen3MoeForCausalLM"
+    torch.testing.assert_close(logits(merged.eval(), ids), logits(wrapped, ids), rtol=0, atol=1e-5)
+    from_ckpt, _ = tiny.load(ckpt)
+    torch.testing.assert_close(logits(from_ckpt.eval(), ids), logits(wrapped, ids), rtol=0, atol=1e-5)
+
+
+# ---- checkpoints and tiny.save / tiny.load -----------------------------------------------------------------
+def test_tiny_save_and_load_round_trip_an_moe(tokenizer, ids, tmp_path):
+    model = tiny_moe(tokenizer)
+    tiny.save(model, tokenizer, tmp_path / "m")
+    loaded, tok = tiny.load(tmp_path / "m")
+    assert type(loaded).__name__ == "Qwen3MoeForCausalLM" and loaded.config.num_experts == 4
+    assert loaded.config.num_experts_per_tok == 2 and tok.get_vocab() == tokenizer.get_vocab()
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert torch.equal(logits(loaded.eval(), ids), logits(model, ids))
+
+
+def _train(model, opt, sched, ids, steps):
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_checkpoint_resume_of_an_moe_is_exact(tokenizer, ids, tmp_path, rank):
+    """Train 2 steps, save, train 1 more; a fresh model resumed from the checkpoint then trains the same step to
+    the same bits (weights, AdamW moments, schedule), whole model or LoRA on attention and experts."""
+    def fresh():
+        model = tiny_moe(tokenizer).train()
+        if rank:
+            model = lora.wrap(model, lora.LoraConfig(rank=rank))
+        opt = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+    torch.manual_seed(0)
+    model, opt, sched = fresh()
+    if rank:
+        perturb(model)
+    _train(model, opt, sched, ids, 2)
+    save_checkpoint(tmp_path, model, tokenizer, opt, sched, TrainingState(2, 2, 0, {}))
+    _train(model, opt, sched, ids, 1)
+
+    resumed, opt2, sched2 = fresh()
+    state = load_checkpoint(latest_checkpoint(tmp_path), resumed, opt2, sched2)
+    assert state.step == 2
+    _train(resumed, opt2, sched2, ids, 1)
+    want, got = dict(model.named_parameters()), dict(resumed.named_parameters())
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert any("experts" in n for n, p in got.items() if p.requires_grad)
