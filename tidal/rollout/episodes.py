@@ -39,6 +39,7 @@ from tidal.api import Environment, EnvStep, GenRequest, RolloutEngine
 from tidal.envs.config import EnvConfig
 from tidal.rollout.render import NotAppendOnly, RenderState, build_renderer
 from tidal.rollout.requests import generate_by_stream
+from tidal.rollout.routes import merge_turn, padded
 from tidal.types import Trajectory
 from tidal.utils.seeding import stable_hash
 
@@ -59,6 +60,7 @@ class _Episode:
     finish_reason: str | None = None
     render: RenderState = field(default_factory=RenderState)
     last_turn: list[int] = field(default_factory=list)
+    routes: torch.Tensor | None = None  # MoE: expert ids of the context so far (``routes.merge_turn``)
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], sampled: bool) -> None:
         self.context += ids
@@ -181,6 +183,8 @@ class EpisodeEngine:
         def inner_on_done(request: GenRequest, traj: Trajectory) -> None:
             ep = live[(request.prompt.uid, request.sample_index)]
             ep.append(traj.token_ids, traj.logprobs, traj.versions, sampled=True)
+            if traj.routes is not None:  # the turn's routes cover the whole context now
+                ep.routes = merge_turn(ep.routes, traj.routes)
             ep.last_turn = traj.token_ids
             ep.turns += 1
             delay = 0.0
@@ -294,7 +298,8 @@ class EpisodeEngine:
             prompt_ids=list(ep.context[: ep.num_prompt]), token_ids=ids, logprobs=ep.logprobs,
             versions=ep.versions, finish_reason=ep.finish_reason or "length",
             text=self.tokenizer.decode(ids, skip_special_tokens=True), reward=ep.reward,
-            reward_details={"env_reward": ep.reward}, loss_mask=ep.mask, episode=info)
+            reward_details={"env_reward": ep.reward}, loss_mask=ep.mask, episode=info,
+            routes=None if ep.routes is None else padded(ep.routes, len(ep.context)))  # last observation: unread
 
 
 _TIMED_OUT = object()

@@ -14,7 +14,8 @@ A graph replays fixed shapes and fixed memory, so the step is rewritten with sta
 - Attention reads every column of the slot buffers, ``[0, columns)``, instead of the live span; the mask
   admits a row's own columns ``[start, t]``. Masked columns weigh exactly 0, so the result is the dynamic
   step's up to summation order (tests compare them on the CPU, where the same static step runs eagerly).
-- The new column ``t`` is written with ``index_copy_`` at a device index, so replays follow ``t``.
+- The new column ``t`` is written with ``index_copy_`` at a device index, so replays follow ``t``; an MoE
+  model's expert ids too (``_BucketCache.write_routes``: the router hook runs while the graph is recorded).
 - A model with sliding-window layers takes one static mask buffer per layer type (``SlotCache.attention_mask``
   builds them; the positions count a row's live columns over the whole width).
 
@@ -54,6 +55,11 @@ class _BucketCache(Cache):
         k.index_copy_(2, self.t_index, key_states)
         v.index_copy_(2, self.t_index, value_states)
         return k, v
+
+    def write_routes(self, layer: int, ids_nk: torch.Tensor) -> None:
+        """An MoE model's routers' sink (``routes.py``): each row's expert ids at column ``t_index``, in the graph."""
+        routes = self.slots.routes[layer, : self.rows]
+        routes.index_copy_(1, self.t_index, ids_nk.view(self.rows, 1, -1).to(routes.dtype))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # no host-side value may depend on the step: position ids and the mask carry everything

@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from tidal.api import GenRequest
-from tidal.models import lora
+from tidal.models import lora, moe
 from tidal.models.architecture import UnsupportedArchitecture, check_architecture
 from tidal.models.attention import NAME as PACKED_ATTENTION
 from tidal.models.prompts import end_of_turn_ids
@@ -37,6 +37,7 @@ from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
 from tidal.rollout.head import HEAD_DTYPES, fill_head, keep_head_fp32
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
+from tidal.rollout.routes import ForwardRoutes, recording, unfed_last
 from tidal.rollout.sampling import sample_tokens
 from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
 from tidal.rollout.speculative import SpeculativeConfig, build_speculator
@@ -121,6 +122,7 @@ class _TurnKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     version: int
+    routes: torch.Tensor | None = None  # MoE: the sequence's expert ids, CPU uint8 [len, layers, k]
 
 
 class _TurnStore:
@@ -186,6 +188,13 @@ class LocalEngine:
         self.device = model_device(self.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
         self.model.to(self.dtype)
+        # MoE: the routers' hooks record each forward's expert ids (``routes.py``); the copy records, never replays
+        # (a plan or kept logits the trainer had set on the policy it was copied from do not apply to it)
+        self._routing = moe.routing_of(self.model)
+        if self._routing is not None:
+            self._routing.clear_plan()
+            self._routing.keep_logits = False
+            self._routing.drop_logits()
         if cfg.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"rollout.head_dtype={cfg.head_dtype!r}: one of {', '.join(HEAD_DTYPES)}")
         self._head_ties = keep_head_fp32(self.model) if cfg.head_dtype == "fp32" and self.dtype != torch.float32 else {}
@@ -412,11 +421,15 @@ class LocalEngine:
                 tokens: torch.Tensor | None = None) -> tuple[list[_Row], torch.Tensor | None]:
         """Hand out the rows where ``keep`` is False (keeping an episode turn's keys and values) and drop
         them from ``slots``; ``rows`` (and ``tokens``, per row) follow the slots' moves."""
-        for slot in (~keep).nonzero().squeeze(1).tolist():
+        done = (~keep).nonzero().squeeze(1).tolist()
+        routes: list[torch.Tensor | None] = [None] * len(done)
+        if done and slots.routing is not None:  # every token but the last sampled one was fed
+            routes = slots.rows_routes(done, [len(rows[i].request.prompt_ids) + len(rows[i].tokens) - 1 for i in done])
+        for slot, row_routes in zip(done, routes):
             row = rows[slot]
             if self.cfg.reuse_turn_kv and row.request.episode and row.tokens[-1] not in self.end_ids:
-                self._save_turn(row, slots, slot)  # the episode's next turn will extend this context
-            on_done(row.request, self._to_trajectory(row))
+                self._save_turn(row, slots, slot, row_routes)  # the episode's next turn will extend this context
+            on_done(row.request, self._to_trajectory(row, row_routes))
         if not keep.all():
             self.num_removed_rows += len(keep) - int(keep.sum())
             holes, movers = slots.remove(keep)
@@ -497,16 +510,20 @@ class LocalEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
-        slots.admit(cache, mask, positions[:, -1], logits, torch.tensor(source))
+        routes = ForwardRoutes(self._routing) if self._routing is not None else None
+        with recording(self._routing, routes):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
+        slots.admit(cache, mask, positions[:, -1], logits, torch.tensor(source),
+                    routes.stacked(len(seqs), width) if routes is not None else None)
 
-    def _save_turn(self, row: _Row, slots: SlotCache, slot: int) -> None:
-        """Keep the keys and values of ``row``'s sequence (its last sampled token was never fed)."""
+    def _save_turn(self, row: _Row, slots: SlotCache, slot: int, routes: torch.Tensor | None) -> None:
+        """Keep the keys and values of ``row``'s sequence (its last sampled token was never fed), and its
+        routes (MoE: the next turn's reused prefix keeps the experts it was computed with)."""
         tokens = (*row.request.prompt_ids, *row.tokens[:-1])
         keys, values = slots.row_kv(slot)
         assert keys[0].shape[1] == len(tokens), "slot span and sequence disagree"
-        kv = _TurnKV(tokens, keys, values, self.version)
+        kv = _TurnKV(tokens, keys, values, self.version, routes)
         cache_positions = len(slots.start) * slots.columns  # what the running batch's cache holds now
         self._turn_kv.put((row.request.prompt.uid, row.request.sample_index), kv,
                           max_turns=self.cfg.max_batch_size, max_tokens=max(cache_positions, len(tokens)))
@@ -549,11 +566,26 @@ class LocalEngine:
         cache = DynamicCache()
         for layer, (k, v) in enumerate(zip(past_k, past_v)):
             cache.update(k, v, layer)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:], use_cache=True,
-                            **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
+        routes = ForwardRoutes(self._routing) if self._routing is not None else None
+        with recording(self._routing, routes):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:], use_cache=True,
+                                **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
         for row, _ in resumed:  # each its own context
             row.node, self._next_node = self._next_node, self._next_node + 1
-        slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n))
+        slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n),
+                    self._routes_after(routes, resumed, past, window) if routes is not None else None)
+
+    def _routes_after(self, recorded: ForwardRoutes, resumed: list[tuple[_Row, _TurnKV]], past: int,
+                      window: int) -> torch.Tensor:
+        """``_prefill_after``'s routes [layers, n, past + window, k]: the kept prefix's from the kept turns (the
+        experts those keys were computed with), the window's from this forward."""
+        n, r = len(resumed), self._routing
+        kept_routes = torch.full((r.num_layers, n, past, r.top_k), moe.NO_ROUTE, dtype=moe.ROUTE_DTYPE)
+        for i, (row, kv) in enumerate(resumed):
+            kept = len(row.request.prompt_ids) - window
+            if kept > 0:
+                kept_routes[:, i, past - kept :] = kv.routes[:kept].permute(1, 0, 2)
+        return torch.cat([kept_routes.to(self.device), recorded.stacked(n, window)], dim=2)
 
     def _hit_stop(self, row: _Row) -> bool:
         if not self._stop_max_tokens:
@@ -561,9 +593,11 @@ class LocalEngine:
         tail = self.tokenizer.decode(row.tokens[-(self._stop_max_tokens + 2) :])
         return any(s in tail for s in self.cfg.stop)
 
-    def _to_trajectory(self, row: _Row) -> Trajectory:
+    def _to_trajectory(self, row: _Row, routes: torch.Tensor | None = None) -> Trajectory:
         traj = finished_trajectory(row.request, row.tokens, row.logprobs, row.versions, row.finish_reason,
                                    self.tokenizer)
+        if routes is not None:
+            traj.routes = unfed_last(routes)
         if row.forced_at:  # forced close tokens: not sampled, so not trained on (they keep the engine's
             traj.loss_mask = [1] * traj.num_tokens  # version: a response forced throughout still has an age)
             for pos in row.forced_at:

@@ -18,6 +18,9 @@ stacking every layer's (so a row move is one indexed copy, not two per layer).
   few dozen steps); when it does not fit, the buffers grow (doubling).
 - Speculative decoding writes k + 1 columns per row and step and marks the rejected ones (``rejected``); they
   are compacted out when the span must move anyway or when they are over half of it (``_compact``).
+- An MoE model's expert choices per token (``routes``, uint8 [layers, slots, columns, k]; ``routes.py``) are
+  written by its routers' hook in the same forward that writes the keys, at the same columns, and move with
+  them in every copy below; a finished row's routes are read like its keys (``rows_routes``).
 
 The model sees a Hugging Face ``Cache`` whose ``update`` writes in place and returns the live span,
 and a ready 4-D boolean attention mask (so Hugging Face builds none, and applies no rule of its own).
@@ -36,8 +39,10 @@ import inspect
 import torch
 from transformers import Cache, DynamicCache
 
+from tidal.models import moe
 from tidal.models.architecture import attention_layout
 from tidal.rollout.graphs import StaticDecoder
+from tidal.rollout.routes import recording
 
 
 def cache_kwargs(model: torch.nn.Module, cache) -> dict:
@@ -96,15 +101,21 @@ class SlotCache(Cache):
         self._width = 1  # columns each row writes in this forward (k + 1 while verifying k drafted tokens)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self.generation = 0  # bumped whenever the buffers are reallocated
+        self.routing = moe.routing_of(model)  # None: a dense model, which records no routes
+        self.routes = torch.zeros(0, dtype=moe.ROUTE_DTYPE)
+        """MoE models: [route layers, slots, columns, k] expert ids of each column's token, beside ``kv``."""
         self.static: StaticDecoder | None = None
         """Static-shape decode steps (CUDA graphs on a GPU, ``graphs.py``): set with ``use_static_decode``."""
         self._resize(0, 0)
 
     def use_static_decode(self, model: torch.nn.Module, capture: bool = True) -> None:
         """Decode with static shapes from now on, recorded as CUDA graphs when ``capture`` and on CUDA."""
+        routing = self.routing
+
         def forward(input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+            with recording(routing, cache.write_routes):  # inside the recorded graph: replays write routes too
+                return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
 
         self.static = StaticDecoder(forward, self, capture)
 
@@ -121,6 +132,12 @@ class SlotCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.t - self.lo
+
+    def _write_routes(self, layer: int, ids_nk: torch.Tensor) -> None:
+        """The routers' sink during a decode or verify forward: this forward's columns of the rows it runs."""
+        w = self._width
+        rows = slice(0, self.n) if self._fed is None else self._fed
+        self.routes[layer, rows, self.t : self.t + w] = ids_nk.view(-1, w, ids_nk.shape[-1]).to(moe.ROUTE_DTYPE)
 
     # ---- decode -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,8 +167,9 @@ class SlotCache(Cache):
         mask = self.attention_mask(live[:, None, None, :], live, pos[fed, None])  # [rows fed, 1, q=1, span]
         self._fed = None if shared is None else shared[0]
         try:
-            logits = model(input_ids=tokens_n[fed, None], attention_mask=mask, position_ids=pos[fed, None],
-                           use_cache=True, **cache_kwargs(model, self)).logits[:, -1]
+            with recording(self.routing, self._write_routes):
+                logits = model(input_ids=tokens_n[fed, None], attention_mask=mask, position_ids=pos[fed, None],
+                               use_cache=True, **cache_kwargs(model, self)).logits[:, -1]
         finally:
             self._fed = None
         if shared is not None:
@@ -159,6 +177,8 @@ class SlotCache(Cache):
             source_n = slots_u[inverse_n]
             for buf in (*self.keys, *self.values):
                 buf[:n, :, self.t] = buf[source_n, :, self.t]
+            if self.routing is not None:
+                self.routes[:, :n, self.t] = self.routes[:, source_n, self.t]
             logits = logits[inverse_n]
         self.t += 1
         self.last_pos[:n] = pos
@@ -186,8 +206,9 @@ class SlotCache(Cache):
         mask = self.attention_mask((live[:, None, :] & causal[None])[:, None], live, pos_uw)  # [u, 1, q=w, span]
         self._fed, self._width = slots_u, w
         try:
-            return model(input_ids=tokens_uw, attention_mask=mask, position_ids=pos_uw,
-                         use_cache=True, **cache_kwargs(model, self)).logits
+            with recording(self.routing, self._write_routes):
+                return model(input_ids=tokens_uw, attention_mask=mask, position_ids=pos_uw,
+                             use_cache=True, **cache_kwargs(model, self)).logits
         finally:
             self._fed, self._width = None, 1
 
@@ -203,6 +224,8 @@ class SlotCache(Cache):
         """Rows ``dst`` take the new columns [t, t + width) of rows ``src`` (identical rows that ``run`` ran once)."""
         for buf in (*self.keys, *self.values):
             buf[dst, :, self.t : self.t + width] = buf[src, :, self.t : self.t + width]
+        if self.routing is not None:
+            self.routes[:, dst, self.t : self.t + width] = self.routes[:, src, self.t : self.t + width]
 
     def accept(self, kept_n: torch.Tensor, logits_nv: torch.Tensor, width: int) -> None:
         """After ``run`` of groups at most ``width`` wide: row i keeps its first ``kept_n[i]`` new columns (the tokens
@@ -218,11 +241,13 @@ class SlotCache(Cache):
 
     # ---- joining and leaving -----------------------------------------------------------------
     def admit(self, cache: DynamicCache, mask_dw: torch.Tensor, last_pos_d: torch.Tensor, logits_dv: torch.Tensor,
-              source_k: torch.Tensor) -> None:
+              source_k: torch.Tensor, routes_ldwk: torch.Tensor | None = None) -> None:
         """Append k rows after the running ones from a left-padded prefill of d distinct sequences;
-        new row i copies prefill row ``source_k[i]`` (a group's samples share one prompt forward)."""
+        new row i copies prefill row ``source_k[i]`` (a group's samples share one prompt forward), its keys and
+        values and, for an MoE model, its routes (``routes_ldwk``: uint8 [layers, d, width, k], ``routes.py``)."""
         k, width = len(source_k), mask_dw.shape[1]
         assert self.n + k <= self.max_slots, f"{self.n} running + {k} new rows exceed {self.max_slots} slots"
+        assert (routes_ldwk is None) == (self.routing is None), "an MoE model's prefill comes with its routes"
         if self.n + k > len(self.start):
             self._resize(min(self.max_slots, max(2 * len(self.start), self.n + k)), self.columns)
         self._place(width, extra=1)
@@ -231,6 +256,8 @@ class SlotCache(Cache):
         for layer, kv in enumerate(cache.layers):
             self.keys[layer][rows, :, self.t - width : self.t] = kv.keys[source_k]
             self.values[layer][rows, :, self.t - width : self.t] = kv.values[source_k]
+        if routes_ldwk is not None:
+            self.routes[:, rows, self.t - width : self.t] = routes_ldwk[:, source_k.to(routes_ldwk.device)]
         lengths = mask_dw.sum(dim=1)[source_k]
         self.rejected[rows] = False
         self.start[rows] = self.t - lengths
@@ -261,6 +288,8 @@ class SlotCache(Cache):
             # freed row left behind stays under the moved row (``_clear_stale``)
             cols = slice(None) if self.static is not None else slice(self.lo, self.t)
             self.kv[:, dst, :, cols] = self.kv[:, src, :, cols]
+            if self.routing is not None:
+                self.routes[:, dst, cols] = self.routes[:, src, cols]
             for per_row in (self.start, self.last_pos, self.logits, self.rejected):
                 per_row[dst] = per_row[src]
         self.n = m
@@ -273,6 +302,22 @@ class SlotCache(Cache):
         live = ~self.rejected[slot, span]  # without the columns of rejected drafts
         return ([k[slot, :, span][:, live].clone() for k in self.keys],
                 [v[slot, :, span][:, live].clone() for v in self.values])
+
+    def rows_routes(self, slots: list[int], lengths: list[int]) -> list[torch.Tensor]:
+        """Routes of running rows ``slots`` on the CPU, each [its live columns, layers, k] (rejected drafts
+        dropped, like ``row_kv``); ``lengths``: their live columns (the tokens each has fed, which the engine
+        counts on the host). One gather and one device-to-host copy for all of them."""
+        m, width = len(slots), max(lengths)
+        lo, t = self.lo, self.t
+        slots_m = torch.tensor(slots, device=self.device)
+        cols = torch.arange(lo, t, device=self.device)
+        live = (cols[None, :] >= self.start[slots_m, None]) & ~self.rejected[slots_m, lo:t]
+        # a stable sort puts each row's live columns last, in order (``_compact``); it keeps the last ``width``
+        order = live.to(torch.uint8).sort(dim=1, stable=True).indices[:, t - lo - width :]
+        layers, _, _, k = self.routes.shape
+        index = order[None, :, :, None].expand(layers, m, width, k)
+        got = self.routes[:, slots_m, lo:t].gather(2, index).permute(1, 2, 0, 3).cpu()  # [m, width, layers, k]
+        return [got[i, width - n :].clone() for i, n in enumerate(lengths)]
 
     def clear(self) -> None:
         """Forget every running row (the buffers stay allocated)."""
@@ -302,6 +347,8 @@ class SlotCache(Cache):
         elif self.n:
             for buf in (*self.keys, *self.values):
                 buf[: self.n, :, dst : dst + span] = buf[: self.n, :, self.lo : self.t].clone()
+            if self.routing is not None:
+                self.routes[:, : self.n, dst : dst + span] = self.routes[:, : self.n, self.lo : self.t].clone()
             self.rejected[: self.n, dst : dst + span] = self.rejected[: self.n, self.lo : self.t].clone()
         self.start[: self.n] += dst - self.lo
         self.lo, self.t = dst, dst + span
@@ -323,6 +370,9 @@ class SlotCache(Cache):
         for buf in (*self.keys, *self.values):
             index = order[:, None, :, None].expand(n, buf.shape[1], width, buf.shape[3])
             buf[:n, :, dst : dst + width] = buf[:n, :, lo:t].gather(2, index)
+        if self.routing is not None:
+            index = order[None, :, :, None].expand(self.routes.shape[0], n, width, self.routes.shape[3])
+            self.routes[:, :n, dst : dst + width] = self.routes[:, :n, lo:t].gather(2, index)
         self.start[:n] = dst + width - lengths
         self.rejected[:n] = False
         self.has_rejected = False
@@ -341,6 +391,12 @@ class SlotCache(Cache):
         """[2 x layers, slots, heads, columns, head_dim]: every layer's keys, then every layer's values, in one
         buffer so that moving rows (``remove``) is one indexed copy rather than two per layer."""
         self.keys, self.values = list(kv[: self.num_layers]), list(kv[self.num_layers :])
+        if self.routing is not None:
+            routes = torch.full((self.routing.num_layers, slots, columns, self.routing.top_k), moe.NO_ROUTE,
+                                dtype=moe.ROUTE_DTYPE, device=self.device)
+            if n and self.routes.numel():
+                routes[:, :n, dst : dst + span] = self.routes[:, :n, self.lo : self.t]
+            self.routes = routes
         holes = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
         if n and self.rejected.numel():
             holes[:n, dst : dst + span] = self.rejected[:n, self.lo : self.t]
