@@ -19,6 +19,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from tidal.api import GenRequest
 from tidal.rollout.requests import finished_trajectory, sampling_key
 from tidal.types import Trajectory
@@ -43,6 +45,9 @@ class SegmentedRow:
     confident_run: int = 0
     request_id: str = ""
     num_segments: int = 0
+    routes: torch.Tensor | None = None
+    """MoE models with ``return_routes``: the experts of every token, uint8 [prompt + tokens, layers, k]
+    (``Trajectory.routes``), set by the engine when the row finishes."""
 
     def start_segment(self, request_id: str) -> tuple[list[int], int]:
         """Begin a (continuation) request: returns (prompt token ids, max new tokens)."""
@@ -95,8 +100,14 @@ class SegmentedRow:
             self.finish_reason = "stop" if engine_reason == "stop" else "length"
 
     def to_trajectory(self, tokenizer) -> Trajectory:
-        return finished_trajectory(self.request, self.tokens, self.logprobs, self.versions, self.finish_reason,
+        traj = finished_trajectory(self.request, self.tokens, self.logprobs, self.versions, self.finish_reason,
                                    tokenizer)
+        if self.routes is not None:
+            assert len(self.routes) == len(traj.prompt_ids) + len(traj.token_ids), (
+                f"request {self.request_id}: routes for {len(self.routes)} tokens, sample of "
+                f"{len(traj.prompt_ids) + len(traj.token_ids)}")
+            traj.routes = self.routes
+        return traj
 
 
 def new_row(request: GenRequest, seed: int, default_max_new_tokens: int) -> SegmentedRow:

@@ -57,8 +57,14 @@ from tidal.models.tied import retie
 from tidal.rollout.requests import generate_by_stream
 from tidal.rollout.segments import SegmentedRow, new_row
 from tidal.rollout.vllm_options import (  # noqa: F401 (re-exported)
+    ROUTES_ARG,
     VllmOptions,
+    check_routes_supported,
+    hub_layout,
+    moe_layer_indices,
     read_checkpoint_dir,
+    routes_of,
+    routes_shape,
     spec_counts,
     speculative_config,
     tied_head_names,
@@ -89,14 +95,23 @@ class VllmDriver:
     """One vLLM engine stepped under a lock; routes finished rows to the front-end that owns them.
 
     ``llm`` may be passed in (an object with ``llm_engine``, ``collective_rpc``, ``reset_prefix_cache``;
-    the fast tests use a stand-in); by default a ``vllm.LLM`` is started on ``model_dir``."""
+    the fast tests use a stand-in); by default a ``vllm.LLM`` is started on ``model_dir``.
+
+    MoE models: a trainer's state dict holds the experts fused, as transformers 5 does in memory; it is sent to
+    vLLM in the Hub's per-expert layout that vLLM's loader maps (``hub_layout``). With ``options.return_routes``
+    each finished sample carries the experts vLLM routed its tokens to (``Trajectory.routes``; ``moe_layers``:
+    the decoder layers that have routers, ``moe_layer_indices``). A sample continued after a weight update gets
+    the routes of its last segment, which re-read the whole context under the new weights."""
 
     def __init__(self, model_dir: str | Path, cfg, seed: int = 0, version: int = 0,
-                 options: VllmOptions | None = None, llm=None, sampling_params_cls=None):
+                 options: VllmOptions | None = None, llm=None, sampling_params_cls=None,
+                 moe_layers: list[int] | None = None):
         opts = options or VllmOptions()
         t0 = time.perf_counter()
         if llm is None:
             vllm = import_vllm()
+            if opts.return_routes:
+                check_routes_supported(vllm)
             sampling_params_cls = vllm.SamplingParams
             kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), seed=seed,
                           dtype=opts.dtype or ("auto" if torch.cuda.is_available() else "float32"),
@@ -105,6 +120,8 @@ class VllmDriver:
                           gpu_memory_utilization=opts.gpu_memory_utilization)
             if opts.max_model_len is not None:
                 kwargs["max_model_len"] = opts.max_model_len
+            if opts.return_routes:
+                kwargs[ROUTES_ARG] = True
             spec = speculative_config(getattr(cfg, "speculative", None), opts)
             if spec is not None:
                 kwargs["speculative_config"] = spec
@@ -130,6 +147,11 @@ class VllmDriver:
         self.version = version
         self.model_dir = Path(model_dir)
         self.tied = tied_head_names(model_dir)  # a tied head is sent once, as the embedding: given to vLLM as both
+        self.to_hub = hub_layout(model_dir)  # MoE: fused experts -> the per-expert names vLLM loads
+        self.return_routes = opts.return_routes
+        self.moe_layers = moe_layers
+        self.routes_shape = routes_shape(model_dir, moe_layers) if opts.return_routes else None
+        self.num_missing_routes = 0
         self._lock = threading.RLock()
         self._pending_lock = threading.Lock()
         self._pending: tuple[str, object, int] | None = None
@@ -168,6 +190,8 @@ class VllmDriver:
             return  # a version names one set of weights: already loaded
         t0 = time.perf_counter()
         state = read_checkpoint_dir(payload) if kind == "dir" else retie(payload, self.tied)  # a bad path fails first
+        if kind == "state" and self.to_hub is not None:
+            state = self.to_hub(state)
         running = list(self._rows.values())
         if running:  # interrupt: abort, keep what each produced, continue after the load
             self.engine.abort_request([entry[0].request_id for entry in running])
@@ -232,9 +256,19 @@ class VllmDriver:
                     self.engine.abort_request([out.request_id])
                 if early or out.finished:
                     row.finish(comp.finish_reason)
+                    if self.return_routes:
+                        self._take_routes(row, getattr(comp, "routed_experts", None) if out.finished else None)
                     del self._rows[out.request_id]
                     outbox.append(row)
             self.step_seconds += time.perf_counter() - t0
+
+    def _take_routes(self, row: SegmentedRow, routed_experts) -> None:
+        """The finished ``row``'s routes from vLLM's ``routed_experts`` (None: aborted by early truncation, or
+        not returned: all ``NO_ROUTE``, counted in ``rollout/missing_routes``)."""
+        if routed_experts is None:
+            self.num_missing_routes += 1
+        row.routes = routes_of(routed_experts, len(row.request.prompt_ids) + len(row.tokens), self.moe_layers,
+                               self.routes_shape)
 
     def stats(self) -> dict[str, float]:
         out = {
@@ -243,6 +277,8 @@ class VllmDriver:
             "rollout/weight_updates": float(self.num_weight_updates),
             "perf/weight_load_s": self.last_weight_update_s,
         }
+        if self.return_routes:
+            out["rollout/missing_routes"] = float(self.num_missing_routes)
         return out | self._spec_stats()
 
     def _spec_stats(self) -> dict[str, float]:
@@ -333,7 +369,8 @@ def driver_for(model: torch.nn.Module, tokenizer, cfg, seed: int, version: int,
 
     tmp = tempfile.TemporaryDirectory(prefix="tidal-vllm-")
     tiny.save(model, tokenizer, tmp.name)
-    driver = VllmDriver(tmp.name, cfg, seed=seed, version=version, options=options)
+    driver = VllmDriver(tmp.name, cfg, seed=seed, version=version, options=options,
+                        moe_layers=moe_layer_indices(model))
     driver._model_dir_handle = tmp  # removed with the driver
     _DRIVERS[model] = driver
     return driver

@@ -3,6 +3,7 @@ the in-process engine (``vllm_engine.py``) and the server client (``vllm_server.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,11 @@ class VllmOptions:
     weights_dir: str | None = None
     """Server mode: the directory the servers load their weights from (shared filesystem); a weight
     update writes the new weights there and asks each server to reload."""
+    return_routes: bool = False
+    """MoE models: ask vLLM for the experts each token was routed to (its ``enable_return_routed_experts``) and
+    fill ``Trajectory.routes`` for Rollout Routing Replay (R3); the run sets it with
+    ``trainer.moe.routing_replay=r3``. A vLLM without that engine argument is one error naming its version.
+    In-process engine only: vLLM's OpenAI server does not return routes."""
     speculative_config: dict | None = None
     """vLLM's ``speculative_config``, passed as is (e.g. ``{"method": "eagle3", "model": ...}``); None: built
     from ``rollout.speculative`` (``speculative_config``). In-process engine only (servers take theirs on
@@ -106,3 +112,92 @@ def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return retie(state, tied_head_names(path))
+
+
+# ---- mixture-of-experts models ------------------------------------------------------------------------------
+ROUTES_ARG = "enable_return_routed_experts"
+"""vLLM's engine argument that records each token's routed experts (``CompletionOutput.routed_experts``)."""
+
+
+def check_routes_supported(vllm) -> None:
+    """One line when the installed vLLM cannot return routed experts (no ``enable_return_routed_experts`` among
+    its ``EngineArgs``), which routing replay R3 with the vLLM engine needs."""
+    fields = getattr(getattr(vllm, "EngineArgs", None), "__dataclass_fields__", {})
+    if ROUTES_ARG not in fields:
+        raise RuntimeError(f"trainer.moe.routing_replay=r3 with rollout.engine=vllm needs vLLM's {ROUTES_ARG} "
+                           f"(per-token routed experts); the installed vLLM {getattr(vllm, '__version__', '?')} "
+                           "does not have it: upgrade vLLM, or use rollout.engine=local or routing_replay=r2")
+
+
+def routes_of(routed_experts, num_tokens: int, moe_layers: Sequence[int] | None,
+              layers_k: tuple[int, int]) -> torch.Tensor:
+    """``Trajectory.routes`` (uint8 [num_tokens, MoE layers, k], ``NO_ROUTE`` where unknown) from vLLM's
+    ``CompletionOutput.routed_experts``: int [fed tokens, num_hidden_layers, k], one row per token the model
+    read (prompt + sampled - 1: the last sampled token is never fed), every decoder layer (a dense layer's rows
+    are zeros); ``moe_layers`` picks the layers with routers (None: all). None (vLLM returned nothing: an
+    aborted request) gives ``layers_k``-shaped ``NO_ROUTE`` rows, which replay leaves to the trainer's choice."""
+    from tidal.models.moe import NO_ROUTE, ROUTE_DTYPE
+
+    routes = torch.full((num_tokens, *layers_k), NO_ROUTE, dtype=ROUTE_DTYPE)
+    if routed_experts is None:
+        return routes
+    got = torch.as_tensor(routed_experts)
+    assert got.dim() == 3, f"vLLM's routed_experts is [tokens, layers, k], got {tuple(got.shape)}"
+    if moe_layers is not None:
+        got = got[:, list(moe_layers)]
+    assert tuple(got.shape[1:]) == tuple(layers_k), (
+        f"vLLM's routed experts are [tokens, {tuple(got.shape[1:])}], the model's routes [tokens, {tuple(layers_k)}]")
+    assert got.numel() == 0 or int(got.max()) < NO_ROUTE, f"expert id {int(got.max())} does not fit uint8 routes"
+    n = min(num_tokens, len(got))
+    routes[:n] = got[:n].to(ROUTE_DTYPE)
+    return routes
+
+
+def routes_shape(model_dir: str | Path, moe_layers: Sequence[int] | None) -> tuple[int, int]:
+    """(MoE layers, k) of the model in ``model_dir`` (its ``config.json``): the shape of a token's routes."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    layers = len(moe_layers) if moe_layers is not None else int(config["num_hidden_layers"])
+    return layers, int(config["num_experts_per_tok"])
+
+
+def moe_layer_indices(model: torch.nn.Module) -> list[int] | None:
+    """The decoder-layer indices of ``model``'s routers (``...layers.<i>.mlp.gate``), None for a dense model: vLLM
+    reports routes for every decoder layer, tidal for the MoE layers only (``models/moe.py``)."""
+    from tidal.models.moe import find_routers
+
+    routers = set(map(id, find_routers(model)))
+    if not routers:
+        return None
+    out = []
+    for name, module in model.named_modules():
+        if id(module) in routers:
+            parts = name.split(".")
+            digits = [int(p) for p, prev in zip(parts[1:], parts) if prev == "layers" and p.isdigit()]
+            assert digits, f"router {name}: no decoder-layer index in its name"
+            out.append(digits[0])
+    return out
+
+
+def hub_layout(model_dir: str | Path) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """For an architecture transformers 5 holds in another layout than its files (MoE experts fused into one
+    [E, ...] tensor per projection): a function turning a trainer state dict into the Hub's per-expert names,
+    which vLLM's weight loader maps (``revert_weight_conversion`` on a meta-device model of ``model_dir``'s config,
+    as ``save_pretrained`` does). None when the layouts are the same (dense models)."""
+    import json
+
+    config = Path(model_dir) / "config.json"
+    if not config.exists():
+        return None
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if get_checkpoint_conversion_mapping(json.loads(config.read_text()).get("model_type")) is None:
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    return lambda state: revert_weight_conversion(meta, dict(state))

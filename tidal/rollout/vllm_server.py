@@ -95,6 +95,10 @@ class VllmServerEngine:
                  tied: Mapping[str, str] | None = None):
         """``tied``: the policy's tied names (``models/tied.py``), filled back into each state dict sent."""
         self.options = options or VllmOptions(servers=list(servers))
+        if self.options.return_routes:  # R3 needs each token's experts, which the completions API does not carry
+            raise ValueError("trainer.moe.routing_replay=r3 with rollout.vllm.servers: vLLM's OpenAI server does not "
+                             "return routed experts; use the in-process vLLM engine (no rollout.vllm.servers), "
+                             "rollout.engine=local, or routing_replay=r2")
         self.tied = dict(tied or {})
         self.servers = [s.rstrip("/") for s in servers]
         self.tokenizer = tokenizer
