@@ -255,3 +255,28 @@ def test_the_report_links_to_the_inspector(browser, inspector_runs, shots):
     browser.find_element(By.LINK_TEXT, "inspect.html").click()
     assert browser.title == "tidal inspector — a"
     assert rows(browser)
+
+
+def test_an_moe_samples_token_shows_its_experts_per_layer(browser, tokenizer, tmp_path, shots):
+    """A token's tooltip lists the experts the engine chose for it in each layer (``routes``); the last sampled
+    token, never fed, has none."""
+    from tidal.models import moe
+
+    from .test_record import moe_samples
+
+    trajs, records = moe_samples(tokenizer)
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    open_page(browser, write_inspector([tmp_path]))
+    browser.find_element(By.CSS_SELECTOR, '#groups tr[data-rec="0"]').click()
+    t, s = trajs[0], records[0]["samples"][0]
+    routes = t.routes[len(t.prompt_ids):]
+    spans = browser.find_elements(By.CSS_SELECTOR, "#samples .sample .tok")
+    assert len(spans) == len(s["ids"]) == len(routes) > 1
+    for j, span in enumerate(spans):
+        ActionChains(browser).move_to_element(span).perform()
+        shown = tip(browser)["experts"]
+        if j == len(spans) - 1:
+            assert (routes[j] == moe.NO_ROUTE).all() and shown.startswith("— (no route")
+        else:
+            assert shown == " ".join(f"L{layer}:" + ",".join(map(str, ids)) for layer, ids in enumerate(routes[j].tolist()))
+    browser.save_screenshot(str(shots / "moe_experts.png"))

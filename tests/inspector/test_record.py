@@ -161,3 +161,45 @@ def test_default_rate_records_eval_answers_but_no_training_group_in_three_steps(
     records = _records(tmp_path / "run")
     assert {r["kind"] for r in records} == {"eval"}  # every=10: the first training record is at step 10
     assert len([r for r in records if r["step"] == 0]) == 16  # eval_prompts=16 (num_eval=16 in the tiny config)
+
+
+def moe_samples(tokenizer, n_prompts=2):
+    """Greedy answers of the tiny MoE model from the local engine (routes recorded), as eval records."""
+    import torch
+
+    from tidal.inspector.record import eval_records
+    from tidal.rollout.local import LocalEngine, SamplingConfig
+    from tidal.rollout.requests import group_requests
+    from tidal.types import Prompt
+
+    torch.manual_seed(0)
+    model = tiny.build_model(tiny.ModelConfig(num_experts=8), tokenizer)
+    prompts = [Prompt(f"q{i}", f"{i}+{i}=", str(2 * i)) for i in range(n_prompts)]
+    trajs = LocalEngine(model, tokenizer, SamplingConfig(max_new_tokens=6)).generate(
+        group_requests(tokenizer, prompts, 1), greedy=True)
+    return trajs, eval_records(0, prompts, trajs, tokenizer, "addition")
+
+
+def test_moe_routes_are_recorded_per_response_token(tokenizer, small_model):
+    """``routes``: the response tokens' experts in ``moe.encode_routes``' format (the inspector's own copy of it,
+    which the layer table requires, writes the same bytes); a dense model's samples have none."""
+    import torch
+
+    from tidal.inspector.record import encode_routes, sample_record
+    from tidal.inspector.samples import valid_record
+    from tidal.models import moe
+    from tidal.rollout.local import LocalEngine, SamplingConfig
+    from tidal.rollout.requests import group_requests
+    from tidal.types import Prompt
+
+    trajs, records = moe_samples(tokenizer)
+    for t, rec in zip(trajs, records):
+        s = rec["samples"][0]
+        assert s["routes"] == moe.encode_routes(t.routes[len(t.prompt_ids):]) == encode_routes(t.routes[len(t.prompt_ids):])
+        got = moe.decode_routes(json.loads(json.dumps(s["routes"])))
+        assert got.shape[0] == len(s["ids"]) and torch.equal(got, t.routes[len(t.prompt_ids):])
+        assert (got[-1] == moe.NO_ROUTE).all() and (got[:-1] != moe.NO_ROUTE).all()
+        assert valid_record(rec)
+    dense = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=3)).generate(
+        group_requests(tokenizer, [Prompt("d", "1+1=", "2")], 1))[0]
+    assert "routes" not in sample_record(dense, [])

@@ -9,7 +9,10 @@ zero-advantage group left out of the batch) and, for agent episodes, ``policy_ma
 the policy, 0 returned by the environment). Per sample: the advantage (a number, or one per token for
 token-level estimators), reward and ``details`` (the components of a composed reward), finish reason,
 staleness (training step minus the version of its oldest sampled token, as ``async/staleness_*``)
-and, for episodes, the episode's counters (turns, tool calls, errors).
+and, for episodes, the episode's counters (turns, tool calls, errors). For an MoE policy, ``routes``: the
+experts the engine chose for each response token (``Trajectory.routes``, one entry per token like ``ids``),
+as ``models.moe.encode_routes`` writes them (shape and base64 of the uint8 ids: a list of numbers would be
+several times the size); the inspector shows a token's experts per layer on hover.
 
 Why record the trainer's own numbers rather than recompute them later: the inspector is for finding
 what went wrong in *this* run (an engine/trainer mismatch, an advantage with the wrong sign), which
@@ -18,6 +21,7 @@ only the values the loss actually used can show.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 
 import torch
@@ -51,12 +55,22 @@ def prompt_record(prompt: Prompt, prompt_ids: Sequence[int], task: str) -> dict:
             "task": task_of(prompt, task)}
 
 
+def encode_routes(routes_tlk: torch.Tensor) -> dict:
+    """``models.moe.encode_routes``, written here again because the inspector sits below ``models`` in the layer
+    table (``tests/inspector/test_record.py`` holds the two equal): ``{"shape", "uint8_b64"}``."""
+    data = routes_tlk.to(torch.uint8).contiguous().cpu()
+    return {"shape": list(data.shape), "uint8_b64": base64.b64encode(data.numpy().tobytes()).decode()}
+
+
 def sample_record(t: Trajectory, tokens: list[str], **extra) -> dict:
     """One sample's fields shared by train and eval records; ``extra`` adds the trainer's side."""
-    return {"index": t.sample_index, "text": t.text, "ids": list(t.token_ids), "tokens": tokens,
-            "behav_logp": clean(list(t.logprobs)), "versions": list(t.versions), "policy_mask": t.loss_mask,
-            "reward": clean(float(t.reward)), "details": clean(t.reward_details), "finish_reason": t.finish_reason,
-            "episode": clean(t.episode), **extra}
+    record = {"index": t.sample_index, "text": t.text, "ids": list(t.token_ids), "tokens": tokens,
+              "behav_logp": clean(list(t.logprobs)), "versions": list(t.versions), "policy_mask": t.loss_mask,
+              "reward": clean(float(t.reward)), "details": clean(t.reward_details), "finish_reason": t.finish_reason,
+              "episode": clean(t.episode), **extra}
+    if t.routes is not None:  # the response's tokens only, aligned with ``ids`` (the page shows those)
+        record["routes"] = encode_routes(t.routes[len(t.prompt_ids) :])
+    return record
 
 
 def train_records(step: int, version: int, groups: Sequence[Group], picks: Sequence[int], batch: TrainBatch | None,

@@ -12,6 +12,11 @@ prompt comes back as one Trajectory covering the whole episode. Inside, an episo
    and the waiting episode holds no engine slot; its observation is tokenized once (``render.py``)
    and appended to the context with loss mask 0, log-prob 0.0 and version -1.
 
+An MoE policy's routes (``Trajectory.routes``) come with every turn and cover its whole context; the
+episode keeps the route each token had when first read (``routes.merge_turn``: the one the tokens sampled
+then were computed with) and fills the rest from later turns; the tokens no turn fed (the last sampled
+one, a final observation) have ``NO_ROUTE``.
+
 An episode ends when the environment says done, at ``max_turns``, when its token budget (the model's
 context) is spent, or when the environment raises: an infrastructure failure, kept out of its
 group's baseline by the controller rather than scored 0. A tool timeout becomes an observation.

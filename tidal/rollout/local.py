@@ -14,6 +14,10 @@ How a batch is generated:
 
 Sampling noise is keyed by (run seed, prompt uid, sample index, position) (see ``sampling.py``), so
 an interrupted generation with unchanged weights yields the same tokens as an uninterrupted one.
+
+An MoE model's expert choices are recorded with each sample (``Trajectory.routes``, ``routes.py``): each
+forward's routers write them next to the tokens' keys and values, and a re-prefill after a weight update
+records the new weights' choices, as it recomputes the keys.
 """
 
 from __future__ import annotations

@@ -233,6 +233,24 @@
   });
 
   // ---- the token tooltip ---------------------------------------------------------------------------
+  // An MoE sample's routes (record.py: shape [tokens, layers, k] and the uint8 ids in base64), decoded once
+  const NO_ROUTE = 255;
+  const decodedRoutes = new WeakMap();
+  function experts(s, j) {
+    if (!s.routes) return null;
+    const [tokens, layers, k] = s.routes.shape;
+    if (j >= tokens) return null;
+    let ids = decodedRoutes.get(s);
+    if (!ids) {
+      const raw = atob(s.routes.uint8_b64);
+      ids = Uint8Array.from(raw, (c) => c.charCodeAt(0));
+      decodedRoutes.set(s, ids);
+    }
+    if (ids[j * layers * k] === NO_ROUTE) return "— (no route: not fed to the engine)";
+    const per = [];
+    for (let l = 0; l < layers; l++) per.push(`L${l}:` + Array.from(ids.subarray((j * layers + l) * k, (j * layers + l + 1) * k)).join(","));
+    return per.join(" ");
+  }
   const tip = $("tip");
   document.addEventListener("mouseover", (ev) => {
     const span = ev.target.closest ? ev.target.closest(".tok") : null;
@@ -246,6 +264,7 @@
       ["mismatch", observation || t === null || b === null ? "—" : num(round4(Math.abs(t - b)))],
       ["version", s.versions[j]], ["loss_mask", s.loss_mask ? s.loss_mask[j] : "—"]];
     if (tokenAdvantage(s, j) !== undefined) rows.push(["advantage", num(tokenAdvantage(s, j))]);
+    if (experts(s, j) !== null) rows.push(["experts", experts(s, j)]);
     if (observation) rows.push(["note", "observation: not trained"]);
     tip.replaceChildren(el("table", {}, ...rows.map(([k, v]) => el("tr", { "data-k": k }, el("th", { text: k }), el("td", { text: String(v) })))));
     tip.style.display = "block";
