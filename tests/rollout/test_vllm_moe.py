@@ -233,3 +233,24 @@ def test_an_early_truncated_sample_has_no_routes_and_is_counted(monkeypatch, moe
     assert all(t.finish_reason == "repetition" and t.num_tokens == 2 for t in trajs)
     assert all((t.routes == NO_ROUTE).all() and len(t.routes) == len(t.prompt_ids) + 2 for t in trajs)
     assert driver.stats()["rollout/missing_routes"] == 2.0
+
+
+def test_the_servers_get_an_moe_update_in_hub_layout(monkeypatch, moe, tokenizer, tmp_path):
+    """Server mode writes each update for the servers to reload from: under the Hub's per-expert names."""
+    from safetensors.torch import load_file
+
+    from tidal.rollout import vllm_server
+    from tidal.rollout.vllm import build_engine
+
+    monkeypatch.setattr(vllm_server, "_get", lambda url: {"data": [{"id": "m"}]})
+    posted = []
+    monkeypatch.setattr(vllm_server, "_post", lambda url, body=None: posted.append(url))
+    cfg = SamplingConfig()
+    cfg.vllm = VllmOptions(servers=["http://127.0.0.1:1"], weights_dir=str(tmp_path / "w"))
+    engine = build_engine(moe, tokenizer, cfg)
+    engine.request_weight_update(moe.state_dict(), version=1)
+    engine._apply_pending()
+    written = load_file(tmp_path / "w" / "v1" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.0.up_proj.weight" in written
+    assert not any(k.endswith("experts.gate_up_proj") for k in written)
+    assert engine.version == 1 and any(u.endswith("/collective_rpc") for u in posted)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tidal.models.tied import tied_names
 from tidal.rollout.vllm_engine import _DRIVERS, VllmEngine, driver_for
-from tidal.rollout.vllm_options import VllmOptions
+from tidal.rollout.vllm_options import VllmOptions, hub_layout_of
 from tidal.rollout.vllm_server import VllmServerEngine
 
 
@@ -16,6 +16,7 @@ def build_engine(model, tokenizer, cfg, seed: int = 0, version: int = 0):
     if options.servers:
         if model not in _DRIVERS:
             _DRIVERS[model] = VllmServerEngine(options.servers, tokenizer, cfg, seed=seed, version=version,
-                                               options=options, tied=tied_names(model))
+                                               options=options, tied=tied_names(model),
+                                               to_hub=hub_layout_of(getattr(model, "config", None)))
         return _DRIVERS[model]
     return VllmEngine(driver_for(model, tokenizer, cfg, seed, version, options), tokenizer, cfg, seed=seed)

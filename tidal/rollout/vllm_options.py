@@ -182,22 +182,27 @@ def moe_layer_indices(model: torch.nn.Module) -> list[int] | None:
 
 
 def hub_layout(model_dir: str | Path) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
-    """For an architecture transformers 5 holds in another layout than its files (MoE experts fused into one
-    [E, ...] tensor per projection): a function turning a trainer state dict into the Hub's per-expert names,
-    which vLLM's weight loader maps (``revert_weight_conversion`` on a meta-device model of ``model_dir``'s config,
-    as ``save_pretrained`` does). None when the layouts are the same (dense models)."""
-    import json
-
+    """``hub_layout_of`` the config in ``model_dir`` (None without one)."""
     config = Path(model_dir) / "config.json"
     if not config.exists():
         return None
+    from transformers import AutoConfig
+
+    return hub_layout_of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
+
+def hub_layout_of(config) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """For an architecture transformers 5 holds in another layout than its files (MoE experts fused into one
+    [E, ...] tensor per projection): a function turning a trainer state dict into the Hub's per-expert names,
+    which vLLM's weight loader maps (``revert_weight_conversion`` on a meta-device model of ``config``, as
+    ``save_pretrained`` does). None when the layouts are the same (dense models) or ``config`` is None."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    if get_checkpoint_conversion_mapping(json.loads(config.read_text()).get("model_type")) is None:
+    if config is None or get_checkpoint_conversion_mapping(getattr(config, "model_type", None)) is None:
         return None
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+        meta = AutoModelForCausalLM.from_config(config)
     return lambda state: revert_weight_conversion(meta, dict(state))

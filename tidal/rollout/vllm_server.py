@@ -92,9 +92,12 @@ class VllmServerEngine:
     """``RolloutEngine`` over OpenAI-compatible vLLM servers (see module docstring)."""
 
     def __init__(self, servers: Sequence[str], tokenizer, cfg, seed: int = 0, version: int = 0, options=None,
-                 tied: Mapping[str, str] | None = None):
-        """``tied``: the policy's tied names (``models/tied.py``), filled back into each state dict sent."""
+                 tied: Mapping[str, str] | None = None, to_hub=None):
+        """``tied``: the policy's tied names (``models/tied.py``), filled back into each state dict sent.
+        ``to_hub``: an MoE policy's state dict -> the Hub's per-expert layout the servers load
+        (``vllm_options.hub_layout_of``)."""
         self.options = options or VllmOptions(servers=list(servers))
+        self.to_hub = to_hub
         if self.options.return_routes:  # R3 needs each token's experts, which the completions API does not carry
             raise ValueError("trainer.moe.routing_replay=r3 with rollout.vllm.servers: vLLM's OpenAI server does not "
                              "return routed experts; use the in-process vLLM engine (no rollout.vllm.servers), "
@@ -153,6 +156,8 @@ class VllmServerEngine:
         # out (read_checkpoint_dir says why); safetensors stores each tensor once, so tensors sharing storage
         # are copied.
         state = read_checkpoint_dir(payload) if isinstance(payload, Path) else retie(payload, self.tied)
+        if not isinstance(payload, Path) and self.to_hub is not None:
+            state = self.to_hub(state)
         path = Path(self.options.weights_dir) / f"v{version}"
         path.mkdir(parents=True, exist_ok=True)
         seen: set[int] = set()
