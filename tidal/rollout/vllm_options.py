@@ -40,8 +40,8 @@ class VllmOptions:
     update writes the new weights there and asks each server to reload."""
     return_routes: bool = False
     """MoE models: ask vLLM for the experts each token was routed to (its ``enable_return_routed_experts``) and
-    fill ``Trajectory.routes`` for Rollout Routing Replay (R3); the run sets it with
-    ``trainer.moe.routing_replay=r3``. A vLLM without that engine argument is one error naming its version.
+    fill ``Trajectory.routes`` for Rollout Routing Replay (R3, ``trainer.moe.routing_replay=r3``, which needs
+    it on). A vLLM without that engine argument is one error naming its version.
     In-process engine only: vLLM's OpenAI server does not return routes."""
     speculative_config: dict | None = None
     """vLLM's ``speculative_config``, passed as is (e.g. ``{"method": "eagle3", "model": ...}``); None: built
