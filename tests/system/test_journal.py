@@ -164,3 +164,19 @@ def test_ctrl_c_after_a_step_trained_counts_that_step(tmp_path):
         close(resumed)
     uids = [u for _, groups in trained for u in groups]
     assert uids == [resumed.task.train_prompt(i).uid for i in range(2 * p, 4 * p)]
+
+
+def test_an_moe_samples_routes_round_trip(tmp_path):
+    """``Trajectory.routes`` (uint8 [tokens, layers, k]) is journaled as ``moe.encode_routes`` writes it, not as
+    the tensor's text, and comes back equal (issue 52)."""
+    g = group("m", [0, 1])
+    for t in g.trajectories:
+        t.routes = torch.randint(0, 8, (len(t.prompt_ids) + t.num_tokens, 3, 2), dtype=torch.uint8)
+        t.routes[-1] = 255
+    j = GroupJournal(tmp_path / "journal.jsonl", fresh=True)
+    j.append(0, g)
+    j.close()
+    groups, _ = GroupJournal(tmp_path / "journal.jsonl", fresh=False).reload(0, max_version=5)
+    for a, b in zip(groups[0].trajectories, g.trajectories, strict=True):
+        assert a.routes.dtype == torch.uint8 and torch.equal(a.routes, b.routes)
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from tidal.models.moe import decode_routes, encode_routes
 from tidal.types import Group, Prompt, Trajectory
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,19 @@ log = logging.getLogger(__name__)
 
 def group_to_json(index: int, group: Group) -> str:
     # vars() rather than dataclasses.asdict: no deep copy (this runs on the scorer thread).
-    record = {"prompt": vars(group.prompt), "trajectories": [vars(t) for t in group.trajectories]}
+    record = {"prompt": vars(group.prompt), "trajectories": [_trajectory_dict(t) for t in group.trajectories]}
     return json.dumps({"index": index, "group": record}, default=str)
 
 
+def _trajectory_dict(t: Trajectory) -> dict:
+    """``vars(t)``, an MoE sample's routes (a uint8 tensor) as ``encode_routes`` writes them."""
+    return vars(t) if t.routes is None else {**vars(t), "routes": encode_routes(t.routes)}
+
+
 def group_from_dict(d: dict) -> Group:
-    return Group(Prompt(**d["prompt"]), [Trajectory(**t) for t in d["trajectories"]])
+    trajs = [Trajectory(**{**t, "routes": decode_routes(t["routes"])} if t.get("routes") is not None
+                        else t) for t in d["trajectories"]]
+    return Group(Prompt(**d["prompt"]), trajs)
 
 
 def newest_version(group: Group) -> int:
