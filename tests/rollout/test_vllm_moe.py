@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.models.moe import NO_ROUTE
 from tidal.rollout.local import SamplingConfig
@@ -150,7 +151,7 @@ def test_without_return_routes_nothing_is_asked_or_filled(monkeypatch, moe_dir, 
 
 def test_a_vllm_without_routed_experts_is_one_line_naming_its_version(monkeypatch, moe_dir):
     _use(monkeypatch, fake_vllm(with_routes=False, version="0.8.5"))
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(ConfigError) as e:  # a ValueError: ``tidal train`` prints it as one ``error:`` line
         VllmDriver(moe_dir, SamplingConfig(), options=VllmOptions(return_routes=True))
     message = str(e.value)
     assert "\n" not in message and "0.8.5" in message and "enable_return_routed_experts" in message
@@ -160,7 +161,7 @@ def test_a_vllm_without_routed_experts_is_one_line_naming_its_version(monkeypatc
 def test_the_servers_refuse_return_routes():
     from tidal.rollout.vllm_server import VllmServerEngine
 
-    with pytest.raises(ValueError, match="OpenAI server does not return routed experts"):
+    with pytest.raises(ConfigError, match="OpenAI server does not return routed experts"):
         VllmServerEngine(["http://127.0.0.1:1"], None, SamplingConfig(),
                          options=VllmOptions(servers=["http://127.0.0.1:1"], return_routes=True))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.config import ConfigError
 from tidal.models.tied import retie
 
 
@@ -124,9 +125,9 @@ def check_routes_supported(vllm) -> None:
     its ``EngineArgs``), which routing replay R3 with the vLLM engine needs."""
     fields = getattr(getattr(vllm, "EngineArgs", None), "__dataclass_fields__", {})
     if ROUTES_ARG not in fields:
-        raise RuntimeError(f"trainer.moe.routing_replay=r3 with rollout.engine=vllm needs vLLM's {ROUTES_ARG} "
-                           f"(per-token routed experts); the installed vLLM {getattr(vllm, '__version__', '?')} "
-                           "does not have it: upgrade vLLM, or use rollout.engine=local or routing_replay=r2")
+        raise ConfigError(f"trainer.moe.routing_replay=r3 with rollout.engine=vllm needs vLLM's {ROUTES_ARG} "
+                          f"(per-token routed experts); the installed vLLM {getattr(vllm, '__version__', '?')} "
+                          "does not have it: upgrade vLLM, or use rollout.engine=local or routing_replay=r2")
 
 
 def routes_of(routed_experts, num_tokens: int, moe_layers: Sequence[int] | None,

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from tidal.api import GenRequest
+from tidal.config import ConfigError
 from tidal.models.tied import retie
 from tidal.rollout.segments import LoadBalancer, SegmentedRow, new_row
 from tidal.rollout.vllm_options import VllmOptions, read_checkpoint_dir
@@ -99,7 +100,7 @@ class VllmServerEngine:
         self.options = options or VllmOptions(servers=list(servers))
         self.to_hub = to_hub
         if self.options.return_routes:  # R3 needs each token's experts, which the completions API does not carry
-            raise ValueError("trainer.moe.routing_replay=r3 with rollout.vllm.servers: vLLM's OpenAI server does not "
+            raise ConfigError("trainer.moe.routing_replay=r3 with rollout.vllm.servers: vLLM's OpenAI server does not "
                              "return routed experts; use the in-process vLLM engine (no rollout.vllm.servers), "
                              "rollout.engine=local, or routing_replay=r2")
         self.tied = dict(tied or {})
