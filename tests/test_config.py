@@ -69,3 +69,15 @@ def test_reward_params_reach_the_reward_and_bad_ones_are_named():
 
     with pytest.raises(ConfigError, match="exact_match.*takes no parameters"):
         build_reward("exact_match", {"mode": "x"})
+
+
+def test_on_off_yes_no_stay_words_for_string_keys_and_are_booleans_for_boolean_keys(tmp_path):
+    """YAML 1.1 reads off/on/yes/no as booleans: ``rollout.cuda_graphs=off`` became the string "False"."""
+    cfg = apply_overrides(RunConfig(), ["rollout.cuda_graphs=off", "trainer.moe.routing_replay=off",
+                                        "log.progress=off", "log.tensorboard=yes", "rollout.stop=[no, On]"])
+    assert cfg.rollout.cuda_graphs == "off" and cfg.trainer.moe.routing_replay == "off"
+    assert cfg.log.progress is False and cfg.log.tensorboard is True and cfg.rollout.stop == ["no", "On"]
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  cuda_graphs: on\nlog:\n  progress: no\n")
+    cfg = load_yaml_into(RunConfig(), path)
+    assert cfg.rollout.cuda_graphs == "on" and cfg.log.progress is False

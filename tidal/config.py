@@ -2,7 +2,9 @@
 
 Each component owns a small dataclass next to its code (``RolloutConfig`` in ``rollout/``,
 ``AlgoConfig`` in ``algo/`` ...); a run config nests them. Overrides are parsed with YAML (so
-``0.2`` is a float, ``[a, b]`` a list, ``null`` None) and then checked against the field's type.
+``0.2`` is a float, ``[a, b]`` a list, ``null`` None) and then checked against the field's type. Only
+``true``/``false`` are booleans (YAML 1.2): YAML 1.1 also reads ``on``/``off``/``yes``/``no`` as booleans, which
+turned ``--set rollout.cuda_graphs=off`` into the string "False"; a boolean key still takes those words.
 An unknown key is an error naming the key and its closest matches. Every number set this way (from
 ``--set`` or a YAML config, inside lists and mappings too) must be finite: NaN passes every range
 check (each comparison with it is false) and then silently poisons whatever reads it.
@@ -14,6 +16,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -26,6 +29,23 @@ C = TypeVar("C")
 
 class ConfigError(ValueError):
     """A bad key or value in a config or an override."""
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true/false (any case), so ``off`` stays a string."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_BOOL_WORDS = {"on": True, "yes": True, "off": False, "no": False}
+
+
+def load_yaml(text: str) -> Any:
+    """A config document (a file or one override's value) parsed with ``ConfigLoader``."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def _all_keys(cfg: Any, prefix: str = "") -> list[str]:
@@ -70,6 +90,8 @@ def _coerce(key: str, raw: Any, hint: Any) -> Any:
     if hint is bool:
         if isinstance(raw, bool):
             return raw
+        if isinstance(raw, str) and raw.lower() in _BOOL_WORDS:  # YAML 1.1's words for booleans
+            return _BOOL_WORDS[raw.lower()]
         raise ConfigError(f"{key}: expected true/false, got {raw!r}")
     if hint is float:
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
@@ -141,7 +163,7 @@ def apply_overrides(cfg: C, overrides: list[str]) -> C:
             raise ConfigError(f"override {item!r} must look like key=value")
         key, _, text = item.partition("=")
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = load_yaml(text) if text.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
         set_key(cfg, key.strip(), value)
@@ -186,4 +208,4 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
 
 
 def load_yaml_into(cfg: C, path: str | Path) -> C:
-    return apply_mapping(cfg, yaml.safe_load(Path(path).read_text()) or {})
+    return apply_mapping(cfg, load_yaml(Path(path).read_text()) or {})

@@ -8,14 +8,14 @@ from typing import Any
 
 import yaml
 
-from tidal.config import ConfigError
+from tidal.config import ConfigError, load_yaml
 
 
 def read_yaml(path: str | Path, mapping: bool = False) -> Any:
     """The parsed document (``{}`` for an empty file); ``mapping``: it must be a mapping of keys."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+        doc = load_yaml(path.read_bytes().decode("utf-8")) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start + 1})") from None
     except yaml.YAMLError as e:
