@@ -24,13 +24,13 @@ def tiny_moe(tokenizer, **kw) -> torch.nn.Module:
     return tiny.build_model(cfg, tokenizer).eval()
 
 
-def family(name: str, tokenizer) -> torch.nn.Module:
+def family(name: str, tokenizer, **extra) -> torch.nn.Module:
     """A tiny random model of an MoE family transformers 5 writes with fused experts and a TopK router."""
     c = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_attention_heads=4,
              num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256, num_experts_per_tok=2,
              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
              eos_token_id=tokenizer.eos_token_id, attn_implementation="sdpa")
-    config = {"qwen3_moe": lambda: Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, **c),
+    config = {"qwen3_moe": lambda: Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, head_dim=8, **c, **extra),
               "qwen2_moe": lambda: Qwen2MoeConfig(num_experts=4, moe_intermediate_size=16,
                                                   shared_expert_intermediate_size=16, **c),
               "mixtral": lambda: MixtralConfig(num_local_experts=4, **c),
@@ -102,11 +102,33 @@ def test_experts_false_adapts_attention_only(tokenizer):
     assert {n.rsplit(".", 1)[-1] for n, _ in lora._lora_layers(wrapped)} == {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
-def test_mlp_names_that_peft_maps_onto_the_experts_are_one_line(tokenizer):
-    """On Qwen3-MoE PEFT maps ``down_proj`` (a transformers-4 expert name) onto the fused experts' down_proj: with
-    experts off that would train weights the config did not ask for."""
-    with pytest.raises(ConfigError, match="model.lora.experts"):
-        lora.wrap(tiny_moe(tokenizer), lora.LoraConfig(rank=2, experts=False, target_modules=["q_proj", "down_proj"]))
+def test_mlp_names_mean_linear_layers_not_the_experts(tokenizer, ids, tmp_path):
+    """A Qwen3-MoE whose layer 0 is a dense MLP (``mlp_only_layers``): PEFT on its own maps ``gate_proj``/``up_proj``/
+    ``down_proj`` onto the fused experts and leaves that dense MLP out. tidal's targets mean what they name: the
+    dense layer's linear layers; the experts only through ``model.lora.experts``; and the adapters save, resume
+    and merge (``tiny.load`` of the checkpoint) the same way."""
+    base = family("qwen3_moe", tokenizer, mlp_only_layers=[0])
+    assert base.config.model_type == "qwen3_moe"
+    wrapped = lora.wrap(copy.deepcopy(base), lora.LoraConfig(rank=2, experts=False, target_modules=["q_proj", "down_proj"]))
+    assert base.config.model_type == "qwen3_moe"  # the PEFT mapping was kept out for the wrap only
+    assert {n for n, _ in lora._lora_layers(wrapped)} == {"model.layers.0.self_attn.q_proj",
+                                                          "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
+    full = lora.wrap(copy.deepcopy(base), lora.LoraConfig(rank=2))
+    adapted = {n for n, _ in lora._lora_layers(full)}
+    assert {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.experts.down_proj",
+            "model.layers.1.mlp.experts.gate_up_proj"} <= adapted
+    perturb(full)
+    tiny.save(base, tokenizer, tmp_path / "base")
+    full.peft_config["default"].base_model_name_or_path = str(tmp_path / "base")
+    opt = torch.optim.AdamW(lora.trainable_parameters(full), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = save_checkpoint(tmp_path / "ckpts", full, tokenizer, opt, sched, TrainingState(1, 1, 0, {}))
+    merged, _ = tiny.load(ckpt)
+    torch.testing.assert_close(logits(merged.eval(), ids), logits(full.eval(), ids), rtol=0, atol=1e-5)
+    resumed = lora.wrap(copy.deepcopy(base), lora.LoraConfig(rank=2))
+    opt2 = torch.optim.AdamW(lora.trainable_parameters(resumed), lr=1e-3)
+    load_checkpoint(ckpt, resumed, opt2, torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0))
+    torch.testing.assert_close(logits(resumed.eval(), ids), logits(full, ids), rtol=0, atol=0)
 
 
 def test_lora_delta_is_peft_s_delta(tokenizer):

@@ -30,7 +30,8 @@ parameters (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]
 B [out, E r]), merged as W0[e] + s B_e A_e. The routers stay frozen: a router is an E x H matrix, and training it
 moves which experts a token meets, which routing replay (R3) pins to what the engine sampled with. tidal resolves
 ``all-linear`` itself on an MoE model (the attention and any dense or shared-expert ``nn.Linear``): PEFT's own
-``all-linear`` adds the experts *and* the routers for some MoE families and nothing for others (Qwen2-MoE).
+``all-linear`` adds the experts *and* the routers for some MoE families and nothing for others (Qwen2-MoE), and
+its renaming of transformers-4 MLP names is kept out (``names_as_written``).
 In an update an expert adapter is keyed by its parameter's name (``...mlp.experts.gate_up_proj``), a linear
 layer's by its module's name.
 
@@ -40,7 +41,9 @@ rewrite W, so "adapters disabled" would no longer be the base the run started fr
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,11 +152,10 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None =
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                              target_parameters=parameters, init_lora_weights=init, bias="none", task_type="CAUSAL_LM")
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with names_as_written(model):
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as e:  # no module matched target_modules
         raise ConfigError(f"model.lora.target_modules={cfg.target_modules}: {' '.join(str(e).split())}") from None
-    if experts:
-        _check_moe_adapters(wrapped, cfg, experts)
     if base_path is not None:
         wrapped.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
     return wrapped
@@ -182,23 +184,29 @@ def moe_targets(model: torch.nn.Module, cfg: LoraConfig, experts: list[str]) -> 
     return targets, parameters
 
 
-def _check_moe_adapters(model: torch.nn.Module, cfg: LoraConfig, experts: list[str]) -> None:
-    """PEFT remaps transformers-4 names on some MoE families (``gate_proj``/``down_proj``/``w1``/``gate`` to the
-    fused experts or the router: ``peft/utils/transformers_weight_conversion.py``): one line when the result is
-    not what ``model.lora`` asked for, rather than training other weights than the user named."""
-    from tidal.models.moe import find_routers
-
-    adapted = {name for name, _ in _lora_layers(model)}
-    base = model.get_base_model()
-    routers = {f"{_plain(name)}.weight" for name, m in base.named_modules() if m in find_routers(base)}
-    wanted = set(experts) if cfg.experts else set()
-    got = adapted & set(experts)
-    if adapted & routers or got != wanted:
-        raise ConfigError(f"model.lora.target_modules={cfg.target_modules} with model.lora.experts={cfg.experts} "
-                          f"adapted {len(adapted & routers)} routers and {len(got)} of the {len(wanted)} expert "
-                          "weights asked for (PEFT maps MLP names such as gate_proj, down_proj or w1 onto the fused "
-                          "experts on this MoE family): name attention and dense layers in target_modules, and "
-                          "choose the routed experts with model.lora.experts")
+@contextlib.contextmanager
+def names_as_written(model: torch.nn.Module) -> Iterator[None]:
+    """PEFT (with transformers 5) rewrites the LoRA targets of the MoE families whose layout changed since
+    transformers 4: ``gate_proj``/``up_proj``/``down_proj`` (Mixtral's ``w1``-``w3``) become the fused experts and
+    ``gate`` the router (``peft/utils/transformers_weight_conversion.py``), so the linear layers of those names a
+    model also has (dense MLP layers, shared experts: GLM-4.5's, DeepSeek's) were silently left out. With the
+    model type hidden from that mapping (it is looked up by ``config.model_type``) a target means the modules it
+    names, and the experts are what ``target_parameters`` names. Used wherever PEFT reads a config: wrapping and
+    loading adapters."""
+    config = getattr(model, "config", None)
+    if config is None:
+        yield
+        return
+    own = "model_type" in vars(config)
+    previous = config.model_type
+    config.model_type = "tidal-targets-as-written"
+    try:
+        yield
+    finally:
+        if own:
+            config.model_type = previous
+        else:
+            del config.model_type
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -414,7 +422,8 @@ def load_adapters(model: torch.nn.Module, directory: str | Path) -> None:
 
     check_adapters(model, directory)
     weights = load_file(Path(directory) / ADAPTER_WEIGHTS)
-    result = set_peft_model_state_dict(model, weights)
+    with names_as_written(model):
+        result = set_peft_model_state_dict(model, weights)
     unexpected = list(getattr(result, "unexpected_keys", []))
     loaded = {k.replace(".weight", ".default.weight") for k in weights}  # PEFT saves without the adapter name
     missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in loaded)
@@ -451,7 +460,8 @@ def load_merged(directory: str | Path, base: str | Path | None = None) -> torch.
 
     base = Path(base) if base is not None else base_of(directory)
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=torch.float32)
-    return PeftModel.from_pretrained(model, str(directory), local_files_only=True).merge_and_unload()
+    with names_as_written(model):
+        return PeftModel.from_pretrained(model, str(directory), local_files_only=True).merge_and_unload()
 
 
 
