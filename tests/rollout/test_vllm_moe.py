@@ -255,3 +255,15 @@ def test_the_servers_get_an_moe_update_in_hub_layout(monkeypatch, moe, tokenizer
     assert "model.layers.1.mlp.experts.0.up_proj.weight" in written
     assert not any(k.endswith("experts.gate_up_proj") for k in written)
     assert engine.version == 1 and any(u.endswith("/collective_rpc") for u in posted)
+
+
+def test_return_routes_on_a_dense_model_asks_nothing(monkeypatch, tokenizer, tmp_path):
+    """``trainer.moe.*`` is ignored for dense models: so is ``return_routes`` (no routes, no vLLM check)."""
+    vllm = fake_vllm(with_routes=False)
+    _use(monkeypatch, vllm)
+    dense = tiny.build_model(tiny.ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                                              intermediate_size=64), tokenizer)
+    tiny.save(dense, tokenizer, tmp_path / "dense")
+    driver = VllmDriver(tmp_path / "dense", SamplingConfig(max_batch_size=8), options=VllmOptions(return_routes=True))
+    assert "enable_return_routed_experts" not in vllm.made[0].kwargs and driver.to_hub is None
+    assert all(t.routes is None for t in _generate(driver, tokenizer))

@@ -107,10 +107,11 @@ class VllmDriver:
                  options: VllmOptions | None = None, llm=None, sampling_params_cls=None,
                  moe_layers: list[int] | None = None):
         opts = options or VllmOptions()
+        shape = routes_shape(model_dir, moe_layers) if opts.return_routes else None  # None: off, or a dense model
         t0 = time.perf_counter()
         if llm is None:
             vllm = import_vllm()
-            if opts.return_routes:
+            if shape is not None:
                 check_routes_supported(vllm)
             sampling_params_cls = vllm.SamplingParams
             kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), seed=seed,
@@ -120,7 +121,7 @@ class VllmDriver:
                           gpu_memory_utilization=opts.gpu_memory_utilization)
             if opts.max_model_len is not None:
                 kwargs["max_model_len"] = opts.max_model_len
-            if opts.return_routes:
+            if shape is not None:
                 kwargs[ROUTES_ARG] = True
             spec = speculative_config(getattr(cfg, "speculative", None), opts)
             if spec is not None:
@@ -148,9 +149,9 @@ class VllmDriver:
         self.model_dir = Path(model_dir)
         self.tied = tied_head_names(model_dir)  # a tied head is sent once, as the embedding: given to vLLM as both
         self.to_hub = hub_layout(model_dir)  # MoE: fused experts -> the per-expert names vLLM loads
-        self.return_routes = opts.return_routes
+        self.return_routes = shape is not None
         self.moe_layers = moe_layers
-        self.routes_shape = routes_shape(model_dir, moe_layers) if opts.return_routes else None
+        self.routes_shape = shape
         self.num_missing_routes = 0
         self._lock = threading.RLock()
         self._pending_lock = threading.Lock()

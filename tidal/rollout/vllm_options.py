@@ -43,7 +43,7 @@ class VllmOptions:
     """MoE models: ask vLLM for the experts each token was routed to (its ``enable_return_routed_experts``) and
     fill ``Trajectory.routes`` for Rollout Routing Replay (R3, ``trainer.moe.routing_replay=r3``, which needs
     it on). A vLLM without that engine argument is one error naming its version.
-    In-process engine only: vLLM's OpenAI server does not return routes."""
+    In-process engine only: vLLM's OpenAI server does not return routes. Ignored for a dense model."""
     speculative_config: dict | None = None
     """vLLM's ``speculative_config``, passed as is (e.g. ``{"method": "eagle3", "model": ...}``); None: built
     from ``rollout.speculative`` (``speculative_config``). In-process engine only (servers take theirs on
@@ -154,12 +154,16 @@ def routes_of(routed_experts, num_tokens: int, moe_layers: Sequence[int] | None,
     return routes
 
 
-def routes_shape(model_dir: str | Path, moe_layers: Sequence[int] | None) -> tuple[int, int]:
-    """(MoE layers, k) of the model in ``model_dir`` (its ``config.json``): the shape of a token's routes."""
+def routes_shape(model_dir: str | Path, moe_layers: Sequence[int] | None) -> tuple[int, int] | None:
+    """(MoE layers, k) of the model in ``model_dir`` (its ``config.json``): the shape of a token's routes; None for
+    a dense model (no ``num_experts_per_tok``), which has none to return."""
     import json
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
     config = config.get("text_config", config)
+    if not config.get("num_experts_per_tok"):
+        return None
     layers = len(moe_layers) if moe_layers is not None else int(config["num_hidden_layers"])
     return layers, int(config["num_experts_per_tok"])
 
