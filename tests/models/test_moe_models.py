@@ -230,3 +230,28 @@ def test_checkpoint_resume_of_an_moe_is_exact(tokenizer, ids, tmp_path, rank):
     for name in want:
         assert torch.equal(want[name], got[name]), name
     assert any("experts" in n for n, p in got.items() if p.requires_grad)
+
+
+def test_the_trainer_trains_expert_adapters_with_and_without_activation_checkpointing(tokenizer):
+    """Two RL steps of tidal's trainer on LoRA over attention and experts: the expert adapters move, and
+    activation checkpointing's recompute (PEFT re-applies each expert's delta inside it) changes no bit."""
+    from tests.parallel.test_fsdp import make_batch
+    from tidal.algo.config import AlgoConfig
+    from tidal.optim import OptimConfig
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
+
+    def run(checkpointing: bool):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = lora.wrap(tiny_moe(tokenizer).train(), lora.LoraConfig(rank=2))
+        trainer = Trainer(model, AlgoConfig(), OptimConfig(lr=3e-2),
+                          TrainerConfig(activation_checkpointing=checkpointing))
+        losses = [trainer.step(make_batch(seed))["train/loss"] for seed in range(2)]
+        return losses, trainer.state_dict_for_engine()
+
+    (losses, plain), (losses_ac, recomputed) = run(False), run(True)
+    assert losses == losses_ac
+    assert plain.keys() == recomputed.keys() and all(torch.equal(plain[k], recomputed[k]) for k in plain)
+    b = plain["model.layers.0.mlp.experts.down_proj.lora_B"]
+    assert b.abs().max() > 0, "the experts' B started at zero and should have moved"
