@@ -255,3 +255,39 @@ def test_the_trainer_trains_expert_adapters_with_and_without_activation_checkpoi
     assert plain.keys() == recomputed.keys() and all(torch.equal(plain[k], recomputed[k]) for k in plain)
     b = plain["model.layers.0.mlp.experts.down_proj.lora_B"]
     assert b.abs().max() > 0, "the experts' B started at zero and should have moved"
+
+
+def test_the_local_engine_samples_with_the_trainers_expert_adapters_after_a_sync(tokenizer):
+    """Through ``LocalEngine``: a trainer step on LoRA over attention and experts, the adapters sent, and the
+    engine's behaviour log-probs of what it samples next are the trainer's own (fp32), tagged with its version."""
+    from tidal.algo.config import AlgoConfig
+    from tidal.optim import OptimConfig
+    from tidal.rollout.local import LocalEngine, SamplingConfig
+    from tidal.rollout.requests import group_requests
+    from tidal.train.batch import build_train_batch
+    from tidal.train.config import TrainerConfig
+    from tidal.train.trainer import Trainer
+    from tidal.types import Group, Prompt
+
+    policy = lora.wrap(tiny_moe(tokenizer).train(), lora.LoraConfig(rank=2))
+    engine = LocalEngine(policy, tokenizer, SamplingConfig(max_new_tokens=6))
+    trainer = Trainer(policy, AlgoConfig(), OptimConfig(lr=5e-2), TrainerConfig())
+
+    def batch(rewards):
+        prompts = [Prompt(f"p{i}", f"{i}+{2 * i}=", str(3 * i)) for i in range(len(rewards))]
+        n = len(rewards[0])
+        trajs = engine.generate(group_requests(tokenizer, prompts, n))
+        groups = [Group(p, trajs[i * n:(i + 1) * n]) for i, p in enumerate(prompts)]
+        for g, rs in zip(groups, rewards):
+            for t, r in zip(g.trajectories, rs):
+                t.reward = r
+        return build_train_batch(groups, AlgoConfig(), tokenizer.pad_token_id)[0]
+
+    trainer.step(batch([[1.0, 0.0, 0.0, 0.0]] * 4))
+    update = trainer.state_dict_for_engine()
+    assert lora.is_adapter_update(update) and "model.layers.1.mlp.experts.gate_up_proj.lora_B" in update
+    engine.request_weight_update(update, trainer.version)
+    b = batch([[1.0, 0.0, 0.0, 1.0]] * 3)
+    mask = b.loss_mask_bt.bool()
+    assert (b.versions_bt[mask] == 1).all()
+    torch.testing.assert_close(trainer._scores(trainer.model, b)[mask], b.behav_logp_bt[mask], atol=2e-5, rtol=0)
