@@ -59,6 +59,7 @@ def test_all_linear_adapts_attention_and_mlp_not_the_head(small_model):
     ("rank", -1, "model.lora.rank"), ("alpha", 0.0, "model.lora.alpha"), ("dropout", 1.0, "model.lora.dropout"),
     ("target_modules", [], "model.lora.target_modules"), ("target_modules", ["all-linear", "q_proj"], "alone"),
     ("init", "pissa", "model.lora.init"), ("quantize", "8bit", "model.lora.quantize"),
+    ("experts", "yes", "model.lora.experts"),
 ])
 def test_bad_values_are_one_line_naming_the_key(field, value, message):
     cfg = lora.LoraConfig(rank=4)
