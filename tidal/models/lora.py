@@ -191,10 +191,10 @@ def names_as_written(model: torch.nn.Module) -> Iterator[None]:
     ``gate`` the router (``peft/utils/transformers_weight_conversion.py``), so the linear layers of those names a
     model also has (dense MLP layers, shared experts: GLM-4.5's, DeepSeek's) were silently left out. With the
     model type hidden from that mapping (it is looked up by ``config.model_type``) a target means the modules it
-    names, and the experts are what ``target_parameters`` names. Used wherever PEFT reads a config: wrapping and
-    loading adapters."""
+    names, and the experts are what ``target_parameters`` names. Used wherever PEFT reads a config (wrapping and
+    loading adapters), for MoE models only: other models keep PEFT's conversions as they are."""
     config = getattr(model, "config", None)
-    if config is None:
+    if config is None or not expert_parameters(model):
         yield
         return
     own = "model_type" in vars(config)
