@@ -17,7 +17,8 @@ def history(agreement: float, mismatch: float, accs: list[float], loss: float = 
         step = 10 * i
         row = {"step": step, "eval/accuracy": acc}
         if step:
-            row.update({"moe/routing_agreement": agreement, "train/logp_mismatch_mean": mismatch,
+            row.update({"moe/routing_agreement": agreement, "train/logp_mismatch_kl": mismatch,
+                        "train/logp_mismatch_mean": 2 * mismatch, "train/extreme_token_frac": mismatch / 2,
                         "train/logp_mismatch_max": 10 * mismatch, "train/loss": loss, "time/elapsed_s": float(step)})
         out.append(row)
     return out
@@ -37,7 +38,8 @@ def test_headline_ratios_per_seed():
             for seed in (0, 1) for arm, agree, mis in (("off", 0.98, 0.04), ("r3", 0.98, 0.01))]
     out = moe.headline(rows, ["off", "r3"], [0, 1])
     assert out["routing_agreement_off"] == 0.98
-    assert out["mismatch_off_over_r3"] == pytest.approx(4.0)
+    assert out["mismatch_off_over_r3"] == out["abs_mismatch_off_over_r3"] == pytest.approx(4.0)
+    assert out["extreme_off_over_r3_by_seed"] == [pytest.approx(4.0)] * 2
     assert out["steps_to_0.85_by_arm"] == {"off": [10, 10], "r3": [10, 10]}
     assert out["collapsed_runs_by_arm"] == {"off": 0, "r3": 0}
 

@@ -1,3 +1,6 @@
+import copy
+
+import pytest
 import torch
 
 from tidal.algo.config import AlgoConfig
@@ -6,6 +9,7 @@ from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
 from tidal.train.batch import build_train_batch
 from tidal.train.config import TrainerConfig
+from tidal.train.host_batch import read_metrics
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt
 
@@ -74,3 +78,18 @@ def test_minibatches_keep_groups_whole_and_even():
     assert [len(c) for c in minibatches(groups, 8)] == [4, 4, 4]  # never more minibatches than groups
     assert [len(c) for c in minibatches(torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]), 2)] == [2, 6]
     assert [c.tolist() for c in minibatches(groups, 1)] == [list(range(12))]
+
+
+def test_mismatch_metrics_against_hand_computed_values(small_model):
+    """Fresh tokens only; k3 KL(engine || trainer) = r - 1 - log r with r = pi_train / pi_engine; extreme: ratio > 2."""
+    trainer = Trainer(copy.deepcopy(small_model), AlgoConfig(), OptimConfig(), TrainerConfig())
+    logp = torch.tensor([[0.0, -1.0, -2.0, -0.5, -3.0]])
+    behav = torch.tensor([[0.0, -1.1, -1.0, -0.5, -9.0]])
+    versions = torch.tensor([[-1, 0, 0, 0, 1]])  # the last token: another version's, not fresh
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0]])
+    got = read_metrics(trainer._mismatch(logp, behav, versions, mask))
+    log_r = torch.tensor([0.1, -1.0, 0.0])
+    assert got["train/logp_mismatch_mean"] == pytest.approx((0.1 + 1.0 + 0.0) / 3)
+    assert got["train/logp_mismatch_max"] == pytest.approx(1.0)
+    assert got["train/logp_mismatch_kl"] == pytest.approx(float((log_r.exp() - 1 - log_r).mean()), rel=1e-6)
+    assert got["train/extreme_token_frac"] == pytest.approx(1 / 3)  # |log r| = 1 > log 2

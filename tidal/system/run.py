@@ -126,11 +126,16 @@ def env_factory(cfg: RunConfig):
 
 
 def sampling_for(cfg: RunConfig, make_env) -> RolloutConfig:
-    """``cfg.rollout``, plus the environment's stop strings (the close of a tool call ends a turn)."""
+    """``cfg.rollout``, plus the environment's stop strings (the close of a tool call ends a turn), and with
+    ``trainer.moe.routing_replay=r3`` on the vLLM engine its routes asked for (``rollout.vllm.return_routes``:
+    R3 replays them; the rollout and eval engines share one vLLM, started with the first options it gets)."""
+    rollout = cfg.rollout
+    if cfg.trainer.moe.routing_replay == "r3" and rollout.engine == "vllm" and not rollout.vllm.return_routes:
+        rollout = dataclasses.replace(rollout, vllm=dataclasses.replace(rollout.vllm, return_routes=True))
     if make_env is None:
-        return cfg.rollout
-    extra = [s for s in make_env().stop if s not in cfg.rollout.stop]
-    return dataclasses.replace(cfg.rollout, stop=[*cfg.rollout.stop, *extra])
+        return rollout
+    extra = [s for s in make_env().stop if s not in rollout.stop]
+    return dataclasses.replace(rollout, stop=[*rollout.stop, *extra])
 
 
 def with_episodes(engine, cfg: RunConfig, tokenizer, make_env):

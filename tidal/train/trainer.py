@@ -35,6 +35,7 @@ base), and ``state_dict_for_engine`` sends the adapters only.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -518,7 +519,10 @@ class Trainer:
             with self.routes.unreplayed():
                 unreplayed = self._scores(self.model, batch, idx)[idx]
             gap = self._mismatch(unreplayed, batch.behav_logp_bt[idx], batch.versions_bt[idx], batch.loss_mask_bt[idx])
-            metrics.update({k.replace("train/logp_mismatch", "moe/logp_mismatch_unreplayed"): v for k, v in gap.items()})
+            names = {"train/logp_mismatch": "moe/logp_mismatch_unreplayed", "train/extreme": "moe/unreplayed_extreme"}
+            for key, value in read_metrics(gap).items():
+                prefix = next(p for p in names if key.startswith(p))
+                metrics[key.replace(prefix, names[prefix])] = value
         if self.routes.replay == "r2" and (needs_prox or len(chunks) > 1):
             with self.routes.recording_pass(batch):
                 self._scores(self.model, batch)  # the proximal pass below replays these routes: the same log-probs
@@ -532,15 +536,21 @@ class Trainer:
         ess = effective_sample_size_log(log_w)
         return ess, bind(ess_lr_scale, self.algo)(ess) if self.algo.ess_lr_scaling else 1.0
 
-    def _mismatch(self, logp, behav, versions, mask) -> dict[str, float]:
-        """Engine/trainer numeric gap, on tokens sampled by the weights the trainer has now (stale
-        tokens differ because the policy moved, not because of numerics)."""
+    def _mismatch(self, logp, behav, versions, mask) -> dict[str, float | torch.Tensor]:
+        """Engine/trainer numeric gap, on tokens sampled by the weights the trainer has now (stale tokens differ
+        because the policy moved, not because of numerics): the mean and largest absolute log-prob gap; the
+        KL(engine || trainer) by the k3 estimator over the engine's samples, ``r - 1 - log r`` with r = pi_train /
+        pi_engine, and the share of extreme tokens, whose ratio either way exceeds 2, the two measures R3 reports
+        (Ma et al., arXiv 2510.11370, sec. 2: k3 KL; the extreme token distribution F(tau) at tau = 2)."""
         fresh = mask * (versions == self.version).float()
         if not fresh.any():
             return {}
-        gap = (logp.detach() - behav).abs()
-        return {"train/logp_mismatch_mean": masked_mean(gap, fresh).item(),
-                "train/logp_mismatch_max": gap[fresh.bool()].max().item()}
+        log_r = logp.detach() - behav
+        gap = log_r.abs()
+        k3 = torch.expm1(log_r.clamp(max=20)) - log_r
+        return {"train/logp_mismatch_mean": masked_mean(gap, fresh), "train/logp_mismatch_max": gap[fresh.bool()].max(),
+                "train/logp_mismatch_kl": masked_mean(k3, fresh),
+                "train/extreme_token_frac": masked_mean((gap > math.log(2)).float(), fresh)}
 
     def skip_step(self) -> None:
         """A batch with no learning signal (every group's rewards equal): the weights carry over
