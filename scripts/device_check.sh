@@ -9,11 +9,13 @@
 #   bash scripts/device_check.sh env tests       # only some stages; also: cpu (a CPU subset under that
 #                                                # machine's torch/transformers), trl (tidal vs TRL on the GPU),
 #                                                # smollm2 (the real model: its recipe and tidal vs TRL on it; its
-#                                                # GGUF comes in two calls: scripts/device_model_parts.sh)
+#                                                # GGUF comes in two calls: scripts/device_model_parts.sh),
+#                                                # moe (tidal bench moe: a CUDA bf16 engine, its CUDA graphs
+#                                                # recording routes, against an fp32 trainer; off vs r3)
 #
 # Fill .whl/ first, on a machine with pip access: bash scripts/device_wheels.sh (reads scripts/device_wheels.txt).
 # Each stage has its own time limit (<STAGE>_LIMIT overrides it, in seconds: ENV_LIMIT, TESTS_LIMIT, CPU_LIMIT,
-# BENCH_LIMIT, TRL_LIMIT, SMOLLM2_LIMIT, REAL_LIMIT; DRY_LIMIT every stage's in a dry run, default 120), one
+# BENCH_LIMIT, TRL_LIMIT, SMOLLM2_LIMIT, REAL_LIMIT, MOE_LIMIT; DRY_LIMIT every stage's in a dry run, default 120), one
 # failing stage does not stop the next, and each stage writes stage_<name>.json (rc, seconds, limit, timed_out)
 # and rewrites device_check.json (every stage so far) before the next starts: a time-out loses only its own
 # stage. The summary at the end says which passed.
@@ -32,7 +34,7 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 stages=("$@")
 if [ ${#stages[@]} -eq 0 ]; then
-  if ((DRY)); then stages=(env tests cpu bench trl smollm2); else stages=(env tests bench); fi
+  if ((DRY)); then stages=(env tests cpu bench trl smollm2 moe); else stages=(env tests bench); fi
 fi
 dry_json=false
 if ((DRY)); then
@@ -146,7 +148,14 @@ EOF
           --set system.device=cuda --set max_time_s=90 --set snapshot_every_s=30 --set 'lora_ranks=[]' \
           --set 'report_at=[30,60,90]'
       fi ;;
-    *) echo "unknown stage $stage (env tests cpu bench trl smollm2)"; result[$stage]="unknown" ;;
+    moe)  # issue 52 on the device: a CUDA bf16 engine (CUDA graphs record the routes), an fp32 trainer, off vs r3
+      extra=(--set system.device=cuda --set trainer.precision=fp32)
+      ((DRY)) && extra=(--set model.hidden_size=32 --set model.num_layers=1 --set model.num_heads=2
+        --set model.num_kv_heads=2 --set model.expert_intermediate_size=16 --set sft.steps=2
+        --set sft.accuracy_band=null --set rollout.prompts_per_step=4 --set num_eval=8 --set steps=2)
+      run_stage moe "$(limit moe 240)" "$PY" -m tidal.cli bench moe --out "$OUT_DIR" --set 'seeds=[0]' --set steps=20 \
+        --set 'arms=[off,r3]' --set reuse=false "${extra[@]}" ;;
+    *) echo "unknown stage $stage (env tests cpu bench trl smollm2 moe)"; result[$stage]="unknown" ;;
   esac
 done
 
