@@ -12,7 +12,8 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 def documented() -> list[re.Pattern]:
     keys = re.findall(r"`([a-z_]+/[a-z_<>/]+)`", DOC.read_text())
-    return [re.compile("^" + re.escape(k).replace("<name>", "[^/]+").replace("<task>", "[^/]+") + "$") for k in keys]
+    return [re.compile("^" + re.escape(k).replace("<name>", "[^/]+").replace("<task>", "[^/]+")
+                       .replace("<expert>", "[0-9]+") + "$") for k in keys]
 
 
 def test_every_logged_key_is_documented(tmp_path):
@@ -24,6 +25,8 @@ def test_every_logged_key_is_documented(tmp_path):
                    "algo.overlong_filter=true", "algo.kl_coef=0.1", "rollout.early_stop_run=3"],
                   ["system.mode=async", "task.name=sum_chain", "env.name=calculator"],
                   ["system.mode=sync", "algo.advantage=gae"],
+                  ["system.mode=sync", "model.num_experts=4", "model.expert_intermediate_size=16", "rollout.dtype=bf16",
+                   "trainer.moe.routing_replay=r3", "trainer.moe.mismatch_unreplayed=true"],
                   ["system.mode=sync", "curriculum.difficulty.enabled=true", "rollout.length_growth.stages=[4,6]",
                    "rollout.thinking.budgets=[0,2]", "rollout.max_new_tokens=12", "reward.name=compose",
                    "reward.params={terms: [{reward: digit_match, name: judge}]}", "reward.length_bias.component=judge",

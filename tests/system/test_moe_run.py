@@ -45,3 +45,14 @@ def test_r3_on_the_vllm_engine_asks_vllm_for_routes():
     assert not cfg.rollout.vllm.return_routes  # the run's own config is unchanged
     off = apply_overrides(RECIPES.get("quickstart")(), ["rollout.engine=vllm"])
     assert not sampling_for(off, None).vllm.return_routes
+
+
+@pytest.mark.parametrize("extra", [("algo.advantage=gae",), ("algo.kl_coef=0.1",), ("trainer.share_prefixes=true",
+                                   "trainer.activation_checkpointing=true", "trainer.micro_batch_tokens=64")])
+def test_r3_runs_with_the_critic_the_reference_and_packed_checkpointed_passes(tmp_path, extra):
+    cfg = tiny_cfg(tmp_path, *MOE, "system.mode=sync", "max_steps=2", "trainer.moe.routing_replay=r3", *extra)
+    c, result = run(cfg, tmp_path / "run")
+    trained = [h for h in result.history if "train/loss" in h]
+    assert trained and all(h["moe/routing_agreement"] == 1.0 for h in trained)  # fp32 engine: the same experts
+    if "algo.advantage=gae" in extra:
+        assert moe.routing_of(c.trainer.critic.model.decoder).plan is None  # cleared after its passes

@@ -201,8 +201,10 @@ class TrainerRouting:
         load = expert_load([c.detach() for c in routing.chosen], routing.num_experts, valid)
         metrics["moe/load_balance_loss"] = balance.detach()
         metrics["moe/z_loss"] = z.detach()
-        metrics["moe/expert_load_max"] = load.max() * routing.num_experts  # 1.0: perfectly balanced
-        metrics["moe/expert_load_min"] = load.min() * routing.num_experts
+        load = load * routing.num_experts  # 1.0 each: perfectly balanced
+        metrics["moe/expert_load_max"], metrics["moe/expert_load_min"] = load.max(), load.min()
+        for expert, share in enumerate(load.unbind()):
+            metrics[f"moe/expert_load/{expert}"] = share
         loss = None
         if self.cfg.load_balance:
             loss = self.cfg.load_balance_coef * balance
