@@ -3,7 +3,9 @@
 ``--set`` and a loaded ``config.yaml`` write fields directly (no dataclass check runs), so before these
 rules ``pack_length=-1`` or ``packed_attention=maybe`` surfaced (or not) only once the model was loaded
 and the data tokenized, and ``optim.grad_clip=-1`` trained uphill in silence. The optimizer keys are
-RL's own rules (``optim/rules.py``): a value ``tidal train`` refuses is refused here in the same words.
+RL's own rules (``optim/rules.py``): a value ``tidal train`` refuses is refused here in the same words,
+and the stages build RL's optimizers (``tidal.optim``), so an unknown ``optim.name`` and Muon with LoRA are
+refused here as RL refuses them, before any work.
 A rule whose key a stage lacks (``ref_batch_size`` outside DPO) is skipped.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.config import ConfigError
+from tidal.optim import OPTIMIZERS
 from tidal.optim.rules import check_optim
 from tidal.train.packing import PACKED_ATTENTION
 from tidal.utils.rules import COUNT, NONNEG, Rule, check, number, one_of, positive
@@ -42,3 +45,8 @@ def validate_stage(cfg: Any) -> None:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {data.eval_fraction}")
     check(cfg, STAGE_RULES, missing_ok=True)
     check_optim(cfg.optim)
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={cfg.optim.name!r} is not an optimizer; one of {', '.join(OPTIMIZERS.names())}")
+    if cfg.optim.name == "muon" and cfg.model.lora.rank:  # RL's rule (models/lora.py), in its words
+        raise ConfigError("model.lora with optim.name=muon: Muon orthogonalizes whole hidden matrices, and LoRA's A "
+                          "and B are rank-r factors; use optim.name=adamw or ademamix")

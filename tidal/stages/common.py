@@ -19,7 +19,7 @@ import shutil
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ import xxhash
 
 from tidal.config import ConfigError, save_yaml
 from tidal.models import catalog, lora, tiny
+from tidal.optim import OptimConfig, build_optimizer
 from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -52,17 +53,18 @@ class DataConfig:
     tokens; ``chat_data.GENERATION_CHAT_TEMPLATE`` is ChatML's)."""
 
 
-@dataclass
-class OptimConfig:
-    """AdamW with linear warmup, then constant (TRL's ``TrainingArguments`` defaults where not stated)."""
+STAGE_BETAS = (0.9, 0.999)
+"""AdamW's betas in the stages: transformers' ``TrainingArguments`` defaults (``adam_beta1/2``), which TRL's
+SFT/DPO/Reward configs inherit; RL's ``optim.betas`` default is (0.9, 0.99)."""
 
-    lr: float = 2e-5
-    """TRL SFTConfig/DPOConfig default (transformers' is 5e-5); a tiny model from scratch wants ~1e-3."""
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    """``max_grad_norm`` of transformers' TrainingArguments."""
+
+def stage_optim(lr: float) -> OptimConfig:
+    """A stage's ``optim.*``: ``tidal.optim``'s ``OptimConfig`` (the one RL takes: ``optim.name`` adamw, ademamix
+    or muon, ``optim.schedule`` constant, cosine or linear, docs/optimizers.md) with TRL's defaults where RL's
+    differ: ``lr`` (each stage's TRL default) and ``betas`` ``STAGE_BETAS``. Warm-up 0, a constant lr, no
+    weight decay, eps 1e-8 and grad clip 1.0 are both packages' defaults, so a stage trains as it did when it
+    had an AdamW of its own."""
+    return OptimConfig(lr=lr, betas=STAGE_BETAS)
 
 
 @dataclass
@@ -225,16 +227,18 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
               log: Callable[[str], None] = print, clock_start: float | None = None) -> dict:
     """After ``open_run``: train ``model`` with ``step_fn`` (loss, metrics of a batch of rows) for
     ``cfg.run.steps`` steps, evaluating with ``eval_fn`` and checkpointing as ``cfg.run`` says; write
-    ``out/model``; return the last metrics. ``cfg`` has ``optim`` and ``run`` (``OptimConfig``,
+    ``out/model``; return the last metrics. ``cfg`` has ``optim`` and ``run`` (``tidal.optim.OptimConfig``,
     ``RunConfig``). ``perf/wall_s`` counts from ``clock_start`` (a stage's work before the loop, e.g. DPO's
     reference pass), ``perf/train_s`` is that less the evaluations."""
     out = Path(out)
     run, optim = cfg.run, cfg.optim
     if run.threads:
         torch.set_num_threads(run.threads)
-    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only (with_lora)
-    opt = torch.optim.AdamW(trained, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (optim.warmup_steps + 1)))
+    # RL's optimizer and schedule (tidal.optim): over the model (Muon tells its hidden matrices by name), or with
+    # LoRA over the adapters only (with_lora; validate_stage refuses Muon there, as RL does); a decay's
+    # optim.decay_steps=max_steps ends on the run's last step, run.steps
+    target = lora.trainable_parameters(model) if lora.is_peft(model) else model
+    opt, sched = build_optimizer(target, optim, num_steps=run.steps)
     start = 0
     metrics_path = out / "metrics.jsonl"
     data = rows_digest(train_rows)  # saved with each checkpoint: a resume continues on the same rows
@@ -261,6 +265,7 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
     for step in range(start, run.steps):
         rows = [train_rows[i] for i in batch_indices(len(train_rows), run.batch_size, run.seed, step)]
         loss, metrics = step_fn(model, rows)
+        lr = sched.get_last_lr()[0]  # this step's (optim.warmup_steps, optim.schedule), as RL logs it
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
@@ -268,7 +273,7 @@ def run_stage(name: str, cfg, model: torch.nn.Module, tokenizer, train_rows: lis
         sched.step()
         tokens += int(metrics.pop("num_tokens", 0))
         done = step + 1
-        row = {"step": done, "train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm),
+        row = {"step": done, "train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm), "train/lr": lr,
                **{f"train/{k}": v for k, v in metrics.items()},
                "perf/tokens_per_s": tokens / max(time.perf_counter() - t0 - eval_s, 1e-9)}
         if done % run.eval_every == 0 or done == run.steps:

@@ -26,11 +26,11 @@ import torch
 
 from tidal.config import ConfigError
 from tidal.models import catalog, tiny
+from tidal.optim import OptimConfig
 from tidal.stages.chat_data import PairExample, SFTExample, encode_pair, load_examples
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
-    OptimConfig,
     RunConfig,
     check_lora,
     chunks,
@@ -39,6 +39,7 @@ from tidal.stages.common import (
     rows_digest,
     run_stage,
     split_rows,
+    stage_optim,
     weights_digest,
     with_lora,
 )
@@ -52,7 +53,7 @@ class DPOStageConfig:
 
     model: tiny.ModelConfig = field(default_factory=tiny.ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    optim: OptimConfig = field(default_factory=lambda: stage_optim(lr=1e-6))
     """lr 1e-6: TRL DPOConfig's default (DPO's paper used 1e-6 too, sec. B)."""
     run: RunConfig = field(default_factory=lambda: RunConfig(batch_size=8))
     loss_type: str = "sigmoid"

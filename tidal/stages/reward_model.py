@@ -19,17 +19,18 @@ import torch
 from tidal.config import ConfigError
 from tidal.models import tiny
 from tidal.models.reward_model import from_policy
+from tidal.optim import OptimConfig
 from tidal.stages.chat_data import PairExample, encode_pair, load_examples
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
-    OptimConfig,
     RunConfig,
     chunks,
     load_policy,
     open_run,
     run_stage,
     split_rows,
+    stage_optim,
 )
 from tidal.stages.rm_loss import bradley_terry_loss
 from tidal.stages.sft import padded
@@ -43,7 +44,7 @@ class RMStageConfig:
     model: tiny.ModelConfig = field(default_factory=tiny.ModelConfig)
     """``model.path``: the policy whose architecture and backbone the reward model takes."""
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    optim: OptimConfig = field(default_factory=lambda: stage_optim(lr=1e-4))
     """lr 1e-4: TRL RewardConfig's default."""
     run: RunConfig = field(default_factory=lambda: RunConfig(batch_size=8))
     center: float = 0.0

@@ -20,11 +20,11 @@ import torch
 
 from tidal.models import tiny
 from tidal.models.logprobs import token_logprobs
+from tidal.optim import OptimConfig
 from tidal.stages.chat_data import SFTExample, encode_sft, load_examples
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
-    OptimConfig,
     RunConfig,
     check_lora,
     chunks,
@@ -32,6 +32,7 @@ from tidal.stages.common import (
     open_run,
     run_stage,
     split_rows,
+    stage_optim,
     with_lora,
 )
 from tidal.train.packing import pack, packed_attention_mask, unpack
@@ -44,7 +45,9 @@ class SFTStageConfig:
     model: tiny.ModelConfig = field(default_factory=tiny.ModelConfig)
     """``model.path``: the starting checkpoint (empty: the tiny model, built here)."""
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: stage_optim(lr=2e-5))
+    """``tidal.optim``'s keys (docs/optimizers.md); lr 2e-5: TRL SFTConfig's default (transformers' is 5e-5), a tiny
+    model from scratch wants ~1e-3."""
     run: RunConfig = field(default_factory=RunConfig)
     pack_length: int = 0
     """Tokens per packed row; 0: ``data.max_length``. Rows longer than it get a row of their own."""
