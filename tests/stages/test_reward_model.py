@@ -84,3 +84,21 @@ def test_rm_refuses_lora_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.lora\.rank=2: tidal rm trains every weight") as e:
         reward_model.train(cfg, str(tmp_path / "r"), log=lambda s: None)
     assert "\n" not in str(e.value) and not (tmp_path / "r").exists()
+
+
+def test_the_head_is_drawn_from_run_seed(tmp_path):
+    """Issue 53: the new score head was drawn from torch's global RNG, so an rm run depended on whatever had used
+    it before in the process (the stage chain runs every stage in one process) and ``run.seed`` did not move
+    it. Same seed: the same head whatever ran before; another seed: another head."""
+    files = synthetic.build(tmp_path / "dom", num_sft=4, num_pairs=30, num_eval=4)
+    sets = [f"data.path={files['pairs']}", "run.steps=1", "run.threads=1", "data.max_length=40",
+            "model.tokenizer=chat", "run.async_checkpoint=false", *[f"model.{k}={v}" for k, v in SMALL.items()]]
+
+    def head(name, *extra):
+        torch.rand(7)  # something else drew from the global RNG first
+        cfg = apply_overrides(reward_model.RMStageConfig(), [*sets, *extra])
+        reward_model.train(cfg, str(tmp_path / name), log=lambda s: None)
+        return RewardModelScorer(tmp_path / name / "model").model.score.weight
+
+    a, b, c = head("a"), head("b"), head("c", "run.seed=1")
+    assert torch.equal(a, b) and not torch.equal(a, c)

@@ -22,12 +22,16 @@ from transformers import AutoModelForSequenceClassification
 from tidal.models import tiny
 
 
-def from_policy(policy: torch.nn.Module) -> torch.nn.Module:
-    """A sequence-classification model (one output) on ``policy``'s architecture and backbone weights."""
+def from_policy(policy: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """A sequence-classification model (one output) on ``policy``'s architecture and backbone weights. The new
+    head (Hugging Face's init: normal, std ``initializer_range``) is drawn from ``seed``, not from torch's global
+    RNG: otherwise a reward model depends on whatever drew from it earlier in the process."""
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
     config.architectures = None
-    rm = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        rm = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     backbone = getattr(rm, rm.base_model_prefix)
     backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
     return rm

@@ -82,7 +82,7 @@ def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = 
 
 def _train(cfg: RMStageConfig, out: str, resume: bool, overwrite: bool, log, begin) -> dict:
     policy, tokenizer = load_policy(cfg.model, cfg.data)
-    rm = from_policy(policy)
+    rm = from_policy(policy, seed=cfg.run.seed)  # the head: a function of run.seed
     del policy
     pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
     log(line)
