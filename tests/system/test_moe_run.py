@@ -10,7 +10,7 @@ from tidal.config import apply_overrides
 from tidal.inspector.samples import FILE_NAME
 from tidal.models import moe
 from tidal.recipes import RECIPES
-from tidal.system.run import sampling_for
+from tidal.system.run import close, prepare, sampling_for
 
 from .test_controller import comparable, run, run_stopped_after, tiny_cfg
 
@@ -31,12 +31,41 @@ def test_a_sync_moe_run_measures_agreement_and_records_routes(tmp_path, replay):
     assert routed, "samples.jsonl records the routes of an MoE run's samples"
 
 
-def test_an_async_moe_run_with_r3_resumes_like_an_uninterrupted_one(tmp_path):
-    cfg = lambda: tiny_cfg(tmp_path, *MOE, "trainer.moe.routing_replay=r3")  # noqa: E731
+def test_a_sync_moe_run_with_r3_resumes_like_an_uninterrupted_one(tmp_path):
+    cfg = lambda: tiny_cfg(tmp_path, *MOE, "system.mode=sync", "trainer.moe.routing_replay=r3")  # noqa: E731
     _, whole = run(cfg(), tmp_path / "whole")
     run_stopped_after(2, cfg(), tmp_path / "split")
     _, rest = run(cfg(), tmp_path / "split", resume=True)
     assert comparable(rest.history)[-2:] == comparable(whole.history)[-2:]
+
+
+def test_an_interrupted_async_r3_run_resumes_with_the_journaled_groups_routes(tmp_path):
+    """Ctrl-C mid-run: the groups generated but not trained come back from the journal with their routes (r3
+    raises on a batch without them), and the run finishes."""
+    out = tmp_path / "run"
+    opts = (*MOE, "system.mode=async", "trainer.moe.routing_replay=r3", "checkpoint_every=100", "max_steps=4")
+    controller = prepare(tiny_cfg(tmp_path, *opts), out)
+    real_step = controller.trainer.step
+
+    def interrupt_on_third(batch):
+        if controller.trainer.version == 2:
+            raise KeyboardInterrupt
+        return real_step(batch)
+
+    controller.trainer.step = interrupt_on_third
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.run()
+    finally:
+        close(controller)
+    journaled = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
+    assert journaled and all(t.get("routes") for g in journaled for t in g["group"]["trajectories"])
+    resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)
+    try:
+        result = resumed.run()
+    finally:
+        close(resumed)
+    assert result.steps == 4
 
 
 def test_r3_on_the_vllm_engine_asks_vllm_for_routes():
