@@ -35,8 +35,8 @@ def commands(out: str) -> list[tuple[str, list[str]]]:
                  "--set", "optim.lr=1e-4", "--set", "beta=0.1", "--set", "run.batch_size=16",
                  "--set", "run.steps=200", "--set", "run.threads=1", "--out", f"{out}/dpo"]),
         ("rm", ["rm", "--set", f"model.path={out}/sft/model", "--set", f"data.path={d}/pairs.jsonl",
-                "--set", f"data.eval_path={d}/pairs_eval.jsonl", "--set", "optim.lr=1e-3", "--set", "run.steps=100",
-                "--set", "run.threads=1", "--out", f"{out}/rm"]),
+                "--set", f"data.eval_path={d}/pairs_eval.jsonl", "--set", "optim.lr=1e-4", "--set", "run.batch_size=16",
+                "--set", "run.steps=700", "--set", "run.threads=1", "--out", f"{out}/rm"]),
         ("rl", ["train", "stages_rl", "--set", f"model.path={out}/dpo/model", "--set", f"task.path={d}/rl.jsonl",
                 "--set", f"task.eval_path={d}/eval.jsonl", "--set", "system.num_threads=1", "--out", f"{out}/rl"]),
     ]
