@@ -26,12 +26,17 @@ def matmul_params(model: torch.nn.Module) -> int:
     return rest + head.numel()
 
 
-def training_flops(num_params: int, num_layers: int, attn_dim: int, lengths: list[int]) -> float:
+def training_flops(num_params: int, num_layers: int, attn_dim: int, lengths: list[int], head_params: int = 0,
+                   head_tokens: int | None = None) -> float:
     """Model FLOPs of one forward + backward over packed sequences of ``lengths`` (module docstring, part 1):
-    6 N per token plus 12 * layers * d_attn per attended (query, key) pair, L (L + 1) / 2 pairs per sequence."""
+    6 N per token plus 12 * layers * d_attn per attended (query, key) pair, L (L + 1) / 2 pairs per sequence.
+    ``head_tokens``: the tokens the LM head (``head_params`` of N) actually computes, when it skips some
+    (``trainer.head_tokens=loss``): its 6 x head_params FLOPs are counted for those tokens only (issue 51:
+    honest MFU counts the head's work that ran)."""
     tokens = sum(lengths)
     pairs = sum(n * (n + 1) // 2 for n in lengths)
-    return 6.0 * num_params * tokens + 12.0 * num_layers * attn_dim * pairs
+    head_tokens = tokens if head_tokens is None else head_tokens
+    return 6.0 * ((num_params - head_params) * tokens + head_params * head_tokens) + 12.0 * num_layers * attn_dim * pairs
 
 
 def decode_steps(prompt_lens: list[int], budgets: list[int], max_rows: int) -> list[tuple[int, int]]:

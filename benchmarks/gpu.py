@@ -140,6 +140,9 @@ class Settings:
     operations of each (device and host time) under ``profile`` in the part's results: where the time goes."""
     head_matmul: str = "fp32"
     """``trainer.head_matmul`` of the ``train`` part (and the RL step)."""
+    head_tokens: str = "all"
+    """``trainer.head_tokens`` of the ``train`` part (and the RL step): ``loss`` runs the LM head on the response
+    tokens only, and the MFU then counts the head's FLOPs on those tokens only (``head_tokens_per_step``)."""
     precision: str = "auto"
     """``trainer.precision``: bf16 autocast on CUDA with ``auto``, fp32 on CPU."""
     engine_dtype: str = "auto"
@@ -236,7 +239,7 @@ def make_trainer(model: torch.nn.Module, s: Settings, device: torch.device):
     from tidal.train.trainer import Trainer
 
     cfg = TrainerConfig(precision=s.precision, packing=True, pack_tokens=s.pack_tokens,
-                        micro_batch_tokens=s.micro_batch_tokens, head_matmul=s.head_matmul)
+                        micro_batch_tokens=s.micro_batch_tokens, head_matmul=s.head_matmul, head_tokens=s.head_tokens)
     return Trainer(model, AlgoConfig(), OptimConfig(lr=1e-6), cfg, device=device)
 
 
@@ -265,18 +268,20 @@ def part_train(s: Settings, base: torch.nn.Module, device: torch.device, peaks: 
     n = roofline.matmul_params(trainer.model)
     attn_dim = config.num_attention_heads * (getattr(config, "head_dim", None)
                                              or config.hidden_size // config.num_attention_heads)
-    flops = roofline.training_flops(n, config.num_hidden_layers, attn_dim, lengths)
+    head = config.vocab_size * config.hidden_size
+    head_tokens = int(batch.loss_mask_bt.sum()) if s.head_tokens == "loss" else sum(lengths)  # what the head computes
+    flops = roofline.training_flops(n, config.num_hidden_layers, attn_dim, lengths, head, head_tokens)
     step_s = statistics.median(times)
     achieved = flops / step_s / 1e12
     datasheet, measured = peaks["peak_tflops_datasheet"], peaks["matmul_tflops_measured"]
-    head = config.vocab_size * config.hidden_size
     return {
         "trainer_tokens_per_s": sum(lengths) / step_s,
         "trainer_response_tokens_per_s": (sum(lengths) - len(lengths) * s.prompt_len) / step_s,
         "step_s": step_s, "step_times_s": times, "warmup_step_s": warm_s, "tokens_per_step": sum(lengths),
         "sequences_per_step": len(lengths), "micro_batches_per_step": micro_batches,
         "decoder_forwards_per_step": forwards[0] / s.train_steps, "flops_per_step": flops,
-        "matmul_params": n, "head_flops_frac": 6.0 * head * sum(lengths) / flops, "achieved_tflops": achieved,
+        "matmul_params": n, "head_tokens_per_step": head_tokens, "head_flops_frac": 6.0 * head * head_tokens / flops,
+        "achieved_tflops": achieved,
         "trainer_mfu": achieved / (datasheet or measured), "trainer_mfu_peak": "datasheet" if datasheet else
         "measured matmul (no datasheet peak for this device)", "trainer_mfu_vs_measured_matmul": achieved / measured,
         "autocast_dtype": str(trainer.autocast_dtype),

@@ -32,6 +32,8 @@ def test_matmul_params_and_training_flops_by_hand(tied):
     # sequences of 3 and 4 tokens: 7 tokens; causal (query, key) pairs 3*4/2 + 4*5/2 = 16
     # 6 * 1304 * 7 + 12 * 2 layers * 8 * 16 = 54768 + 3072
     assert roofline.training_flops(1304, 2, 8, [3, 4]) == 57840
+    # the head (10 x 8 = 80 of N) on 3 of the 7 tokens only (trainer.head_tokens=loss): 6 * 80 * 4 fewer
+    assert roofline.training_flops(1304, 2, 8, [3, 4], head_params=80, head_tokens=3) == 57840 - 6 * 80 * 4
 
 
 def test_decode_schedule_and_roofline_by_hand():
@@ -145,3 +147,11 @@ def test_profile_table_names_the_costliest_ops():
     a = torch.randn(256, 256)
     rows = roofline.profile_table(lambda: [a @ a for _ in range(3)], torch.device("cpu"), top=3)
     assert len(rows) <= 3 and rows[0]["op"] in ("aten::mm", "aten::matmul") and rows[0]["calls"] >= 3
+
+
+def test_the_head_on_loss_tokens_only_is_counted_as_such(tmp_path):
+    result = gpu.run([*TOY, "parts=[train]", "head_tokens=loss"], tmp_path / "gpu")
+    train = result["train"]
+    assert "error" not in train, train
+    responses = train["tokens_per_step"] - train["sequences_per_step"] * 8  # TOY's prompt_len
+    assert train["head_tokens_per_step"] == responses < train["tokens_per_step"]
