@@ -45,12 +45,32 @@ def test_readme_has_the_two_setup_commands():
     assert "make run" in text and "make test" in text
 
 
+SLOW_BENCHES = ("real", "agentic")
+"""README benchmarks whose toy run takes most of this test's time (43 s and 28 s of ~110 s on 2 cores): they run in
+``test_readme_slow_bench_commands_run`` (``make test-slow``; ``bench real`` also has tests/test_bench_real.py)."""
+
+
+def _slow(argv: list[str]) -> bool:
+    return argv[0] == "bench" and argv[1] in SLOW_BENCHES
+
+
 def test_readme_commands_run(tmp_path, monkeypatch, capsys, smollm2_dir):
+    commands = [c for c in readme_commands() if not _slow(c)]
+    assert any(c[0] == "train" for c in commands), "README lost its train example"
+    run_commands(commands, tmp_path, monkeypatch, capsys, smollm2_dir)
+
+
+@pytest.mark.slow
+def test_readme_slow_bench_commands_run(tmp_path, monkeypatch, capsys, smollm2_dir):
+    commands = [c for c in readme_commands() if _slow(c)]
+    assert len(commands) == len(SLOW_BENCHES), "README lost a benchmark command"
+    run_commands(commands, tmp_path, monkeypatch, capsys, smollm2_dir)
+
+
+def run_commands(commands: list[list[str]], tmp_path, monkeypatch, capsys, smollm2_dir) -> None:
     monkeypatch.setenv("TIDAL_CACHE", str(smollm2_dir.parent.parent.absolute()))  # the imported SmolLM2, reused
     monkeypatch.chdir(tmp_path)
     (tmp_path / "benchmarks").symlink_to(README.parent / "benchmarks")
-    commands = readme_commands()
-    assert any(c[0] == "train" for c in commands), "README lost its train example"
     skipped = run_by_the_models_doc_test()
     for argv in commands:
         if _without_out(argv) in skipped:
