@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(*sets):
-    return apply_overrides(RECIPES.get("quickstart")(), ["trainer.data_parallel=elastic", *sets])
+    return apply_overrides(RECIPES.get("quickstart_grpo")(), ["trainer.data_parallel=elastic", *sets])
 
 
 @pytest.mark.parametrize("sets, names", [
@@ -73,10 +73,10 @@ def test_a_killed_replica_is_restarted_heals_and_the_run_matches_one_process(tmp
                 "rollout.max_staleness=0"]
     sets = [x for s in settings for x in ("--set", s)]
     one = tmp_path / "one"
-    assert main(["train", "quickstart", "--out", str(one), *sets]) == 0
+    assert main(["train", "quickstart_grpo", "--out", str(one), *sets]) == 0
 
     el = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart", "--out", str(el), *sets,
+    cmd = [sys.executable, "-m", "tidal.cli", "train", "quickstart_grpo", "--out", str(el), *sets,
            "--set", "trainer.data_parallel=elastic", "--set", "trainer.elastic.replicas=2",
            "--set", "trainer.elastic.fault_step=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1",

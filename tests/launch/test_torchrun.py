@@ -33,9 +33,9 @@ def test_two_process_run_matches_one_and_resumes(tmp_path):
     sets = [x for s in settings for x in ("--set", s)]
 
     one = tmp_path / "one"
-    assert main(["train", "quickstart", "--out", str(one), *sets]) == 0
+    assert main(["train", "quickstart_grpo", "--out", str(one), *sets]) == 0
     two = tmp_path / "two"
-    done = _torchrun("quickstart", "--out", str(two), *sets)
+    done = _torchrun("quickstart_grpo", "--out", str(two), *sets)
     assert done.stdout.count('"steps": 2') == 1  # rank 0 alone reports
 
     # sync mode samples the same tokens from the same weights: step 1 trains on the same batch
@@ -46,6 +46,6 @@ def test_two_process_run_matches_one_and_resumes(tmp_path):
     assert first_one["train/grad_norm"] > 0  # a real update, not an all-zero-advantage batch
     assert sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_1", "step_2"]
 
-    _torchrun("quickstart", "--out", str(two), "--resume", "--set", "max_steps=3")
+    _torchrun("quickstart_grpo", "--out", str(two), "--resume", "--set", "max_steps=3")
     assert [r["step"] for r in _rows(two) if "train/loss" in r] == [1, 2, 3]
     tiny.load(two / "checkpoints" / "step_3")  # an ordinary Hugging Face directory

@@ -22,9 +22,9 @@ def test_two_process_lora_run_matches_one_and_resumes(tmp_path):
                 "optim.lr=5e-2", "algo.kl_coef=0.05"]
     sets = [x for s in settings for x in ("--set", s)]
     one = tmp_path / "one"
-    assert main(["train", "quickstart", "--out", str(one), *sets]) == 0
+    assert main(["train", "quickstart_grpo", "--out", str(one), *sets]) == 0
     two = tmp_path / "two"
-    _torchrun("quickstart", "--out", str(two), *sets)
+    _torchrun("quickstart_grpo", "--out", str(two), *sets)
     first_one, first_two = (next(r for r in _rows(d) if r["step"] == 1) for d in (one, two))
     assert first_two["reward/mean"] == first_one["reward/mean"]
     for key in ("train/loss", "train/grad_norm", "algo/kl"):
@@ -32,6 +32,6 @@ def test_two_process_lora_run_matches_one_and_resumes(tmp_path):
     assert first_one["train/grad_norm"] > 0
     assert first_two["perf/weight_sync_bytes"] == first_one["perf/weight_sync_bytes"]
     assert (two / "checkpoints" / "step_2" / lora.ADAPTER_CONFIG).exists()
-    _torchrun("quickstart", "--out", str(two), "--resume", "--set", "max_steps=3")
+    _torchrun("quickstart_grpo", "--out", str(two), "--resume", "--set", "max_steps=3")
     assert [r["step"] for r in _rows(two) if "train/loss" in r] == [1, 2, 3]
     assert json.loads((two / "checkpoints" / "step_3" / lora.ADAPTER_CONFIG).read_text())["r"] == 4
