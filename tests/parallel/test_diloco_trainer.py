@@ -186,7 +186,7 @@ def test_tidal_train_under_torchrun_with_diloco(tmp_path):
     settings = [*TINY_OVERRIDES(tmp_path), "model.num_layers=2", "max_steps=4", "trainer.data_parallel=diloco",
                 "trainer.diloco.sync_every=2", "system.mode=sync", "rollout.max_staleness=0"]
     out = tmp_path / "run"
-    done = _torchrun("quickstart", "--out", str(out), *[x for s in settings for x in ("--set", s)])
+    done = _torchrun("quickstart_grpo", "--out", str(out), *[x for s in settings for x in ("--set", s)])
     assert done.stdout.count('"steps": 4') == 1  # rank 0 alone reports
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "perf/diloco_bytes" in r]
