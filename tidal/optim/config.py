@@ -61,7 +61,8 @@ class MuonConfig:
 
 @dataclass
 class OptimConfig:
-    """The optimizer for RL (the supervised warm start keeps its own AdamW, see ``stages/warm_start.py``)."""
+    """The optimizer for RL and the stages (sft, dpo, rm: docs/stages.md); the supervised warm start keeps its own
+    AdamW (``stages/warm_start.py``)."""
 
     name: str = "adamw"
     """One of ``OPTIMIZERS``: ``adamw``, ``ademamix``, ``muon`` (see docs/optimizers.md)."""
