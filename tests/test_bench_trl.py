@@ -272,12 +272,13 @@ def test_two_trl_steps(tmp_path, monkeypatch):
         pytest.skip(f"no TRL environment at {s.venv}: run `tidal bench trl` once")
     venv = Path(s.venv).absolute()
     monkeypatch.chdir(tmp_path)
-    result = trl_bench.run([*TOY, "frameworks=[trl]", "seeds=[0]", f"venv={venv}", "max_steps=2", "max_time_s=600"],
-                           tmp_path / "results" / "trl")
+    # a toy TRL step can take under TOY's 0.05 s: snapshot on a finer clock so every step gets one
+    result = trl_bench.run([*TOY, "frameworks=[trl]", "seeds=[0]", f"venv={venv}", "max_steps=2", "max_time_s=600",
+                            "snapshot_every_s=0.0001"], tmp_path / "results" / "trl")
     (row,) = result["table"]
     assert row["steps"] == 2 and len(result["curves"]["seed0/trl"]["accuracy"]) == 3
     snapshots = torch.load(tmp_path / "results" / "trl" / "seed0" / "trl" / "snapshots.pt", weights_only=True)
-    assert [s["step"] for s in snapshots] == [0, 1, 2]  # the base, then every step (snapshot_every_s=0.05)
+    assert [s["step"] for s in snapshots] == [0, 1, 2]  # the base, then every step
 
 
 @pytest.mark.slow

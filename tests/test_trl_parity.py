@@ -18,6 +18,9 @@ SCRIPT = ROOT / "benchmarks" / "_trl_parity.py"
 
 FLOAT = 1e-6
 """float32 agreement: observed differences are ~1e-8 (losses) and ~1e-7 (largest gradient element)."""
+LOSS_REL = 1e-5
+"""A loss rescaled by the token-count ratio (case b): float32 sums in another order, 1.2e-6 relative observed
+(Nov 2026), so 1e-6 sat on the rounding's edge."""
 EPS_REL = 1e-3
 """TRL's advantage eps (1e-4) vs tidal's (1e-6), relative to group stds of 0.5-0.58: ~2e-4."""
 
@@ -77,7 +80,7 @@ def test_b_zero_advantage_group_only_changes_the_normalizer(parity):
     same = b["same_advantages"]
     assert same["grad_cosine"] > 1 - 1e-9, same  # parallel
     assert same["grad_norm_ratio"] == pytest.approx(ratio, rel=FLOAT), same  # tidal / TRL = all / informative
-    assert same["loss_tidal"] == pytest.approx(ratio * same["loss_trl"], rel=FLOAT), same
+    assert same["loss_tidal"] == pytest.approx(ratio * same["loss_trl"], rel=LOSS_REL), same
     _equal(b["same_advantages_trl_scaled"])  # TRL times the ratio: equal element by element
     own = b["trl_own_advantages"]
     assert own["grad_cosine"] > 1 - 1e-8 and own["grad_norm_ratio"] == pytest.approx(ratio, rel=EPS_REL), own
