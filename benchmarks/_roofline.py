@@ -36,7 +36,8 @@ def training_flops(num_params: int, num_layers: int, attn_dim: int, lengths: lis
     tokens = sum(lengths)
     pairs = sum(n * (n + 1) // 2 for n in lengths)
     head_tokens = tokens if head_tokens is None else head_tokens
-    return 6.0 * ((num_params - head_params) * tokens + head_params * head_tokens) + 12.0 * num_layers * attn_dim * pairs
+    matmuls = (num_params - head_params) * tokens + head_params * head_tokens
+    return 6.0 * matmuls + 12.0 * num_layers * attn_dim * pairs
 
 
 def decode_steps(prompt_lens: list[int], budgets: list[int], max_rows: int) -> list[tuple[int, int]]:

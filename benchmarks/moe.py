@@ -25,7 +25,8 @@ reported beside it.
 Headline keys: ``routing_agreement_off`` (median over seeds of the off arm's mean agreement; the bench is only
 informative when it is measurably below 1), ``mismatch_off_over_r3`` (median over seeds of the off arm's mean KL
 over the r3 arm's; goal >= 2), ``abs_mismatch_off_over_r3`` and ``extreme_off_over_r3`` (the same ratio of the
-mean absolute gap and of the share of tokens whose probability ratio exceeds 2), ``steps_to_0.85_by_arm`` (per seed, None: not reached),
+mean absolute gap and of the share of tokens whose probability ratio exceeds 2), ``steps_to_0.85_by_arm`` (per
+seed, None: not reached),
 ``collapsed_runs_by_arm`` (a run collapsed when its final held-out accuracy fell below its base or 0.3 below
 its best, or a loss was not finite).
 

@@ -278,5 +278,6 @@ def test_an_moe_samples_token_shows_its_experts_per_layer(browser, tokenizer, tm
         if j == len(spans) - 1:
             assert (routes[j] == moe.NO_ROUTE).all() and shown.startswith("— (no route")
         else:
-            assert shown == " ".join(f"L{layer}:" + ",".join(map(str, ids)) for layer, ids in enumerate(routes[j].tolist()))
+            layers = enumerate(routes[j].tolist())
+            assert shown == " ".join(f"L{layer}:" + ",".join(map(str, ids)) for layer, ids in layers)
     browser.save_screenshot(str(shots / "moe_experts.png"))

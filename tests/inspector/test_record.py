@@ -195,7 +195,8 @@ def test_moe_routes_are_recorded_per_response_token(tokenizer, small_model):
     trajs, records = moe_samples(tokenizer)
     for t, rec in zip(trajs, records):
         s = rec["samples"][0]
-        assert s["routes"] == moe.encode_routes(t.routes[len(t.prompt_ids):]) == encode_routes(t.routes[len(t.prompt_ids):])
+        response = t.routes[len(t.prompt_ids):]
+        assert s["routes"] == moe.encode_routes(response) == encode_routes(response)
         got = moe.decode_routes(json.loads(json.dumps(s["routes"])))
         assert got.shape[0] == len(s["ids"]) and torch.equal(got, t.routes[len(t.prompt_ids):])
         assert (got[-1] == moe.NO_ROUTE).all() and (got[:-1] != moe.NO_ROUTE).all()

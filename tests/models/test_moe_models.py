@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from tidal.config import ConfigError
 from tidal.models import architecture, lora, moe, tiny
 from tidal.models.export import export
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -109,10 +108,11 @@ def test_mlp_names_mean_linear_layers_not_the_experts(tokenizer, ids, tmp_path):
     and merge (``tiny.load`` of the checkpoint) the same way."""
     base = family("qwen3_moe", tokenizer, mlp_only_layers=[0])
     assert base.config.model_type == "qwen3_moe"
-    wrapped = lora.wrap(copy.deepcopy(base), lora.LoraConfig(rank=2, experts=False, target_modules=["q_proj", "down_proj"]))
+    linear_only = lora.LoraConfig(rank=2, experts=False, target_modules=["q_proj", "down_proj"])
+    wrapped = lora.wrap(copy.deepcopy(base), linear_only)
     assert base.config.model_type == "qwen3_moe"  # the PEFT mapping was kept out for the wrap only
-    assert {n for n, _ in lora._lora_layers(wrapped)} == {"model.layers.0.self_attn.q_proj",
-                                                          "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
+    assert {n for n, _ in lora._lora_layers(wrapped)} == {
+        "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
     full = lora.wrap(copy.deepcopy(base), lora.LoraConfig(rank=2))
     adapted = {n for n, _ in lora._lora_layers(full)}
     assert {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.experts.down_proj",

@@ -178,7 +178,8 @@ def test_driver_for_picks_the_moe_layers_and_sends_hub_layout_weights(monkeypatc
     trajs = _generate(driver, tokenizer)
     assert all(t.versions == [1] * t.num_tokens for t in trajs)
     sent = vllm.made[0].loaded[0]
-    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in sent and "model.layers.0.mlp.experts.gate_up_proj" not in sent
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in sent
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in sent
     torch.testing.assert_close(sent["model.layers.1.mlp.experts.2.down_proj.weight"],
                                moe.model.layers[1].mlp.experts.down_proj[2], rtol=0, atol=0)
 
@@ -197,8 +198,8 @@ def test_routes_of_selects_moe_layers_and_fills_missing_rows():
 
 def test_moe_layer_indices_of_dense_and_moe_models(moe, tokenizer):
     assert moe_layer_indices(moe) == [0, 1]
-    assert moe_layer_indices(tiny.build_model(tiny.ModelConfig(hidden_size=32, num_layers=1, num_heads=2,
-                                                                num_kv_heads=2, intermediate_size=64), tokenizer)) is None
+    dense = tiny.ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    assert moe_layer_indices(tiny.build_model(dense, tokenizer)) is None
 
 
 def test_an_interrupted_sample_takes_its_last_segments_routes(monkeypatch, moe_dir, tokenizer):

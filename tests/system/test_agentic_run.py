@@ -10,7 +10,7 @@ from tidal.envs import ENVS
 from tidal.system.run import close, prepare
 from tidal.types import Group, Trajectory
 
-from .test_controller import comparable, params, run, tiny_cfg
+from .test_controller import comparable, params, run, run_interrupted_at, tiny_cfg
 
 
 @ENVS.register("test_countdown")
@@ -134,19 +134,7 @@ def test_agentic_ctrl_c_then_resume_trains_journaled_episodes_once(tmp_path):
     out = tmp_path / "run"
     opts = (*AGENT, "system.mode=async", "rollout.max_staleness=1", "checkpoint_every=100", "max_steps=4")
     controller = prepare(tiny_cfg(tmp_path, *opts), out)
-    real_step = controller.trainer.step
-
-    def interrupt_on_third(batch):
-        if controller.trainer.version == 2:
-            raise KeyboardInterrupt
-        return real_step(batch)
-
-    controller.trainer.step = interrupt_on_third
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            controller.run()
-    finally:
-        close(controller)
+    run_interrupted_at(controller, 2)
     journaled = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
     assert journaled and all(t["loss_mask"] is not None and t["episode"]["turns"] == 3
                              for j in journaled for t in j["group"]["trajectories"]), "episodes journaled whole"

@@ -51,6 +51,24 @@ def run(cfg, out, resume=False):
     return controller, result
 
 
+def run_interrupted_at(controller, version: int) -> None:
+    """Run ``controller`` and press Ctrl-C in the trainer step that would make ``version`` + 1 (a
+    KeyboardInterrupt inside the step, where a user's Ctrl-C lands in a long step); closes the controller."""
+    real_step = controller.trainer.step
+
+    def interrupt(batch):
+        if controller.trainer.version == version:
+            raise KeyboardInterrupt
+        return real_step(batch)
+
+    controller.trainer.step = interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            controller.run()
+    finally:
+        close(controller)
+
+
 def run_stopped_after(steps, cfg, out):
     """``run``, stopped after ``steps`` steps (checkpointed) as a preempted run is: the config, and with it the
     learning-rate schedule over ``max_steps``, stays the run's."""

@@ -10,7 +10,7 @@ from tidal.system.run import close, prepare
 from tidal.train.checkpoint import latest_checkpoint
 from tidal.types import Group, Prompt, Trajectory
 
-from .test_controller import tiny_cfg
+from .test_controller import run_interrupted_at, tiny_cfg
 
 
 def group(uid, versions, reward=1.0):
@@ -67,19 +67,7 @@ def test_ctrl_c_in_async_mode_then_resume_trains_every_group_once_without_regene
     controller = prepare(tiny_cfg(tmp_path, *opts), out)
     trained: list = []
     _record_training(controller, trained)
-    real_step = controller.trainer.step
-
-    def interrupt_on_third(batch):
-        if controller.trainer.version == 2:
-            raise KeyboardInterrupt
-        return real_step(batch)
-
-    controller.trainer.step = interrupt_on_third
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            controller.run()
-    finally:
-        close(controller)
+    run_interrupted_at(controller, 2)
     p = controller.cfg.rollout.prompts_per_step
     assert [s for s, _ in trained] == [0, 1]
     state = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)["state"]

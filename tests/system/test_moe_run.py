@@ -12,7 +12,7 @@ from tidal.models import moe
 from tidal.recipes import RECIPES
 from tidal.system.run import close, prepare, sampling_for
 
-from .test_controller import comparable, run, run_stopped_after, tiny_cfg
+from .test_controller import comparable, run, run_interrupted_at, run_stopped_after, tiny_cfg
 
 MOE = ("model.num_experts=4", "model.experts_per_token=2", "model.expert_intermediate_size=32", "log.samples.every=1")
 
@@ -45,19 +45,7 @@ def test_an_interrupted_async_r3_run_resumes_with_the_journaled_groups_routes(tm
     out = tmp_path / "run"
     opts = (*MOE, "system.mode=async", "trainer.moe.routing_replay=r3", "checkpoint_every=100", "max_steps=4")
     controller = prepare(tiny_cfg(tmp_path, *opts), out)
-    real_step = controller.trainer.step
-
-    def interrupt_on_third(batch):
-        if controller.trainer.version == 2:
-            raise KeyboardInterrupt
-        return real_step(batch)
-
-    controller.trainer.step = interrupt_on_third
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            controller.run()
-    finally:
-        close(controller)
+    run_interrupted_at(controller, 2)
     journaled = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
     assert journaled and all(t.get("routes") for g in journaled for t in g["group"]["trajectories"])
     resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)

@@ -4,7 +4,8 @@ The page has four views: *Rollouts* (the recorded groups and evaluation answers 
 filtered by step, reward, finish reason, truncation, staleness, task or text, each row showing what the
 policy wrote: every sample's response, cut to ``PREVIEW_CHARS`` characters, with its reward; a group's samples with
 their tokens coloured by behaviour log-prob, trainer log-prob, engine/trainer mismatch or advantage,
-the numbers on hover (an MoE policy's experts per layer too), and an agent episode's turns and observations), *Prompt across steps* (every
+the numbers on hover (an MoE policy's experts per layer too), and an agent episode's turns and observations),
+*Prompt across steps* (every
 recorded answer to one prompt, e.g. a held-out prompt at each evaluation), *Curves* (any metric key of
 every run on one Plotly chart, with smoothing and a step or wall-clock x-axis) and *Config* (the keys
 that differ between the runs).

@@ -322,7 +322,8 @@ def _dequantize_bases(model: torch.nn.Module) -> None:
         setattr(model.get_submodule(parent), child, dense)
 
 
-def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, shape: torch.Size, transposed: bool = False) -> torch.Tensor:
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scale: float, shape: torch.Size,
+               transposed: bool = False) -> torch.Tensor:
     """s B A in the layout of the weight it adds to (``shape``). A linear layer: B [out, r] @ A [r, in]. Fused
     experts [E, out, in] (PEFT's ``ParamWrapper``): A [E r, in] holds expert e's A_e in rows e r .. e r + r - 1 and
     B [out, r E] its B_e in the columns e, e + E, ... (``ParamWrapper.get_delta_weight``), delta[e] = s B_e A_e;

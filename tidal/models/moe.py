@@ -131,7 +131,8 @@ class Routing:
         finally:
             self.sink = previous
 
-    def set_plan(self, plan_nlk: torch.Tensor | None, replace: bool = True, count_n: torch.Tensor | None = None) -> None:
+    def set_plan(self, plan_nlk: torch.Tensor | None, replace: bool = True,
+                 count_n: torch.Tensor | None = None) -> None:
         """Replay (``replace``) or compare with ``plan_nlk`` [N, layers, k] on every forward until ``clear_plan``;
         ``count_n`` (bool [N]) limits which tokens count toward the agreement."""
         if plan_nlk is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal.config import ConfigError
-from tidal.models.moe import NO_ROUTE, REPLAY_MODES, Routing, expert_load, load_balance_loss, routing_of, router_z_loss
+from tidal.models.moe import NO_ROUTE, REPLAY_MODES, expert_load, load_balance_loss, router_z_loss, routing_of
 
 
 @dataclass
