@@ -257,3 +257,20 @@ def test_dense_models_ignore_the_moe_settings(small_model, batch):
     dense.routes_btlk = None
     metrics = t.step(dense)
     assert not any(k.startswith("moe/") for k in metrics)
+
+
+def test_r2_records_in_the_proximal_pass_without_a_pass_of_its_own(moe_model, batch):
+    """With a proximal pass (a correction needs it) and two minibatches: one no-grad pass records the routes and
+    gives the proximal log-probs, then one forward per minibatch: three decoder forwards, as ``off`` runs."""
+    counts = {}
+    for replay in ("off", "r2"):
+        model = copy.deepcopy(moe_model)
+        forwards = [0]
+        model.get_decoder().register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        trainer = Trainer(model, AlgoConfig(correction="tis"), OptimConfig(), TrainerConfig(
+            num_minibatches=2, moe=MoeConfig(routing_replay=replay)))
+        trainer.step(batch)
+        counts[replay] = forwards[0]
+        if replay == "r2":
+            assert torch.equal(trainer.routes.routes_btlk.cpu(), batch.routes_btlk)
+    assert counts == {"off": 3, "r2": 3}

@@ -54,8 +54,28 @@ import math
 import torch
 
 from tidal.algo import CORRECTIONS
+from tidal.algo.aggregation import masked_mean
 
 _MAX_LOG = 20.0  # |log ratio| beyond this is clamped before exp (e^20 ~ 5e8): finite, still extreme
+
+
+def mismatch_metrics(logp_bt: torch.Tensor, behav_logp_bt: torch.Tensor, versions_bt: torch.Tensor,
+                     mask_bt: torch.Tensor, version: int) -> dict[str, torch.Tensor]:
+    """The engine/trainer numeric gap on the tokens sampled by the weights the trainer holds (``version``; stale
+    tokens differ because the policy moved, not because of numerics), as device tensors ({} when there are none):
+    the mean and largest absolute log-prob gap; KL(engine || trainer) by the k3 estimator over the engine's samples,
+    ``r - 1 - log r`` with r = pi_train / pi_engine; and the share of extreme tokens, whose ratio either way exceeds
+    2. The last two are what R3 reports (Ma et al., arXiv 2510.11370, sec. 2: k3 KL; the extreme token
+    distribution F(tau) at tau = 2)."""
+    fresh = mask_bt * (versions_bt == version).float()
+    if not fresh.any():
+        return {}
+    log_r = logp_bt - behav_logp_bt
+    gap = log_r.abs()
+    k3 = torch.expm1(log_r.clamp(max=20)) - log_r
+    return {"train/logp_mismatch_mean": masked_mean(gap, fresh), "train/logp_mismatch_max": gap[fresh.bool()].max(),
+            "train/logp_mismatch_kl": masked_mean(k3, fresh),
+            "train/extreme_token_frac": masked_mean((gap > math.log(2)).float(), fresh)}
 
 
 def sequence_log_ratio(logp_bt: torch.Tensor, ref_logp_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:

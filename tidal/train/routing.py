@@ -24,13 +24,15 @@ because the policy moved), in the step's first pass before any update.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from tidal.algo import mismatch_metrics
 from tidal.config import ConfigError
 from tidal.models.moe import NO_ROUTE, REPLAY_MODES, expert_load, load_balance_loss, router_z_loss, routing_of
+from tidal.train.host_batch import read_metrics
 
 
 @dataclass
@@ -127,6 +129,32 @@ class TrainerRouting:
         self.compare_btlk = torch.where(fresh_b[:, None, None, None], engine, NO_ROUTE)
         if self.replay == "r3":
             self.routes_btlk = engine
+
+    def before_updates(self, batch, chunks: list[torch.Tensor], needs_prox: bool, score: Callable,
+                       version: int) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The step's no-grad passes before its first update: the proximal log-probs when ``needs_prox`` (``score()``,
+        the whole batch), and for MoE models r2's recording (the proximal pass itself when one runs, else a pass of
+        its own; with one minibatch and no proximal pass every forward runs before the update: nothing recorded) and
+        ``mismatch_unreplayed``'s pass over the first minibatch (``score(rows)``). Returns (proximal log-probs or
+        None, their metrics: agreement, the unreplayed gap)."""
+        metrics: dict[str, float] = {}
+        if not self.active:
+            return (score() if needs_prox else None), metrics
+        if self.cfg.mismatch_unreplayed and self.replay != "off":
+            idx = chunks[0]
+            with self.unreplayed():
+                unreplayed = score(idx)[idx]
+            gap = mismatch_metrics(unreplayed, batch.behav_logp_bt[idx], batch.versions_bt[idx],
+                                   batch.loss_mask_bt[idx], version)
+            for key, value in read_metrics(gap).items():
+                metrics[key.replace("train/logp_mismatch", "moe/logp_mismatch_unreplayed")
+                        .replace("train/extreme", "moe/unreplayed_extreme")] = value
+        if self.replay == "r2" and (needs_prox or len(chunks) > 1):
+            with self.recording_pass(batch):
+                recorded = score()  # its own routes: the log-probs replaying them gives, so also the proximal ones
+            metrics.update(read_metrics(self.agreement()))
+            return (recorded if needs_prox else None), metrics
+        return (score() if needs_prox else None), metrics
 
     @contextlib.contextmanager
     def recording_pass(self, batch) -> Iterator[None]:

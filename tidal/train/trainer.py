@@ -35,7 +35,6 @@ base), and ``state_dict_for_engine`` sends the adapters only.
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +57,7 @@ from tidal.algo import (
     kl_loss,
     kl_reward_penalty,
     kl_reward_penalty_tokens,
+    mismatch_metrics,
     sequence_log_ratio,
 )
 from tidal.algo.config import AlgoConfig
@@ -349,12 +349,11 @@ class Trainer:
         algo = self.algo
         everything = torch.arange(batch.num_sequences)
         chunks = minibatches(batch.group_index_b, self.cfg.num_minibatches)
-        prox_bt = None  # with one minibatch the weights do not change before its loss: prox = logp.detach()
+        # prox_bt stays None with one minibatch: the weights do not change before its loss (prox = logp.detach())
         self.routes.begin_step(batch, self.version)
         needs_prox = self._needs_prox and (len(chunks) > 1 or _accepts(self.advantage, "seq_is_weight_b"))
-        moe_metrics = self._routing_pass(batch, chunks, needs_prox)
-        if needs_prox:
-            prox_bt = self._scores(self.model, batch)
+        score = lambda rows=None: self._scores(self.model, batch, rows)  # noqa: E731
+        prox_bt, moe_metrics = self.routes.before_updates(batch, chunks, needs_prox, score, self.version)
         if (demos := demonstration_rows(batch)) is not None:  # guidance: a demonstration's ratio starts at 1
             now_bt = prox_bt if prox_bt is not None else self._scores(self.model, batch, demos[0])
             batch.behav_logp_bt = torch.where(demos[1], now_bt, batch.behav_logp_bt)
@@ -506,29 +505,6 @@ class Trainer:
             totals.update(self._mismatch(logp_mb, batch.behav_logp_bt[idx], batch.versions_bt[idx], mask_mb))
         return read_metrics(totals)
 
-    def _routing_pass(self, batch: TrainBatch, chunks: list[torch.Tensor], needs_prox: bool) -> dict[str, float]:
-        """MoE models, before the step's updates: r2 records the trainer's own routes (in the proximal pass when
-        one runs, else in a no-grad pass of its own; with one minibatch and no proximal pass nothing runs after an
-        update, so nothing is recorded); ``trainer.moe.mismatch_unreplayed`` scores the first minibatch without
-        replay. Returns their metrics (agreement, the unreplayed gap)."""
-        metrics: dict[str, float] = {}
-        if not self.routes.active:
-            return metrics
-        if self.routes.cfg.mismatch_unreplayed and self.routes.replay != "off":
-            idx = chunks[0]
-            with self.routes.unreplayed():
-                unreplayed = self._scores(self.model, batch, idx)[idx]
-            gap = self._mismatch(unreplayed, batch.behav_logp_bt[idx], batch.versions_bt[idx], batch.loss_mask_bt[idx])
-            names = {"train/logp_mismatch": "moe/logp_mismatch_unreplayed", "train/extreme": "moe/unreplayed_extreme"}
-            for key, value in read_metrics(gap).items():
-                prefix = next(p for p in names if key.startswith(p))
-                metrics[key.replace(prefix, names[prefix])] = value
-        if self.routes.replay == "r2" and (needs_prox or len(chunks) > 1):
-            with self.routes.recording_pass(batch):
-                self._scores(self.model, batch)  # the proximal pass below replays these routes: the same log-probs
-            metrics.update(read_metrics(self.routes.agreement()))
-        return metrics
-
     def _lr_scale(self, logp_bt: torch.Tensor, batch: TrainBatch, idx: torch.Tensor) -> tuple[float, float]:
         """VCPO: the normalized ESS of this minibatch's sequence weights pi_theta / pi_behav, and the lr
         multiplier it implies (1 unless ``ess_lr_scaling``)."""
@@ -536,21 +512,9 @@ class Trainer:
         ess = effective_sample_size_log(log_w)
         return ess, bind(ess_lr_scale, self.algo)(ess) if self.algo.ess_lr_scaling else 1.0
 
-    def _mismatch(self, logp, behav, versions, mask) -> dict[str, float | torch.Tensor]:
-        """Engine/trainer numeric gap, on tokens sampled by the weights the trainer has now (stale tokens differ
-        because the policy moved, not because of numerics): the mean and largest absolute log-prob gap; the
-        KL(engine || trainer) by the k3 estimator over the engine's samples, ``r - 1 - log r`` with r = pi_train /
-        pi_engine, and the share of extreme tokens, whose ratio either way exceeds 2, the two measures R3 reports
-        (Ma et al., arXiv 2510.11370, sec. 2: k3 KL; the extreme token distribution F(tau) at tau = 2)."""
-        fresh = mask * (versions == self.version).float()
-        if not fresh.any():
-            return {}
-        log_r = logp.detach() - behav
-        gap = log_r.abs()
-        k3 = torch.expm1(log_r.clamp(max=20)) - log_r
-        return {"train/logp_mismatch_mean": masked_mean(gap, fresh), "train/logp_mismatch_max": gap[fresh.bool()].max(),
-                "train/logp_mismatch_kl": masked_mean(k3, fresh),
-                "train/extreme_token_frac": masked_mean((gap > math.log(2)).float(), fresh)}
+    def _mismatch(self, logp, behav, versions, mask) -> dict[str, torch.Tensor]:
+        """The engine/trainer gap on tokens the trainer's current weights sampled (``algo/correction.py``)."""
+        return mismatch_metrics(logp.detach(), behav, versions, mask, self.version)
 
     def skip_step(self) -> None:
         """A batch with no learning signal (every group's rewards equal): the weights carry over
