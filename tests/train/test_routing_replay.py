@@ -265,12 +265,18 @@ def test_r2_records_in_the_proximal_pass_without_a_pass_of_its_own(moe_model, ba
     counts = {}
     for replay in ("off", "r2"):
         model = copy.deepcopy(moe_model)
-        forwards = [0]
-        model.get_decoder().register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        forwards = counts.setdefault(replay, [0])
+        model.get_decoder().register_forward_hook(lambda *_, n=forwards: n.__setitem__(0, n[0] + 1))
         trainer = Trainer(model, AlgoConfig(correction="tis"), OptimConfig(), TrainerConfig(
             num_minibatches=2, moe=MoeConfig(routing_replay=replay)))
         trainer.step(batch)
-        counts[replay] = forwards[0]
         if replay == "r2":
             assert torch.equal(trainer.routes.routes_btlk.cpu(), batch.routes_btlk)
-    assert counts == {"off": 3, "r2": 3}
+    assert counts == {"off": [3], "r2": [3]}
+
+
+def test_a_step_with_no_fresh_sequence_logs_no_agreement(moe_model, batch):
+    stale = copy.copy(batch)
+    stale.versions_bt = torch.where(batch.loss_mask_bt > 0, 7, -1)  # every sequence another version's
+    _, metrics, _ = step(moe_model, stale, "off")
+    assert "moe/routing_agreement" not in metrics and "moe/routing_compared" not in metrics

@@ -152,7 +152,7 @@ class TrainerRouting:
         if self.replay == "r2" and (needs_prox or len(chunks) > 1):
             with self.recording_pass(batch):
                 recorded = score()  # its own routes: the log-probs replaying them gives, so also the proximal ones
-            metrics.update(read_metrics(self.agreement()))
+            metrics.update(self.agreement())
             return (recorded if needs_prox else None), metrics
         return (score() if needs_prox else None), metrics
 
@@ -257,9 +257,13 @@ class TrainerRouting:
             pass_[0].drop_logits()
         self._pass = None
 
-    def agreement(self) -> dict[str, torch.Tensor]:
-        """``moe/routing_agreement`` over the passes since ``begin_step`` (or the last call); {} when none compared."""
+    def agreement(self) -> dict[str, float]:
+        """``moe/routing_agreement`` and ``moe/routing_compared`` over the passes since ``begin_step`` (or the last
+        call), read in one transfer; {} when nothing was compared (an async step whose samples are all a version
+        old: an agreement of 0/0 is no measurement)."""
         if not self.active or self.compare_btlk is None:
             return {}
         matched, compared = self.routing.take_agreement()
-        return {"moe/routing_agreement": matched / compared.clamp(min=1), "moe/routing_compared": compared}
+        share = matched / compared.clamp(min=1)
+        read = read_metrics({"moe/routing_agreement": share, "moe/routing_compared": compared})
+        return read if read["moe/routing_compared"] > 0 else {}

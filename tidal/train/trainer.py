@@ -390,7 +390,7 @@ class Trainer:
                 self.last_adv[idx] = adv
             metrics = self._minibatch_step(batch, idx, adv, prox_bt, ref_bt, first=mb_index == 0)
             if mb_index == 0 and self.routes.replay != "r2":  # the step's first pass, before any update
-                moe_metrics.update(read_metrics(self.routes.agreement()))
+                moe_metrics.update(self.routes.agreement())
             if self.critic is not None:  # the same rows and micro-batches as the policy's step
                 metrics.update(self.critic.minibatch_step(algo, batch, idx, self._micro_batches(batch, idx), targets))
             for k, v in metrics.items():
