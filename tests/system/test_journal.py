@@ -98,16 +98,7 @@ def test_ctrl_c_before_the_first_step_resumes_without_a_second_base_eval(tmp_pat
     out = tmp_path / "run"
     opts = ("system.mode=async", "checkpoint_every=100", "max_steps=2")
     controller = prepare(tiny_cfg(tmp_path, *opts), out)
-
-    def interrupt(batch):
-        raise KeyboardInterrupt
-
-    controller.trainer.step = interrupt
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            controller.run()
-    finally:
-        close(controller)
+    run_interrupted_at(controller, 0)  # Ctrl-C in the first step
     resumed = prepare(tiny_cfg(tmp_path, *opts), out, resume=True)
     try:
         result = resumed.run()
