@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.parallel.test_diloco import load_params
-from tests.parallel.test_fsdp import _free_port, make_batch, spawn
+from tests.parallel.test_fsdp import _free_port, join_group, make_batch, spawn
 from tidal.cli import main
 from tidal.config import ConfigError
 from tidal.parallel.diloco import outer_step_reference, pseudo_gradient
@@ -86,11 +86,9 @@ def _flip_after_first_sync(worker) -> None:
 def _worker(rank: int, world: int, port: int, out: str, outer: tuple[float, float], flip: bool = False) -> None:
     from tidal.parallel.diloco import DiLoCoConfig, start_lighthouse
     from tidal.parallel.diloco_trainer import DiLoCoTrainer, broadcast_weights
-    from tidal.parallel.fsdp import LeaderTrainer, follow, init_distributed, teardown
+    from tidal.parallel.fsdp import LeaderTrainer, follow, teardown
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dp = init_distributed(timeout_s=120)
+    dp = join_group(rank, world, port)
     lighthouse = start_lighthouse(min_replicas=world) if rank == 0 else None
     addr = dp.broadcast(lighthouse.address() if lighthouse else None)
     trainer = _trainer()

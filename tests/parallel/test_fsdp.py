@@ -97,9 +97,7 @@ def batches() -> list[TrainBatch]:
 
 
 def _worker(rank: int, world: int, port: int, out: str, ckpt_1proc: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dp = init_distributed(timeout_s=120)
+    dp = join_group(rank, world, port)
     out_dir = Path(out)
     try:
         for case in CASES:  # the run's protocol: rank 0 leads, the other ranks follow
@@ -154,6 +152,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_group(rank: int, world: int, port: int):
+    """In a spawned worker: join the gloo group of ``world`` processes on ``port`` with one thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    return init_distributed(timeout_s=120)
 
 
 def spawn(fn, world: int, args: tuple, timeout_s: float) -> None:

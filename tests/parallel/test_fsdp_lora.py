@@ -4,7 +4,6 @@ adapters disabled."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,12 @@ import torch
 from tidal.algo.config import AlgoConfig
 from tidal.models import lora, tiny
 from tidal.optim import OptimConfig
-from tidal.parallel.fsdp import LOCAL, LeaderTrainer, follow, init_distributed, teardown
+from tidal.parallel.fsdp import LOCAL, LeaderTrainer, follow, teardown
 from tidal.train.checkpoint import TrainingState, save_checkpoint
 from tidal.train.config import TrainerConfig
 from tidal.train.trainer import Trainer
 
-from .test_fsdp import _free_port, assert_state_dicts_close, make_batch, spawn
+from .test_fsdp import _free_port, assert_state_dicts_close, join_group, make_batch, spawn
 
 pytest.importorskip("peft", reason="needs peft: pip install 'tidal[lora]'")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
@@ -40,9 +39,7 @@ def batches():
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dp = init_distributed(timeout_s=120)
+    dp = join_group(rank, world, port)
     out_dir = Path(out)
     try:
         trainer = make_trainer(dp)
