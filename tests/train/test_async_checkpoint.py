@@ -185,3 +185,40 @@ def test_an_interrupt_inside_thread_start_leaves_wait_usable(small_model, tokeni
         assert latest_checkpoint(root) == root / "step_1" and verify_hashes(root / "step_1") == 2
     else:
         assert latest_checkpoint(root) is None
+
+
+def test_an_interrupt_while_waiting_keeps_the_write_to_wait_for(small_model, tokenizer, tmp_path, monkeypatch):
+    """Ctrl-C landing in ``wait``'s join (the next save waiting for the previous write) used to forget the
+    thread: the interrupt's own checkpoint then started a second write beside the first (CI: FileExistsError
+    on ``.tmp_step_2``). The write stays the one the next ``wait`` joins."""
+    model, opt, sched = _trained(small_model)
+    root, writer, gated = tmp_path / "ckpt", AsyncCheckpointer(), GatedTokenizer(tokenizer)
+    writer.save(root, model, gated, opt, sched, TrainingState(2, 2, 0, {}))
+    assert gated.entered.wait(60)
+    join = threading.Thread.join
+    monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        writer.wait()
+    monkeypatch.setattr(threading.Thread, "join", join)
+    assert writer.in_flight
+    gated.gate.set()
+    writer.wait()
+    assert latest_checkpoint(root) == root / "step_2" and verify_hashes(root / "step_2") == 2
+
+
+def test_two_writes_of_one_step_at_once_take_turns(small_model, tokenizer, tmp_path):
+    """Two writes in one process never interleave (each would delete the other's ``.tmp_step_<k>``): the
+    second waits for the first, and both leave a whole checkpoint."""
+    model, opt, sched = _trained(small_model)
+    root, gated = tmp_path / "ckpt", GatedTokenizer(tokenizer)
+    first, second = AsyncCheckpointer(), AsyncCheckpointer()
+    first.save(root, model, gated, opt, sched, TrainingState(2, 2, 0, {}))
+    assert gated.entered.wait(60)
+    second.save(root, model, tokenizer, opt, sched, TrainingState(2, 2, 0, {}))
+    second._thread.join(0.5)
+    assert second.in_flight, "the second write ran while the first was inside its .tmp_step_2"
+    gated.gate.set()
+    first.wait()
+    second.wait()
+    assert latest_checkpoint(root) == root / "step_2" and verify_hashes(root / "step_2") == 2
+    assert not list(root.glob(".tmp_*"))

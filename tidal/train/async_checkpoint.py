@@ -131,10 +131,12 @@ class AsyncCheckpointer:
 
         A signal handler that raises inside ``Thread.start`` (SIGTERM during a save) leaves a thread that may
         or may not run: one that began within a second is joined (its checkpoint completes), one that did not
-        never will, and ``join`` on it would raise "cannot join thread before it is started"."""
-        thread, self._thread = self._thread, None
+        never will, and ``join`` on it would raise "cannot join thread before it is started". Should a thread that
+        began late be missed, ``write_checkpoint``'s lock still keeps two writes from interleaving."""
+        thread = self._thread
         if thread is not None and (self._start_returned or self._began.wait(1.0)):
-            thread.join()
+            thread.join()  # an interrupt here keeps the thread: the interrupt's own checkpoint waits for it
+        self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error

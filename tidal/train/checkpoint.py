@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,7 +166,16 @@ def write_checkpoint(root: str | Path, model, tokenizer, contents: CheckpointCon
     updated, then checkpoints beyond the newest ``keep`` removed (never the one just written, so the newest
     complete checkpoint always survives). ``model`` and ``tokenizer`` give the file layout, the config and
     the vocabulary (read only); with ``contents.model_state`` the weights come from there."""
-    root = Path(root)
+    with _ONE_WRITE_AT_A_TIME:
+        return _write(Path(root), model, tokenizer, contents, keep)
+
+
+_ONE_WRITE_AT_A_TIME = threading.Lock()
+"""Two writes in one process take turns: each begins by removing ``.tmp_*`` leftovers, so two at once (an
+interrupt's checkpoint beside a background write still running) would delete each other's files."""
+
+
+def _write(root: Path, model, tokenizer, contents: CheckpointContents, keep: int) -> Path:
     step = contents.state["step"]
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}"
