@@ -57,6 +57,15 @@ class TrainerConfig:
     """``fp32``, or ``bf16``: bf16 autocast around every forward (policy, reference, critic) with float32
     master weights and optimizer state; the LM head and log-softmax stay float32 (``models/logprobs.py``).
     ``auto``: bf16 on CUDA, fp32 on CPU (``utils/device.py``)."""
+    weights: str = "fp32"
+    """The policy's parameters: ``fp32`` (float32 weights, each forward under ``precision``'s autocast) or
+    ``bf16_master`` (bf16 parameters and no autocast, so the residual stream, norms and RoPE run in bf16 too, with
+    a float32 master of each trained parameter that the optimizer steps, float32 optimizer state and float32
+    gradient accumulation across micro-batches: ``train/precision.py``). The reference model is bf16 too; the LM
+    head and log-softmax stay float32 (``models/logprobs.py``), and checkpoints hold the float32 masters. Costs
+    18 bytes per trained parameter with AdamW against 16 and saves activation memory (docs/memory.md). Not yet
+    with data parallel, DiLoCo or SDC recording (``sdc.record``). The MFU gain on a GPU is unmeasured
+    (``tidal bench gpu --set weights=bf16_master``)."""
     head_matmul: str = "fp32"
     """The float32 LM-head matmul on CUDA: ``fp32`` (IEEE float32 products on the CUDA cores, ~67 TFLOP/s on an
     H100/H200) or ``tf32`` (tensor cores: inputs rounded to 10 mantissa bits, float32 accumulation and output,
@@ -98,6 +107,11 @@ def validate(cfg: TrainerConfig) -> None:
     """Raise a ConfigError naming the key when the trainer config cannot run (overrides bypass __init__)."""
     if cfg.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"trainer.precision must be auto, fp32 or bf16, got {cfg.precision!r}")
+    if cfg.weights not in ("fp32", "bf16_master"):
+        raise ConfigError(f"trainer.weights must be fp32 or bf16_master, got {cfg.weights!r}")
+    if cfg.weights == "bf16_master" and cfg.precision == "fp32":
+        raise ConfigError("trainer.weights=bf16_master computes in bf16, which trainer.precision=fp32 contradicts "
+                          "(use trainer.precision=auto or bf16, or trainer.weights=fp32)")
     if cfg.head_matmul not in ("fp32", "tf32"):
         raise ConfigError(f"trainer.head_matmul must be fp32 or tf32, got {cfg.head_matmul!r}")
     if cfg.head_tokens not in ("all", "loss"):

@@ -85,10 +85,11 @@ from tidal.train.guidance import demonstration_rows
 from tidal.train.host_batch import HostBatch, read_metrics
 from tidal.train.microbatch import greedy_collation, pack_sequences
 from tidal.train.packing import pack, packed_attention_mask, unpack
+from tidal.train.precision import autocast_dtype, compute_weights
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.train.routing import TrainerRouting
 from tidal.types import TrainBatch
-from tidal.utils.device import model_device, resolve_device, resolve_dtype, tensors_to
+from tidal.utils.device import model_device, resolve_device, tensors_to
 from tidal.utils.memory import PeakMemory, optimizer_state_bytes
 from tidal.utils.phases import PhaseTimer, phase
 
@@ -144,7 +145,7 @@ class Trainer:
         model.to(self.device)  # before the optimizer exists, so its state is created on the device too
         if ref_model is not None:
             ref_model.to(self.device)
-        self.autocast_dtype = resolve_dtype(cfg.precision, self.device, "trainer.precision")
+        self.autocast_dtype = autocast_dtype(cfg, self.device)  # float32 (off) under trainer.weights=bf16_master
         self.model = model.train()
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -185,6 +186,7 @@ class Trainer:
         if algo.kl_coef > 0 and ref_model is None and not self.lora:
             raise ValueError("algo.kl_coef > 0 needs a reference model (the run's base model)")
         self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None else None
+        self.weights = compute_weights(cfg, model, self.optimizer, self.ref_model, dp.enabled)  # train/precision.py
         self._needs_prox = (_accepts(self.policy_loss, "prox_logp_bt") or algo.correction != "none"
                             or _accepts(self.advantage, "seq_is_weight_b"))
         self.version = 0
@@ -211,7 +213,8 @@ class Trainer:
             return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
 
     def autocast(self) -> torch.autocast:
-        """bf16 autocast on the trainer's device when ``trainer.precision`` is bf16 (a no-op for fp32)."""
+        """bf16 autocast on the trainer's device when ``trainer.precision`` is bf16 (a no-op for fp32 and under
+        ``trainer.weights=bf16_master``, whose parameters are bf16 already)."""
         return torch.autocast(self.device.type, dtype=self.autocast_dtype,
                               enabled=self.autocast_dtype != torch.float32)
 
@@ -485,13 +488,14 @@ class Trainer:
             observer.after_backward()
         ess, lr_scale = self._lr_scale(logp_mb, batch, idx)
         with phase("optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.weights.grad_tensors(), self.optim_cfg.grad_clip)
             if self.dp.enabled:  # a DTensor: the global norm over every rank's shards
                 grad_norm = local_value(grad_norm)
             if lr_scale != 1.0:  # the scheduler recomputes every group's lr from its base at its next step
                 for group in self.optimizer.param_groups:
                     group["lr"] *= lr_scale
             self.optimizer.step()
+            self.weights.after_step()  # bf16_master: the stepped masters into the bf16 parameters
         for observer in self.observers:
             observer.after_optimizer()
         self.scheduler.step()
@@ -567,12 +571,13 @@ class Trainer:
         writes the 1-process layout and returns its path, the others None). With ``writer``
         (``async_checkpoint.py``) the step pays only for a host snapshot and the files are written in the
         background: the path returned is complete once ``writer.wait()`` returns. ``on_saved(path)`` runs
-        once the checkpoint is complete."""
-        if writer is not None:
-            return writer.save(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
-                               components=self._components(), on_saved=on_saved)
-        path = save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
-                               components=self._components())
+        once the checkpoint is complete. Under ``trainer.weights=bf16_master`` it holds the float32 masters."""
+        with self.weights.masters_in_model():  # the snapshot (or the whole write) reads them; no-op for fp32
+            if writer is not None:
+                return writer.save(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
+                                   components=self._components(), on_saved=on_saved)
+            path = save_checkpoint(root, self.model, tokenizer, self.optimizer, self.scheduler, state, keep,
+                                   components=self._components())
         if on_saved is not None and path is not None:
             on_saved(path)
         return path
@@ -580,7 +585,8 @@ class Trainer:
     def load_checkpoint(self, path: str | Path) -> TrainingState:
         """Restore weights, optimizer, scheduler, RNG state and the policy version; return the counters
         (data parallel: every rank calls it, rank 0 reads the files)."""
-        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, components=self._components())
+        with self.weights.masters_in_model():  # bf16_master: into the float32 masters, then cast
+            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, components=self._components())
         self.version = state.version
         return state
 
