@@ -249,10 +249,10 @@ def test_kept_turn_kv_changes_no_token_and_matches_the_trainer(model, tokenizer)
 
 
 def test_kept_turns_are_bounded_by_count_and_positions_oldest_out():
-    from tidal.rollout.local import _TurnKV, _TurnStore
+    from tidal.rollout.turns import TurnKV, TurnStore
 
-    store = _TurnStore()
-    kv = lambda n: _TurnKV(tuple(range(n)), [], [], 0)  # noqa: E731
+    store = TurnStore()
+    kv = lambda n: TurnKV(tuple(range(n)), [], [], 0)  # noqa: E731
     for i in range(3):
         store.put(("p", i), kv(10), max_turns=2, max_tokens=100)
     assert store.take(("p", 0)) is None and store.tokens == 20  # the oldest went first

@@ -19,8 +19,11 @@ A graph replays fixed shapes and fixed memory, so the step is rewritten with sta
 - A model with sliding-window layers takes one static mask buffer per layer type (``SlotCache.attention_mask``
   builds them; the positions count a row's live columns over the whole width).
 
-Graphs are recorded lazily, per (bucket, buffer) pair: when the slot cache reallocates its buffers
-(more rows or columns) the recorded graphs are dropped and recorded again as needed. If recording fails
+Graphs are recorded per (bucket, buffer) pair, all of a call's buckets at once when the slot cache is sized
+(``prepare``, from ``SlotCache.reserve`` before the call's first row joins; one garbage collection for all of
+them): recording mid-decode made an H200 RL step's first generate take 4.12 s against 2.06 s for the second
+(issue 51). When the slot cache reallocates its buffers (more rows or columns) the recorded graphs are dropped;
+a bucket decode meets unrecorded is recorded then (``num_late``: the fallback, counted). If recording fails
 (a model whose forward synchronizes with the host, say) the engine says so once and decodes eagerly.
 Rows that share a context (``SamplingConfig.share_identical_rows``) need a gather the graph cannot hold, so
 with graphs every row is decoded (the step is cheap; sharing saved work at the tiny model's scale).
@@ -109,16 +112,19 @@ class StaticDecoder:
         self.failed = False
         self.num_recorded = 0
         self.record_seconds = 0.0  # host wall-clock time of the recordings, warm-ups included (engine metrics)
+        self.num_built = 0  # steps built (recorded on CUDA, eager elsewhere), ``prepare``'s and decode's
+        self.num_late = 0  # of those, built by ``decode`` (a bucket ``prepare`` had not built): mid-decode work
 
     def decode(self, tokens_n: torch.Tensor, pos_n: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of the running rows after feeding ``tokens_n`` at position ids ``pos_n``; writes each
         row's new keys and values at column ``slots.t``."""
         s = self.slots
         n, rows = s.n, bucket(s.n, len(s.start))
-        if self._generation != s.generation:  # reallocated buffers: recorded graphs point at freed memory
-            self._steps.clear()
-            self._generation = s.generation
-        step = self._steps.get(rows) or self._new_step(rows)
+        self._follow_buffers()
+        step = self._steps.get(rows)
+        if step is None:
+            self.num_late += 1
+            step = self._build([rows])[0]
         step.tokens[:n, 0] = tokens_n
         step.tokens[n:] = 0
         step.pos[:n, 0] = pos_n
@@ -136,55 +142,77 @@ class StaticDecoder:
         step.graph.replay()
         return step.out[:n]
 
-    def _new_step(self, rows: int) -> _Step:
+    def prepare(self, max_rows: int) -> None:
+        """Build (on CUDA: record) the step of every bucket a batch of up to ``max_rows`` running rows meets as its
+        rows finish, each once per buffer allocation: a second call of the same shape builds nothing."""
+        self._follow_buffers()
+        cap = len(self.slots.start)
+        wanted = sorted({bucket(n, cap) for n in range(1, max_rows + 1)} - self._steps.keys())
+        if wanted:
+            self._build(wanted)
+
+    def _follow_buffers(self) -> None:
+        if self._generation != self.slots.generation:  # reallocated buffers: recorded graphs point at freed memory
+            self._steps.clear()
+            self._generation = self.slots.generation
+
+    def _build(self, buckets: list[int]) -> list[_Step]:
         s = self.slots
-        t_index = torch.zeros(1, dtype=torch.long, device=s.device)
-        step = _Step(tokens=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
-                     pos=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
-                     mask=s.layout.build(lambda _: torch.zeros(rows, 1, 1, s.columns, dtype=torch.bool,
-                                                               device=s.device)),
-                     t_index=t_index, cache=_BucketCache(s, rows, t_index))
+        steps = []
+        for rows in buckets:
+            t_index = torch.zeros(1, dtype=torch.long, device=s.device)
+            steps.append(_Step(tokens=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
+                               pos=torch.zeros(rows, 1, dtype=torch.long, device=s.device),
+                               mask=s.layout.build(lambda _, rows=rows: torch.zeros(rows, 1, 1, s.columns,
+                                                                                    dtype=torch.bool, device=s.device)),
+                               t_index=t_index, cache=_BucketCache(s, rows, t_index)))
         if self.capture and not self.failed:
             try:
-                self._record(step)
+                self._record(steps)
             except Exception as e:  # noqa: BLE001 (fall back to eager decoding, said once)
                 self.failed = True
-                if step.graph is not None:
-                    step.graph.reset()
-                step.graph = step.out = None
+                for step in steps:
+                    if step.graph is not None:
+                        step.graph.reset()
+                    step.graph = step.out = None
                 log.warning("CUDA graph recording failed (%s: %s); decoding without graphs", type(e).__name__, e)
-        self._steps[rows] = step
-        return step
+        for rows, step in zip(buckets, steps):
+            self._steps[rows] = step
+        self.num_built += len(steps)
+        return steps
 
     def _run(self, step: _Step) -> torch.Tensor:
         """The bucket's forward (no closures: nothing here may hold a cycle that keeps graphs alive)."""
         return self.forward(step.tokens, step.mask, step.pos, step.cache)
 
-    def _record(self, step: _Step) -> None:
-        """Warm up on a side stream (as ``torch.cuda.graphs`` requires), then record. Warm-up and recording
-        write column ``t`` of rows [0, bucket): the running rows' next column and free slots, both overwritten
-        by the real step."""
+    def _record(self, steps: list[_Step]) -> None:
+        """Warm up on a side stream (as ``torch.cuda.graphs`` requires), then record each step, with one garbage
+        collection for all of them. Warm-up and recording write column ``t`` of rows [0, bucket): the running rows'
+        next column and free slots, both overwritten by the real step (or zeroed when a row joins there)."""
         began = time.perf_counter()
-        step.t_index.fill_(self.slots.t)
-        for mask in step.mask.values() if isinstance(step.mask, dict) else (step.mask,):
-            mask.fill_(True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(step)
+        for step in steps:
+            step.t_index.fill_(self.slots.t)
+            for mask in step.mask.values() if isinstance(step.mask, dict) else (step.mask,):
+                mask.fill_(True)
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(step)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = step.graph = torch.cuda.CUDAGraph()  # kept on the step so a failed recording can be reset
         # Collect first and keep the collector off while recording: a graph left in a reference cycle (an earlier
         # engine's) freed mid-recording resets itself, which CUDA forbids during capture and which ruins it.
         gc.collect()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=side):  # the warm-up's stream: its cuBLAS workspace
-                step.out = self._run(step)
+            for step in steps:
+                graph = step.graph = torch.cuda.CUDAGraph()  # kept on the step so a failed recording can be reset
+                # on the warm-up's stream: its cuBLAS workspace
+                with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                    step.out = self._run(step)
+                self.num_recorded += 1
         finally:
             gc.enable()
-        self.num_recorded += 1
         self.record_seconds += time.perf_counter() - began

@@ -22,10 +22,10 @@ records the new weights' choices, as it recomputes the keys.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -43,9 +43,11 @@ from tidal.rollout.head import HEAD_DTYPES, fill_head, keep_head_fp32
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.routes import ForwardRoutes, recording, unfed_last
 from tidal.rollout.sampling import sample_tokens
+from tidal.rollout.sizing import slot_shape
 from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
 from tidal.rollout.speculative import SpeculativeConfig, build_speculator
 from tidal.rollout.thinking import open_close_prefix
+from tidal.rollout.turns import TurnKV, TurnStore
 from tidal.types import Trajectory
 from tidal.utils.device import model_device, resolve_dtype
 
@@ -118,48 +120,6 @@ class _Row:
     draft_state: object = None  # the drafter's per-row state (speculative.py), e.g. its n-gram index
 
 
-@dataclass
-class _TurnKV:
-    """A finished turn's sequence and its keys and values per layer ([heads, len, head_dim] each)."""
-
-    tokens: tuple[int, ...]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    version: int
-    routes: torch.Tensor | None = None  # MoE: the sequence's expert ids, CPU uint8 [len, layers, k]
-
-
-class _TurnStore:
-    """Kept turns by (prompt uid, sample index), oldest dropped first past ``max_turns`` entries or
-    ``max_tokens`` kept positions (so a large model's kept keys and values stay within about what the
-    running batch's own cache holds)."""
-
-    def __init__(self):
-        self._turns: OrderedDict[tuple[str, int], _TurnKV] = OrderedDict()
-        self.tokens = 0
-
-    def __bool__(self) -> bool:
-        return bool(self._turns)
-
-    def put(self, key: tuple[str, int], kv: _TurnKV, max_turns: int, max_tokens: int) -> None:
-        self.take(key)
-        self._turns[key] = kv
-        self.tokens += len(kv.tokens)
-        while self._turns and (len(self._turns) > max_turns or self.tokens > max_tokens):
-            _, old = self._turns.popitem(last=False)
-            self.tokens -= len(old.tokens)
-
-    def take(self, key: tuple[str, int]) -> _TurnKV | None:
-        kv = self._turns.pop(key, None)
-        if kv is not None:
-            self.tokens -= len(kv.tokens)
-        return kv
-
-    def clear(self) -> None:
-        self._turns.clear()
-        self.tokens = 0
-
-
 RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
 
 
@@ -207,6 +167,9 @@ class LocalEngine:
         self._static_decode = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and self.device.type == "cuda")
         self._slots: SlotCache | None = None  # kept across calls with static decode: its graphs are recorded once
         self._slots_in_use = False
+        self.size_up_front = True
+        """Size the slot cache from a call's requests before its first row joins (``sizing.py``); False grows it by
+        doubling as rows and columns run out (the path before issue 51; tests compare the two)."""
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.seed = seed
@@ -223,7 +186,7 @@ class LocalEngine:
         self.generate_seconds = 0.0
         self.num_interruptions = 0
         self.num_weight_updates = 0
-        self._turn_kv = _TurnStore()
+        self._turn_kv = TurnStore()
         self.num_reused_tokens = 0
         self.num_shared_decodes = 0  # row-steps whose decode was copied from an identical row
         # Engine counters (issue 51): where a decode step's time goes. Host time is the step's wall-clock time on
@@ -281,7 +244,8 @@ class LocalEngine:
         }
 
     def _step_counters(self) -> dict[str, float]:
-        """Decode steps, their mean host time, removed rows and graph recordings (cumulative, per process)."""
+        """Decode steps, their mean host time, removed rows, graph recordings (and those decode had to make) and slot
+        cache growths while rows ran (cumulative, per process)."""
         static = self._slots.static if self._slots is not None else None
         return {
             "rollout/decode_steps": float(self.num_decode_steps),
@@ -289,24 +253,45 @@ class LocalEngine:
             "rollout/removed_rows": float(self.num_removed_rows),
             "rollout/graph_recordings": float(static.num_recorded if static is not None else 0),
             "rollout/graph_record_s": static.record_seconds if static is not None else 0.0,
+            "rollout/graph_late_steps": float(static.num_late if static is not None else 0),
+            "rollout/slot_resizes": float(self._slots.num_growths if self._slots is not None else 0),
         }
 
     # ---- generation --------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: Sequence[GenRequest], greedy: bool = False) -> list[Trajectory]:
-        """Generate one trajectory per request, in request order."""
-        return generate_by_stream(self.stream, requests, greedy)
+        """Generate one trajectory per request, in request order (the slot cache sized for them all first)."""
+        return generate_by_stream(functools.partial(self.stream, size_for=requests), requests, greedy)
+
+    def prepare(self, requests: Sequence[GenRequest]) -> None:
+        """Size the slot cache for a ``generate`` of ``requests`` and record its decode steps now, so that no call's
+        timed work pays for them (``generate`` sizes at its start anyway; this only moves the work ahead)."""
+        slots = self._slot_cache()
+        try:
+            self._reserve(slots, requests, joins_later=False)
+        finally:
+            if slots is self._slots:
+                self._slots_in_use = False
+
+    def _reserve(self, slots: SlotCache, requests: Sequence[GenRequest], joins_later: bool, running: int = 0) -> None:
+        """Grow ``slots`` (never shrink it) to what ``requests`` can need, joining ``running`` rows (``sizing.py``)."""
+        if not self.size_up_front or not requests:
+            return
+        draft = self.cfg.speculative.num_draft_tokens if self._spec is not None else 0
+        rows, columns = slot_shape(requests, self.cfg.max_new_tokens, self.cfg.max_batch_size, draft, joins_later)
+        slots.reserve(min(running + rows, self.cfg.max_batch_size), columns)
 
     @torch.no_grad()
     def stream(self, source: RequestSource, on_done: Callable[[GenRequest, Trajectory], None],
-               greedy: bool = False) -> None:
+               greedy: bool = False, size_for: Sequence[GenRequest] = ()) -> None:
         """Continuous batching: decode until ``source`` is exhausted and every row has finished.
 
         Whenever the running batch has free slots (``max_batch_size`` rows), ``source(n, block)`` is
         asked for up to n more requests (``block`` is True only when nothing is running); it returns
         a list (possibly empty) or None once it will never give more. New rows are prefilled and
         joined to the running batch, so the long tail of one batch overlaps the start of the next.
-        Finished trajectories go to ``on_done`` as soon as they finish.
+        Finished trajectories go to ``on_done`` as soon as they finish. The slot cache is sized for ``size_for``
+        (every request the call will see: ``generate``) before anything runs, else as each admission arrives.
         """
         start = time.perf_counter()
         temperature = 0.0 if greedy else self.cfg.temperature
@@ -314,6 +299,7 @@ class LocalEngine:
         slots = self._slot_cache()
         exhausted = False
         try:
+            self._reserve(slots, size_for, joins_later=False)
             while True:
                 if self._apply_pending_update() and rows:  # interruption point: re-read under new weights
                     self._reprefill(slots, rows)
@@ -327,6 +313,8 @@ class LocalEngine:
                     elif new:
                         if self._apply_pending_update() and rows:  # arrived while we waited
                             self._reprefill(slots, rows)
+                        if not size_for:
+                            self._reserve(slots, new, joins_later=True, running=len(rows))
                         new_rows = [_Row(r, sampling_key(self.seed, r)) for r in new]
                         saved = [self._saved_turn(r) for r in new]
                         fresh = [row for row, kv in zip(new_rows, saved) if kv is None]
@@ -527,12 +515,12 @@ class LocalEngine:
         tokens = (*row.request.prompt_ids, *row.tokens[:-1])
         keys, values = slots.row_kv(slot)
         assert keys[0].shape[1] == len(tokens), "slot span and sequence disagree"
-        kv = _TurnKV(tokens, keys, values, self.version, routes)
+        kv = TurnKV(tokens, keys, values, self.version, routes)
         cache_positions = len(slots.start) * slots.columns  # what the running batch's cache holds now
         self._turn_kv.put((row.request.prompt.uid, row.request.sample_index), kv,
                           max_turns=self.cfg.max_batch_size, max_tokens=max(cache_positions, len(tokens)))
 
-    def _saved_turn(self, request: GenRequest) -> _TurnKV | None:
+    def _saved_turn(self, request: GenRequest) -> TurnKV | None:
         """The kept keys and values this request's context extends (same weights), if any."""
         if not self._turn_kv:
             return None
@@ -542,7 +530,7 @@ class LocalEngine:
             return None
         return kv
 
-    def _prefill_after(self, slots: SlotCache, resumed: list[tuple[_Row, _TurnKV]]) -> None:
+    def _prefill_after(self, slots: SlotCache, resumed: list[tuple[_Row, TurnKV]]) -> None:
         """Join rows whose context extends kept keys and values: run only the last S columns, S the
         longest new part, over the kept prefix (right-aligned as in ``_prefill``; a row whose new part
         is shorter recomputes a few kept tokens), then admit them like a fresh prefill."""
@@ -579,7 +567,7 @@ class LocalEngine:
         slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n),
                     self._routes_after(routes, resumed, past, window) if routes is not None else None)
 
-    def _routes_after(self, recorded: ForwardRoutes, resumed: list[tuple[_Row, _TurnKV]], past: int,
+    def _routes_after(self, recorded: ForwardRoutes, resumed: list[tuple[_Row, TurnKV]], past: int,
                       window: int) -> torch.Tensor:
         """``_prefill_after``'s routes [layers, n, past + window, k]: the kept prefix's from the kept turns (the
         experts those keys were computed with), the window's from this forward."""

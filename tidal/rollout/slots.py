@@ -16,6 +16,10 @@ stacking every layer's (so a row move is one indexed copy, not two per layer).
   earliest start of a running row.
 - When ``t`` reaches the end of the buffer the live span moves back to column 0 (a copy once every
   few dozen steps); when it does not fit, the buffers grow (doubling).
+- The engine sizes the buffers before a call's first row joins (``reserve``, from the call's rows and length
+  budget: ``sizing.py``), so a call grows nothing; growth stays the fallback for what the sizing could not know
+  (a longer context arriving later), and ``num_growths`` counts it. With no row running the span is empty, so
+  a call starts at the left edge: kept buffers are reused from column 0, not from where the last call ended.
 - Speculative decoding writes k + 1 columns per row and step and marks the rejected ones (``rejected``); they
   are compacted out when the span must move anyway or when they are over half of it (``_compact``).
 - An MoE model's expert choices per token (``routes``, uint8 [layers, slots, columns, k]; ``routes.py``) are
@@ -101,6 +105,8 @@ class SlotCache(Cache):
         self._width = 1  # columns each row writes in this forward (k + 1 while verifying k drafted tokens)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
         self.generation = 0  # bumped whenever the buffers are reallocated
+        self.num_sizings = 0  # reallocations with no row running (``reserve`` at a call's start: no copy)
+        self.num_growths = 0  # reallocations while rows ran (each copies the live span and drops recorded graphs)
         self.routing = moe.routing_of(model)  # None: a dense model, which records no routes
         self.routes = torch.zeros(0, dtype=moe.ROUTE_DTYPE)
         """MoE models: [route layers, slots, columns, k] expert ids of each column's token, beside ``kv``."""
@@ -324,6 +330,20 @@ class SlotCache(Cache):
         self.n, self.lo = 0, self.t
 
     # ---- layout -------------------------------------------------------------------------------
+    def reserve(self, rows: int, columns: int, buckets: int | None = None) -> None:
+        """Make the buffers at least ``rows`` (capped at ``max_slots``) x ``columns``, never smaller: kept buffers
+        serve every later call that fits, so a steady caller allocates once. While rows run, rows grow at least
+        twofold (amortized, as ``admit`` grows them). Then the static decoder's steps for up to ``buckets`` running
+        rows (default ``rows``) are built (recorded, on CUDA) here rather than in the middle of decoding."""
+        rows = min(rows, self.max_slots)
+        have = len(self.start)
+        if rows > have and self.n:
+            rows = min(self.max_slots, max(rows, 2 * have))
+        if rows > have or columns > self.columns:
+            self._resize(max(rows, have), max(columns, self.columns))
+        if self.static is not None:
+            self.static.prepare(min(buckets or rows, len(self.start)))
+
     @property
     def columns(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
@@ -336,11 +356,17 @@ class SlotCache(Cache):
             live = int(self.last_pos[: self.n].max()) + 1  # the longest row's live columns (positions 0..last_pos)
             if self.t < min_t or self.t + extra > self.columns or 2 * live < self.t - self.lo:
                 self._compact(min_t)
-        span = self.t - self.lo if self.n else 0
+        if not self.n:  # nothing to move: start at the left edge, growing only what must grow
+            if min_t + extra > self.columns:
+                self._resize(len(self.start), max(2 * (min_t + extra), self.min_columns))
+            self.lo = self.t = min_t
+            return
+        span = self.t - self.lo
         if self.t >= min_t and self.t + extra <= self.columns:
             return
         dst = max(0, min_t - span)
         need = dst + span + extra
+        # a move leaves at least ``need`` free columns (else grow): moves stay a copy once per span's worth of steps
         columns = self.columns if 2 * need <= self.columns else max(2 * need, self.min_columns)
         if columns != self.columns:
             self._resize(len(self.start), columns, dst)
@@ -383,6 +409,10 @@ class SlotCache(Cache):
         """Reallocate with ``slots`` x ``columns``, copying the live span to start at column ``dst``."""
         n, span = self.n, self.t - self.lo
         dst = self.lo if dst is None else dst
+        if n:
+            self.num_growths += 1
+        elif self.keys:
+            self.num_sizings += 1
         kv = torch.zeros(2 * self.num_layers, slots, self.heads, columns, self.head_dim,
                          dtype=self.dtype, device=self.device)
         if self.keys and n:
