@@ -239,3 +239,22 @@ def test_refusals_name_the_keys():
 def test_data_parallel_is_refused(small_model):
     with pytest.raises(ConfigError, match="trainer.weights=bf16_master with data parallel"):
         Trainer(copy.deepcopy(small_model), AlgoConfig(), OptimConfig(), BF16, dp=DataParallel(world_size=2))
+
+
+def test_a_run_refuses_what_reads_the_parameters_directly(small_model):
+    from tidal.config import apply_overrides
+    from tidal.parallel.diloco import DiLoCoConfig
+    from tidal.parallel.diloco_trainer import DiLoCoTrainer
+    from tidal.recipes import RECIPES
+    from tidal.system.validate import validate_run_config
+
+    def run(*sets):
+        validate_run_config(apply_overrides(RECIPES.get("quickstart")(), ["trainer.weights=bf16_master", *sets]))
+
+    run("sdc.record=false")
+    with pytest.raises(ConfigError, match="trainer.weights=bf16_master with sdc.record=true"):
+        run()
+    with pytest.raises(ConfigError, match="trainer.weights=bf16_master with trainer.data_parallel=elastic"):
+        run("trainer.data_parallel=elastic")
+    with pytest.raises(ConfigError, match="trainer.weights=bf16_master with trainer.data_parallel=diloco"):
+        DiLoCoTrainer(_bf16_trainer(small_model), DiLoCoConfig(), DataParallel(), "unused:0")

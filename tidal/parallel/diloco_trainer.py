@@ -52,6 +52,7 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
+from tidal.config import ConfigError
 from tidal.integrity.sdc import param_checksums
 from tidal.parallel.diloco import DiLoCoConfig, diloco_worker
 from tidal.parallel.elastic_dp import disagreeing_ranks, fingerprint_row
@@ -85,6 +86,10 @@ class DiLoCoTrainer:
 
     def __init__(self, trainer: Trainer, cfg: DiLoCoConfig, dp: DataParallel, lighthouse_addr: str):
         assert not trainer.dp.enabled, "a DiLoCo worker's trainer is a plain 1-process trainer (no FSDP)"
+        if trainer.cfg.weights != "fp32":  # the outer step reads and writes the parameters, not the masters
+            raise ConfigError(f"trainer.weights={trainer.cfg.weights} with trainer.data_parallel=diloco: DiLoCo's "
+                              "outer step averages the model's parameters, not the float32 masters; use "
+                              "trainer.weights=fp32")
         if trainer.critic is not None:  # each replica would train its own critic, never synced
             check_supported(trainer.cfg, data_parallel=True)
         self.trainer = trainer

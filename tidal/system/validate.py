@@ -230,6 +230,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     _check_distill(cfg)
     _check_elastic(cfg)
+    _check_weights(cfg)
     check_lora(cfg)  # model.lora's keys and the combinations it cannot serve yet
     check_lora_device(cfg.model.lora, resolve_device(cfg.system.device))
     if cfg.algo.advantage in VALUE_ADVANTAGES:
@@ -279,6 +280,21 @@ def _check_elastic(cfg: RunConfig) -> None:
         raise ConfigError(f"{', '.join(changed)}: SDC recording and replay run a 1-process trainer, not "
                           "trainer.data_parallel=elastic, whose replicas compare their states every step instead "
                           "(trainer.elastic.check_replicas); leave sdc.* at its defaults")
+
+
+def _check_weights(cfg: RunConfig) -> None:
+    """``trainer.weights=bf16_master`` against what reads the model's parameters and gradients directly
+    (``train/precision.py``): there the exact weights and the gradients are the float32 masters."""
+    if cfg.trainer.weights != "bf16_master":
+        return
+    if cfg.trainer.data_parallel == "elastic":
+        raise ConfigError("trainer.weights=bf16_master with trainer.data_parallel=elastic: the replicas sum and "
+                          "compare the model's parameters and gradients, not the float32 masters; use "
+                          "trainer.weights=fp32")
+    if cfg.sdc.record:
+        raise ConfigError("trainer.weights=bf16_master with sdc.record=true: SDC fingerprints the model's gradients "
+                          "and replays steps from its parameters, and under bf16_master those are the float32 "
+                          "masters; set sdc.record=false")
 
 
 def _check_harness(cfg: RunConfig) -> None:
