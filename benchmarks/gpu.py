@@ -71,13 +71,19 @@ seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (
    go back to the engine (``state_dict_for_engine`` in the engine's dtype, ``request_weight_update``, then
    applied at once through the engine's interruption point). ``step_time_split`` is the seconds of each
    phase of the last of ``rl_steps`` steps (the first warms up the reward workers and the engine) and their
-   fractions.
+   fractions. Before the first step ``LocalEngine.prepare`` sizes the engine's slot cache for the requests and
+   records every CUDA-graph bucket (``rl_prepare_s``, outside the steps); ``rl_first_generate_s`` and
+   ``rl_second_generate_s`` are the first two steps' generate seconds (recording inside the first made it 4.12 s
+   against 2.06 s on an H200), ``rl_engine_counters`` the engine's ``rollout/*`` counters after all steps
+   (``graph_late_steps`` and ``slot_resizes``: recordings in the middle of decoding and buffer growths, both 0
+   when the sizing held).
 
 Issue 51's keys, at the top level of the JSON: ``trainer_phase_ms`` (``train``'s last step, ``{forward, head,
 backward, optimizer}`` from its ``perf/trainer_<phase>_ms`` metrics; the head's ms lie inside the forward's),
 ``decode_step_ms`` (``generate``: the engine's timed seconds over the decode steps of its schedule, prefill
 included) and ``rl_samples_per_s`` (``rl_step``: samples of the last step over its seconds) with
-``rl_response_lengths`` beside it (the responses' token counts: mean, median, p90, max, and their budgets' law).
+``rl_response_lengths`` beside it (the responses' token counts: mean, median, p90, max, and their budgets' law),
+and ``rl_prepare_s``, ``rl_first_generate_s``, ``rl_second_generate_s``, ``rl_engine_counters`` (part 3).
 
 Reading the numbers: they are for one device and these shapes; the model is small for an H100, so per-step
 overheads (kernel launches, Python) weigh more than at 7B. The defaults are sized to finish in about 2-3
@@ -145,6 +151,10 @@ class Settings:
     tokens only, and the MFU then counts the head's FLOPs on those tokens only (``head_tokens_per_step``)."""
     precision: str = "auto"
     """``trainer.precision``: bf16 autocast on CUDA with ``auto``, fp32 on CPU."""
+    weights: str = "fp32"
+    """``trainer.weights`` of the ``train`` part (and the RL step): ``bf16_master`` runs bf16 parameters without
+    autocast over float32 masters (``train/precision.py``). The ``train_bf16_master`` part is ``train`` with it,
+    side by side: ``--set 'parts=[train,train_bf16_master]'`` compares the two MFUs on one machine."""
     engine_dtype: str = "auto"
     """``rollout.dtype`` of the engine, and the dtype HF ``generate`` runs in: bf16 on CUDA with ``auto``."""
     seed: int = 0
@@ -239,7 +249,8 @@ def make_trainer(model: torch.nn.Module, s: Settings, device: torch.device):
     from tidal.train.trainer import Trainer
 
     cfg = TrainerConfig(precision=s.precision, packing=True, pack_tokens=s.pack_tokens,
-                        micro_batch_tokens=s.micro_batch_tokens, head_matmul=s.head_matmul, head_tokens=s.head_tokens)
+                        micro_batch_tokens=s.micro_batch_tokens, head_matmul=s.head_matmul, head_tokens=s.head_tokens,
+                        weights=s.weights)
     return Trainer(model, AlgoConfig(), OptimConfig(lr=1e-6), cfg, device=device)
 
 
@@ -284,7 +295,8 @@ def part_train(s: Settings, base: torch.nn.Module, device: torch.device, peaks: 
         "achieved_tflops": achieved,
         "trainer_mfu": achieved / (datasheet or measured), "trainer_mfu_peak": "datasheet" if datasheet else
         "measured matmul (no datasheet peak for this device)", "trainer_mfu_vs_measured_matmul": achieved / measured,
-        "autocast_dtype": str(trainer.autocast_dtype),
+        "autocast_dtype": str(trainer.autocast_dtype), "weights": s.weights,
+        "param_dtype": str(next(trainer.model.parameters()).dtype),
         "last_step_metrics": {k: v for k, v in metrics.items() if k.startswith("perf/")},
         "trainer_phase_ms": trainer_phase_ms(metrics),
         **({"profile": profiled} if profiled is not None else {}),
@@ -458,14 +470,22 @@ def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks
     params = {"max_len": s.rl_max_new_tokens, "cache_len": s.rl_max_new_tokens}
     pool = RewardPool(build_reward("length", params), RewardConfig("length", params))
     requests = rl_requests(s, tokenizer)
+    # the slot cache sized and every decode bucket recorded before the first step's clock starts (issue 51)
+    _, prepare_s = roofline.timed(lambda: engine.prepare(requests), device)
     try:
         steps = [rl_step(trainer, engine, pool, requests, s, tokenizer.pad_token_id, device) for _ in range(s.rl_steps)]
     finally:
         pool.close()
     last = steps[-1]
+    generate_s = [step["seconds"]["generate"] for step in steps]
+    counters = ("decode_steps", "slot_resizes", "graph_recordings", "graph_record_s", "graph_late_steps")
+    stats = engine.stats()
     return {"step_time_split": {**last["seconds"], "fractions": last["fractions"]},
             "rl_samples_per_s": last["samples"] / last["total_s"], "rl_response_lengths": last["response_lengths"],
-            "rl_step_s": last["total_s"], "rl_steps": steps, "engine_dtype": str(engine.dtype)}
+            "rl_step_s": last["total_s"], "rl_steps": steps, "engine_dtype": str(engine.dtype),
+            "rl_prepare_s": prepare_s, "rl_first_generate_s": generate_s[0],
+            "rl_second_generate_s": generate_s[1] if len(generate_s) > 1 else None,
+            "rl_engine_counters": {k: stats[f"rollout/{k}"] for k in counters}}
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
@@ -474,10 +494,18 @@ def part_train_tf32(s: Settings, base: torch.nn.Module, device: torch.device, pe
     return part_train(dataclasses.replace(s, head_matmul="tf32"), base, device, peaks)
 
 
-PARTS = {"train": part_train, "train_tf32": part_train_tf32, "generate": part_generate, "rl_step": part_rl_step}
+def part_train_bf16_master(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
+    """``part_train`` with bf16 parameters over float32 masters (``trainer.weights=bf16_master``); not a default
+    part (its MFU against ``train``'s is unmeasured on a GPU so far: issue 51)."""
+    return part_train(dataclasses.replace(s, weights="bf16_master"), base, device, peaks)
+
+
+PARTS = {"train": part_train, "train_tf32": part_train_tf32, "train_bf16_master": part_train_bf16_master,
+         "generate": part_generate, "rl_step": part_rl_step}
 HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split"}
 TOP_LEVEL = {"train": ["trainer_phase_ms"], "generate": ["decode_step_ms"],
-             "rl_step": ["rl_samples_per_s", "rl_response_lengths"]}
+             "rl_step": ["rl_samples_per_s", "rl_response_lengths", "rl_prepare_s", "rl_first_generate_s",
+                         "rl_second_generate_s", "rl_engine_counters"]}
 """Issue 51's keys, copied to the top level of the JSON (None when their part did not run or failed)."""
 
 
@@ -516,6 +544,10 @@ def table(result: dict) -> list[dict]:
     row("train", "MFU vs measured matmul", train.get("trainer_mfu_vs_measured_matmul"), "")
     tf32 = result.get("train_tf32", {})
     row("train", "MFU vs datasheet, TF32 head", tf32.get("trainer_mfu"), tf32.get("error", "trainer.head_matmul=tf32"))
+    if "train_bf16_master" in result:
+        master = result["train_bf16_master"]
+        row("train", "MFU vs datasheet, bf16_master", master.get("trainer_mfu"),
+            master.get("error", "trainer.weights=bf16_master"))
     row("generate", "engine useful tok/s", gen.get("engine_tokens_per_s"), gen.get("error", ""))
     row("generate", "HF generate useful tok/s", gen.get("hf_generate_tokens_per_s"), "")
     row("generate", "engine / HF generate", gen.get("engine_over_hf_generate"), "")
@@ -531,6 +563,12 @@ def table(result: dict) -> list[dict]:
     note = (f"response tokens mean {lengths['mean']:.1f}, median {lengths['median']}, max {lengths['max']}"
             if lengths else rl.get("error", ""))
     row("rl_step", "samples/s", rl.get("rl_samples_per_s"), note)
+    counters = rl.get("rl_engine_counters") or {}
+    row("rl_step", "prepare s", rl.get("rl_prepare_s"), "slot cache sized, decode buckets recorded, before the clock")
+    row("rl_step", "first generate s", rl.get("rl_first_generate_s"),
+        f"graph recordings {counters.get('graph_recordings')}, in decode {counters.get('graph_late_steps')}, "
+        f"slot resizes {counters.get('slot_resizes')} (all steps)")
+    row("rl_step", "second generate s", rl.get("rl_second_generate_s"), "the same requests again")
     return rows
 
 
@@ -569,6 +607,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     for name, key in HEADLINE.items():
         result[key] = result.get(name, {}).get(key)
     result["trainer_mfu_tf32_head"] = result.get("train_tf32", {}).get("trainer_mfu")
+    result["trainer_mfu_bf16_master"] = result.get("train_bf16_master", {}).get("trainer_mfu")
     for name, keys in TOP_LEVEL.items():
         for key in keys:
             result[key] = result.get(name, {}).get(key)

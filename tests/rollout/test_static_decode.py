@@ -15,8 +15,9 @@ def _requests(tokenizer, n_prompts=7, group=3):
     return group_requests(tokenizer, prompts, group)
 
 
-def _generate(model, tokenizer, graphs: str, **cfg):
+def _generate(model, tokenizer, graphs: str, up_front: bool = True, **cfg):
     engine = LocalEngine(model, tokenizer, SamplingConfig(cuda_graphs=graphs, **cfg))
+    engine.size_up_front = up_front  # False: the slot cache grows as rows and columns run out (``sizing.py``)
     return engine, engine.generate(_requests(tokenizer))
 
 
@@ -26,12 +27,12 @@ def test_buckets_are_powers_of_two_capped_at_the_slots():
 
 
 def test_static_decode_samples_what_the_dynamic_decode_samples(small_model, tokenizer):
-    # 21 requests through 5 slots: rows finish at different lengths and new ones join into freed slots;
-    # 40 tokens outgrow the first buffer width, so the buffers are reallocated (and graphs re-recorded).
+    # 21 requests through 5 slots: rows finish at different lengths and new ones join into freed slots; not sized
+    # up front, 40 tokens outgrow the first buffer width, so the buffers are reallocated (and steps built again).
     cfg = dict(max_new_tokens=40, max_batch_size=5)
     _, dynamic = _generate(small_model, tokenizer, "off", **cfg)
-    engine, static = _generate(small_model, tokenizer, "on", **cfg)
-    assert engine._static_decode and engine._slots.static is not None and engine._slots.generation > 1
+    engine, static = _generate(small_model, tokenizer, "on", up_front=False, **cfg)
+    assert engine._static_decode and engine._slots.static is not None and engine._slots.num_growths > 0
     assert [t.token_ids for t in static] == [t.token_ids for t in dynamic]
     for a, b in zip(static, dynamic):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
