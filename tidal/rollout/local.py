@@ -39,6 +39,7 @@ from tidal.models.attention import NAME as PACKED_ATTENTION
 from tidal.models.prompts import end_of_turn_ids
 from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
+from tidal.rollout.decode_attention import use_decode_attention
 from tidal.rollout.head import HEAD_DTYPES, fill_head, keep_head_fp32
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.routes import ForwardRoutes, recording, unfed_last
@@ -80,6 +81,13 @@ class SamplingConfig:
     """The engine's LM head: ``auto`` in ``dtype`` like the rest of the copy; ``fp32`` keeps its weights in fp32
     (an untied copy where the head is tied) and upcasts its input, so a bf16 engine's log-probs lose the head's
     rounding, its largest share of the gap to the trainer's fp32 head (``rollout/head.py``)."""
+    decode_attention: str = "repeat"
+    """How the engine's attention reads grouped KV heads (GQA) under its boolean masks
+    (``rollout/decode_attention.py``): ``repeat`` is transformers' SDPA, which copies each layer's keys and values
+    out to every query head (``repeat_kv``) whenever a mask is passed; ``gqa`` calls SDPA with ``enable_gqa=True``
+    (torch >= 2.5); ``fold`` folds each group's query heads into query rows of its KV head. Same samples and
+    log-probs (up to summation order); which is faster depends on the SDPA kernel the device picks: unmeasured
+    on a GPU (docs/gpu.md)."""
     early_stop_run: int | None = None
     """MiniMax-M1's early truncation (arXiv 2506.13585, sec. 4): stop a sample once this many
     consecutive sampled tokens each had probability > ``early_stop_prob`` (finish_reason
@@ -149,6 +157,7 @@ class LocalEngine:
         self.model = model.eval().requires_grad_(False)
         check_architecture(self.model)  # one line naming a feature the slot cache's masks would get wrong
         _use_sdpa(self.model)
+        use_decode_attention(self.model, cfg.decode_attention)  # after SDPA: it replaces only masked GQA calls
         self.device = model_device(self.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
         self.model.to(self.dtype)
