@@ -7,6 +7,7 @@ import torch
 from tidal.rollout.graphs import bucket
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
+from tidal.rollout.slots import SlotCache
 from tidal.types import Prompt
 
 
@@ -17,7 +18,11 @@ def _requests(tokenizer, n_prompts=7, group=3):
 
 def _generate(model, tokenizer, graphs: str, up_front: bool = True, **cfg):
     engine = LocalEngine(model, tokenizer, SamplingConfig(cuda_graphs=graphs, **cfg))
-    engine.size_up_front = up_front  # False: the slot cache grows as rows and columns run out (``sizing.py``)
+    engine.size_up_front = up_front
+    if not up_front:  # the slot cache grows from 8 columns as rows and columns run out (``sizing.py``)
+        engine._slots = SlotCache(engine.model, engine.cfg.max_batch_size, min_columns=8)
+        if engine._static_decode:
+            engine._slots.use_static_decode(engine.model)
     return engine, engine.generate(_requests(tokenizer))
 
 
