@@ -78,12 +78,20 @@ seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (
    (``graph_late_steps`` and ``slot_resizes``: recordings in the middle of decoding and buffer growths, both 0
    when the sizing held).
 
+4. ``decode_attention`` (not a default part): the engine alone under each ``rollout.decode_attention`` arm
+   (``attention_modes``: ``repeat`` is transformers' SDPA with ``repeat_kv``, ``gqa`` SDPA's ``enable_gqa``, ``fold``
+   the query heads folded into rows; ``rollout/decode_attention.py``) on the same long-context rows (64 rows of
+   2,048-token prompts by default), each row decoding ``attention_new_tokens`` tokens: ``decode_step_ms_<mode>``,
+   and ``decode_kernels``, the SDPA backend each arm's attention call gets at those shapes. ``--set
+   decode_attention=gqa`` instead runs the ``generate`` and ``rl_step`` engines under one arm.
+
 Issue 51's keys, at the top level of the JSON: ``trainer_phase_ms`` (``train``'s last step, ``{forward, head,
 backward, optimizer}`` from its ``perf/trainer_<phase>_ms`` metrics; the head's ms lie inside the forward's),
 ``decode_step_ms`` (``generate``: the engine's timed seconds over the decode steps of its schedule, prefill
 included) and ``rl_samples_per_s`` (``rl_step``: samples of the last step over its seconds) with
 ``rl_response_lengths`` beside it (the responses' token counts: mean, median, p90, max, and their budgets' law),
-and ``rl_prepare_s``, ``rl_first_generate_s``, ``rl_second_generate_s``, ``rl_engine_counters`` (part 3).
+and ``rl_prepare_s``, ``rl_first_generate_s``, ``rl_second_generate_s``, ``rl_engine_counters`` (part 3);
+``decode_step_ms_repeat``, ``decode_step_ms_gqa``, ``decode_step_ms_fold`` and ``decode_kernels`` (part 4).
 
 Reading the numbers: they are for one device and these shapes; the model is small for an H100, so per-step
 overheads (kernel launches, Python) weigh more than at 7B. The defaults are sized to finish in about 2-3
@@ -157,6 +165,8 @@ class Settings:
     side by side: ``--set 'parts=[train,train_bf16_master]'`` compares the two MFUs on one machine."""
     engine_dtype: str = "auto"
     """``rollout.dtype`` of the engine, and the dtype HF ``generate`` runs in: bf16 on CUDA with ``auto``."""
+    decode_attention: str = "repeat"
+    """``rollout.decode_attention`` of the ``generate`` and ``rl_step`` engines (``rollout/decode_attention.py``)."""
     seed: int = 0
     matmul_size: int = 8192
     """Side of the square matmuls timed for the measured peak."""
@@ -185,6 +195,16 @@ class Settings:
     rl_max_new_tokens: int = 256
     rl_steps: int = 2
     """RL steps run; the last one's split is reported (the first starts the reward workers)."""
+    # ---- decode_attention
+    attention_modes: list[str] = field(default_factory=lambda: ["repeat", "gqa", "fold"])
+    """The ``rollout.decode_attention`` arms of the ``decode_attention`` part, run one after another."""
+    attention_prompts: int = 8
+    attention_group_size: int = 8
+    """Rows of the ``decode_attention`` part: all decode together (``max_batch_size`` = prompts x group size)."""
+    attention_prompt_len: int = 2048
+    """Long contexts, where copying K and V to every query head (``repeat``) costs the most."""
+    attention_new_tokens: int = 64
+    """Every row's budget (EOS ignored): each decode step runs every row."""
 
 
 CPU_DEFAULTS = [
@@ -193,6 +213,7 @@ CPU_DEFAULTS = [
     "micro_batch_tokens=512", "train_steps=2",
     "gen_prompts=4", "gen_group_size=4", "gen_prompt_len=16", "gen_max_new_tokens=64", "gen_max_batch_size=16",
     "rl_prompts=4", "rl_group_size=4", "rl_max_new_tokens=32",
+    "attention_prompts=2", "attention_group_size=4", "attention_prompt_len=256", "attention_new_tokens=16",
 ]
 """What changes on a CPU (before the command line's ``--set``): the stand-in model and small workloads."""
 
@@ -201,6 +222,7 @@ TINY_DEFAULTS = [
     "train_groups=2", "group_size=4", "prompt_len=8", "max_response=24", "pack_tokens=64", "micro_batch_tokens=64",
     "train_steps=1", "gen_prompts=2", "gen_group_size=3", "gen_prompt_len=4", "gen_max_new_tokens=8",
     "gen_max_batch_size=4", "rl_prompts=2", "rl_group_size=3", "rl_max_new_tokens=6", "rl_steps=1",
+    "attention_prompts=1", "attention_group_size=2", "attention_prompt_len=16", "attention_new_tokens=4",
 ]
 """``tiny=true``: toy sizes (6 generate requests over 4 slots, so the engine refills a slot and HF runs two batches)."""
 
@@ -333,7 +355,8 @@ def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) ->
     and with ``profile`` the profiler's table of one more ``generate`` of the first batch."""
     from tidal.rollout.local import LocalEngine, SamplingConfig
 
-    cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.gen_max_new_tokens, max_batch_size=s.gen_max_batch_size)
+    cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.gen_max_new_tokens, max_batch_size=s.gen_max_batch_size,
+                         decode_attention=s.decode_attention)
     engine = LocalEngine(model, tokenizer, cfg, seed=s.seed)
     engine.eos_id = None  # ignore EOS: a random model would stop at random (the budget ends every request)
     engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests[:8]])
@@ -465,7 +488,7 @@ def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks
 
     tokenizer = tiny.build_tokenizer()
     trainer = make_trainer(copy.deepcopy(base), s, device)
-    cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.rl_max_new_tokens)
+    cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.rl_max_new_tokens, decode_attention=s.decode_attention)
     engine = LocalEngine(trainer.model, tokenizer, cfg, seed=s.seed)
     params = {"max_len": s.rl_max_new_tokens, "cache_len": s.rl_max_new_tokens}
     pool = RewardPool(build_reward("length", params), RewardConfig("length", params))
@@ -488,6 +511,73 @@ def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks
             "rl_engine_counters": {k: stats[f"rollout/{k}"] for k in counters}}
 
 
+# ---- part 4: decode attention arms -----------------------------------------------------------------------
+def part_decode_attention(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
+    """Each ``rollout.decode_attention`` arm of ``attention_modes`` on the same ``attention_prompts`` x
+    ``attention_group_size`` rows of ``attention_prompt_len`` random tokens, every row decoding
+    ``attention_new_tokens`` tokens (EOS ignored). ``decode_step_ms_<mode>`` = (seconds of the whole generate -
+    seconds of a one-token generate, the prefill) / (``attention_new_tokens`` - 1); ``decode_tokens_<mode>``: the
+    arm's first row's tokens (the arms must sample the same ones; bf16 sums in another order may flip a rare
+    near-tie). ``decode_kernels``: the SDPA backend each arm's call gets at these shapes, a decode step (q = 1) and
+    a speculative verify step (q = 5), from ``torch._fused_sdp_choice`` (the math kernel is the slow fallback)."""
+    from tidal.api import GenRequest
+    from tidal.models import tiny
+    from tidal.rollout.local import LocalEngine, SamplingConfig
+    from tidal.types import Prompt
+
+    model = copy.deepcopy(base).to(device).eval()
+    rng = random.Random(s.seed + 3)
+    requests = []
+    for i in range(s.attention_prompts):
+        ids = tuple(rng.randrange(model.config.vocab_size) for _ in range(s.attention_prompt_len))
+        requests += [GenRequest(Prompt(f"a{i}", "", ""), ids, j, s.attention_new_tokens)
+                     for j in range(s.attention_group_size)]
+    one = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
+    out: dict = {"rows": len(requests), "context": s.attention_prompt_len + s.attention_new_tokens,
+                 "decode_kernels": decode_kernels(model.config, len(requests), s.attention_prompt_len,
+                                                  resolve_dtype(s.engine_dtype, device, "engine_dtype"), device)}
+    for mode in s.attention_modes:
+        cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.attention_new_tokens,
+                             max_batch_size=len(requests), decode_attention=mode)
+        engine = LocalEngine(model, tiny.build_tokenizer(), cfg, seed=s.seed)
+        engine.eos_id = None
+        engine.end_ids = ()
+        engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests])  # warm-up: graphs, kernels
+        _, prefill_s = roofline.timed(lambda engine=engine: engine.generate(one), device)
+        trajs, total_s = roofline.timed(lambda engine=engine: engine.generate(requests), device)
+        assert all(t.num_tokens == s.attention_new_tokens for t in trajs), "a row stopped before its budget"
+        out[f"decode_step_ms_{mode}"] = (total_s - prefill_s) * 1e3 / max(1, s.attention_new_tokens - 1)
+        out[f"decode_tokens_{mode}"] = list(trajs[0].token_ids)
+        del engine
+        gc.collect()
+    return out
+
+
+def decode_kernels(config, rows: int, context: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """``{"<mode> q=<q>": backend}``: the SDPA backend ``torch._fused_sdp_choice`` picks for each arm's attention
+    call at the engine's shapes (a strided K/V view and a boolean mask, as the slot cache hands them)."""
+    from torch.nn.attention import SDPBackend
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    n_rep = heads // kv_heads
+    key = torch.zeros(rows, kv_heads, context + 64, dim, dtype=dtype, device=device)[:, :, :context]
+    got = {}
+    for q in (1, 5):
+        query = torch.zeros(rows, q, heads, dim, dtype=dtype, device=device).transpose(1, 2)
+        mask = torch.ones(rows, 1, q, context, dtype=torch.bool, device=device)
+        folded = mask if q == 1 else mask[:, :, None].expand(rows, 1, n_rep, q, context).reshape(rows, 1, -1, context)
+        repeated = key[:, :, None].expand(rows, kv_heads, n_rep, context, dim).reshape(rows, heads, context, dim)
+        for mode, args, kw in (("repeat", (query, repeated, repeated, mask), {}),
+                               ("gqa", (query, key, key, mask), {"enable_gqa": True}),
+                               ("fold", (query.reshape(rows, kv_heads, n_rep * q, dim), key, key, folded), {})):
+            try:
+                got[f"{mode} q={q}"] = SDPBackend(torch._fused_sdp_choice(*args, **kw)).name
+            except Exception as e:  # noqa: BLE001 (a backend refusing the shapes is itself the answer)
+                got[f"{mode} q={q}"] = f"{type(e).__name__}: {e}"
+    return got
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def part_train_tf32(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
     """``part_train`` with the LM head's float32 matmul on TF32 tensor cores (``trainer.head_matmul=tf32``)."""
@@ -501,11 +591,14 @@ def part_train_bf16_master(s: Settings, base: torch.nn.Module, device: torch.dev
 
 
 PARTS = {"train": part_train, "train_tf32": part_train_tf32, "train_bf16_master": part_train_bf16_master,
-         "generate": part_generate, "rl_step": part_rl_step}
-HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split"}
+         "generate": part_generate, "rl_step": part_rl_step, "decode_attention": part_decode_attention}
+HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split",
+            "decode_attention": "decode_kernels"}
 TOP_LEVEL = {"train": ["trainer_phase_ms"], "generate": ["decode_step_ms"],
              "rl_step": ["rl_samples_per_s", "rl_response_lengths", "rl_prepare_s", "rl_first_generate_s",
-                         "rl_second_generate_s", "rl_engine_counters"]}
+                         "rl_second_generate_s", "rl_engine_counters"],
+             "decode_attention": ["decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold",
+                                  "decode_kernels"]}
 """Issue 51's keys, copied to the top level of the JSON (None when their part did not run or failed)."""
 
 
@@ -569,6 +662,14 @@ def table(result: dict) -> list[dict]:
         f"graph recordings {counters.get('graph_recordings')}, in decode {counters.get('graph_late_steps')}, "
         f"slot resizes {counters.get('slot_resizes')} (all steps)")
     row("rl_step", "second generate s", rl.get("rl_second_generate_s"), "the same requests again")
+    if "decode_attention" in result:
+        arms = result["decode_attention"]
+        kernels = arms.get("decode_kernels") or {}
+        for mode in ("repeat", "gqa", "fold"):
+            if f"decode_step_ms_{mode}" in arms or "error" in arms:
+                row("decode_attention", f"decode step ms, {mode}", arms.get(f"decode_step_ms_{mode}"),
+                    arms.get("error", f"SDPA kernel {kernels.get(f'{mode} q=1')} (q=1), "
+                                      f"{kernels.get(f'{mode} q=5')} (q=5)"))
     return rows
 
 

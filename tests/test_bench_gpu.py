@@ -16,7 +16,8 @@ roofline = bench.load("_roofline")
 TOY = ["device=cpu", "precision=bf16", "engine_dtype=bf16", "matmul_size=64", "copy_mb=8",
        "train_groups=2", "group_size=4", "prompt_len=8", "max_response=24", "pack_tokens=64", "micro_batch_tokens=64",
        "train_steps=1", "gen_prompts=2", "gen_group_size=3", "gen_prompt_len=4", "gen_max_new_tokens=8",
-       "gen_max_batch_size=4", "rl_prompts=2", "rl_group_size=3", "rl_max_new_tokens=6", "rl_steps=1"]
+       "gen_max_batch_size=4", "rl_prompts=2", "rl_group_size=3", "rl_max_new_tokens=6", "rl_steps=1",
+       "attention_prompts=1", "attention_group_size=2", "attention_prompt_len=16", "attention_new_tokens=4"]
 """Toy sizes; 6 generate requests over 4 slots, so the engine refills a slot and HF runs two batches."""
 
 
@@ -121,6 +122,21 @@ def test_a_failing_part_keeps_the_others(tmp_path, monkeypatch):
     assert result["engine_over_hf_generate"] is None and result["trainer_mfu"] is None
     assert result["decode_step_ms"] is None and result["rl_samples_per_s"] is None
     assert result["matmul_tflops_measured"] > 0 and bench.format_table(result["table"])
+
+
+def test_decode_attention_arms_on_a_toy_size(tmp_path):
+    """Each ``rollout.decode_attention`` arm decodes the same rows: the same tokens, a step time each, and the SDPA
+    backend of each arm's call named; the other parts' keys stay (None: they did not run)."""
+    result = gpu.run([*TOY, "parts=[decode_attention]", "attention_new_tokens=5"], tmp_path / "gpu")
+    arms = result["decode_attention"]
+    assert "error" not in arms, arms
+    assert arms["rows"] == 2 and arms["context"] == 16 + 5
+    assert all(result[f"decode_step_ms_{mode}"] > 0 for mode in ("repeat", "gqa", "fold"))
+    assert arms["decode_tokens_gqa"] == arms["decode_tokens_fold"] == arms["decode_tokens_repeat"]
+    assert len(arms["decode_tokens_repeat"]) == 5
+    assert set(result["decode_kernels"]) == {f"{m} q={q}" for m in ("repeat", "gqa", "fold") for q in (1, 5)}
+    assert result["decode_step_ms"] is None and result["trainer_mfu"] is None
+    assert [r["part"] for r in result["table"]].count("decode_attention") == 3
 
 
 def test_documented_commands_name_real_settings():
