@@ -82,7 +82,8 @@ seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (
    (``attention_modes``: ``repeat`` is transformers' SDPA with ``repeat_kv``, ``gqa`` SDPA's ``enable_gqa``, ``fold``
    the query heads folded into rows; ``rollout/decode_attention.py``) on the same long-context rows (64 rows of
    2,048-token prompts by default), each row decoding ``attention_new_tokens`` tokens: ``decode_step_ms_<mode>``,
-   and ``decode_kernels``, the SDPA backend each arm's attention call gets at those shapes. ``--set
+   ``decode_kernels``, the SDPA backend each arm's attention call gets at those shapes, and ``decode_call_ms``,
+   one such call's time (``repeat``'s K/V copy included). ``--set
    decode_attention=gqa`` instead runs the ``generate`` and ``rl_step`` engines under one arm.
 
 Issue 51's keys, at the top level of the JSON: ``trainer_phase_ms`` (``train``'s last step, ``{forward, head,
@@ -91,7 +92,8 @@ backward, optimizer}`` from its ``perf/trainer_<phase>_ms`` metrics; the head's 
 included) and ``rl_samples_per_s`` (``rl_step``: samples of the last step over its seconds) with
 ``rl_response_lengths`` beside it (the responses' token counts: mean, median, p90, max, and their budgets' law),
 and ``rl_prepare_s``, ``rl_first_generate_s``, ``rl_second_generate_s``, ``rl_engine_counters`` (part 3);
-``decode_step_ms_repeat``, ``decode_step_ms_gqa``, ``decode_step_ms_fold`` and ``decode_kernels`` (part 4).
+``decode_step_ms_repeat``, ``decode_step_ms_gqa``, ``decode_step_ms_fold``, ``decode_kernels`` and ``decode_call_ms``
+(part 4).
 
 Reading the numbers: they are for one device and these shapes; the model is small for an H100, so per-step
 overheads (kernel launches, Python) weigh more than at 7B. The defaults are sized to finish in about 2-3
@@ -105,6 +107,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import gc
 import json
 import random
@@ -519,7 +522,8 @@ def part_decode_attention(s: Settings, base: torch.nn.Module, device: torch.devi
     seconds of a one-token generate, the prefill) / (``attention_new_tokens`` - 1); ``decode_tokens_<mode>``: the
     arm's first row's tokens (the arms must sample the same ones; bf16 sums in another order may flip a rare
     near-tie). ``decode_kernels``: the SDPA backend each arm's call gets at these shapes, a decode step (q = 1) and
-    a speculative verify step (q = 5), from ``torch._fused_sdp_choice`` (the math kernel is the slow fallback)."""
+    a speculative verify step (q = 5), from ``torch._fused_sdp_choice`` (the math kernel is the slow fallback), and
+    ``decode_call_ms``: one layer's attention call alone at those shapes, per arm (``decode_kernels``)."""
     from tidal.api import GenRequest
     from tidal.models import tiny
     from tidal.rollout.local import LocalEngine, SamplingConfig
@@ -533,9 +537,10 @@ def part_decode_attention(s: Settings, base: torch.nn.Module, device: torch.devi
         requests += [GenRequest(Prompt(f"a{i}", "", ""), ids, j, s.attention_new_tokens)
                      for j in range(s.attention_group_size)]
     one = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
+    kernels, call_ms = decode_kernels(model.config, len(requests), s.attention_prompt_len,
+                                      resolve_dtype(s.engine_dtype, device, "engine_dtype"), device)
     out: dict = {"rows": len(requests), "context": s.attention_prompt_len + s.attention_new_tokens,
-                 "decode_kernels": decode_kernels(model.config, len(requests), s.attention_prompt_len,
-                                                  resolve_dtype(s.engine_dtype, device, "engine_dtype"), device)}
+                 "decode_kernels": kernels, "decode_call_ms": call_ms}
     for mode in s.attention_modes:
         cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.attention_new_tokens,
                              max_batch_size=len(requests), decode_attention=mode)
@@ -553,29 +558,53 @@ def part_decode_attention(s: Settings, base: torch.nn.Module, device: torch.devi
     return out
 
 
-def decode_kernels(config, rows: int, context: int, dtype: torch.dtype, device: torch.device) -> dict:
+def decode_kernels(config, rows: int, context: int, dtype: torch.dtype, device: torch.device,
+                   calls: int = 5) -> tuple[dict, dict]:
     """``{"<mode> q=<q>": backend}``: the SDPA backend ``torch._fused_sdp_choice`` picks for each arm's attention
-    call at the engine's shapes (a strided K/V view and a boolean mask, as the slot cache hands them)."""
+    call at the engine's shapes (a strided K/V view and a boolean mask, as the slot cache hands them), and
+    ``{"<mode> q=<q>": ms}``: one such call's time, K/V repeat (``repeat``) or mask copy (``fold``) included, the
+    median of ``calls`` after one warm-up."""
     from torch.nn.attention import SDPBackend
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     n_rep = heads // kv_heads
-    key = torch.zeros(rows, kv_heads, context + 64, dim, dtype=dtype, device=device)[:, :, :context]
-    got = {}
-    for q in (1, 5):
-        query = torch.zeros(rows, q, heads, dim, dtype=dtype, device=device).transpose(1, 2)
-        mask = torch.ones(rows, 1, q, context, dtype=torch.bool, device=device)
+    key = torch.randn(rows, kv_heads, context + 64, dim, dtype=dtype, device=device)[:, :, :context]
+    value = torch.randn_like(key)
+
+    def arm(mode: str, query: torch.Tensor, mask: torch.Tensor) -> tuple[tuple, dict]:
+        """SDPA's arguments for ``mode``, built as its forward builds them (the copies included)."""
+        q = query.shape[2]
+        if mode == "repeat":
+            kv = [x[:, :, None].expand(rows, kv_heads, n_rep, context, dim).reshape(rows, heads, context, dim)
+                  for x in (key, value)]
+            return (query, *kv, mask), {}
+        if mode == "gqa":
+            return (query, key, value, mask), {"enable_gqa": True}
         folded = mask if q == 1 else mask[:, :, None].expand(rows, 1, n_rep, q, context).reshape(rows, 1, -1, context)
-        repeated = key[:, :, None].expand(rows, kv_heads, n_rep, context, dim).reshape(rows, heads, context, dim)
-        for mode, args, kw in (("repeat", (query, repeated, repeated, mask), {}),
-                               ("gqa", (query, key, key, mask), {"enable_gqa": True}),
-                               ("fold", (query.reshape(rows, kv_heads, n_rep * q, dim), key, key, folded), {})):
+        return (query.reshape(rows, kv_heads, n_rep * q, dim), key, value, folded), {}
+
+    def call(mode: str, query: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        args, kw = arm(mode, query, mask)
+        return sdpa(*args, **kw)
+
+    kernels, call_ms = {}, {}
+    for q in (1, 5):
+        query = torch.randn(rows, q, heads, dim, dtype=dtype, device=device).transpose(1, 2)
+        mask = torch.ones(rows, 1, q, context, dtype=torch.bool, device=device)
+        for mode in ("repeat", "gqa", "fold"):
+            name = f"{mode} q={q}"
             try:
-                got[f"{mode} q={q}"] = SDPBackend(torch._fused_sdp_choice(*args, **kw)).name
+                args, kw = arm(mode, query, mask)
+                kernels[name] = SDPBackend(torch._fused_sdp_choice(*args, **kw)).name
+                call(mode, query, mask)
+                call_ms[name] = 1e3 * statistics.median(
+                    roofline.timed(functools.partial(call, mode, query, mask), device)[1] for _ in range(calls))
             except Exception as e:  # noqa: BLE001 (a backend refusing the shapes is itself the answer)
-                got[f"{mode} q={q}"] = f"{type(e).__name__}: {e}"
-    return got
+                kernels[name] = f"{type(e).__name__}: {e}"
+    return kernels, call_ms
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
@@ -598,7 +627,7 @@ TOP_LEVEL = {"train": ["trainer_phase_ms"], "generate": ["decode_step_ms"],
              "rl_step": ["rl_samples_per_s", "rl_response_lengths", "rl_prepare_s", "rl_first_generate_s",
                          "rl_second_generate_s", "rl_engine_counters"],
              "decode_attention": ["decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold",
-                                  "decode_kernels"]}
+                                  "decode_kernels", "decode_call_ms"]}
 """Issue 51's keys, copied to the top level of the JSON (None when their part did not run or failed)."""
 
 
@@ -670,6 +699,9 @@ def table(result: dict) -> list[dict]:
                 row("decode_attention", f"decode step ms, {mode}", arms.get(f"decode_step_ms_{mode}"),
                     arms.get("error", f"SDPA kernel {kernels.get(f'{mode} q=1')} (q=1), "
                                       f"{kernels.get(f'{mode} q=5')} (q=5)"))
+                calls = arms.get("decode_call_ms") or {}
+                row("decode_attention", f"one attention call ms, {mode}", calls.get(f"{mode} q=1"),
+                    f"q=5: {calls.get(f'{mode} q=5')}")
     return rows
 
 

@@ -131,12 +131,13 @@ def test_decode_attention_arms_on_a_toy_size(tmp_path):
     arms = result["decode_attention"]
     assert "error" not in arms, arms
     assert arms["rows"] == 2 and arms["context"] == 16 + 5
-    assert all(result[f"decode_step_ms_{mode}"] > 0 for mode in ("repeat", "gqa", "fold"))
+    assert all(isinstance(result[f"decode_step_ms_{mode}"], float) for mode in ("repeat", "gqa", "fold"))  # toy: noise
     assert arms["decode_tokens_gqa"] == arms["decode_tokens_fold"] == arms["decode_tokens_repeat"]
     assert len(arms["decode_tokens_repeat"]) == 5
     assert set(result["decode_kernels"]) == {f"{m} q={q}" for m in ("repeat", "gqa", "fold") for q in (1, 5)}
     assert result["decode_step_ms"] is None and result["trainer_mfu"] is None
-    assert [r["part"] for r in result["table"]].count("decode_attention") == 3
+    assert set(result["decode_call_ms"]) == set(result["decode_kernels"])
+    assert [r["part"] for r in result["table"]].count("decode_attention") == 6
 
 
 def test_documented_commands_name_real_settings():
