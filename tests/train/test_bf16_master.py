@@ -258,3 +258,39 @@ def test_a_run_refuses_what_reads_the_parameters_directly(small_model):
         run("trainer.data_parallel=elastic")
     with pytest.raises(ConfigError, match="trainer.weights=bf16_master with trainer.data_parallel=diloco"):
         DiLoCoTrainer(_bf16_trainer(small_model), DiLoCoConfig(), DataParallel(), "unused:0")
+
+
+def test_muon_and_activation_checkpointing_step_the_masters(small_model, batches):
+    """Muon's split (hidden matrices vs the rest) is made on the float32 model, then both halves step masters;
+    activation checkpointing's recompute folds each gradient into its master once."""
+    cfg = TrainerConfig(weights="bf16_master", activation_checkpointing=True, micro_batch_tokens=48)
+    trainer = Trainer(copy.deepcopy(small_model), AlgoConfig(), OptimConfig(name="muon", lr=1e-3), cfg)
+    plain = _bf16_trainer(small_model, TrainerConfig(weights="bf16_master", micro_batch_tokens=48))
+    grads = {}
+
+    def capture(name, t):
+        names = {id(p): n for n, p in t.model.named_parameters()}  # Muon orders its masters hidden matrices first
+
+        class Capture:
+            def after_backward(self):
+                grads[name] = {names[id(p)]: m.grad.detach().clone() for p, m in zip(t.weights.params,
+                                                                                     t.weights.masters)}
+
+            def after_optimizer(self):
+                pass
+        t.observers.append(Capture())
+
+    capture("ckpt", trainer)
+    capture("plain", plain)
+    trainer.step(batches[0])
+    plain.step(batches[0])
+    assert grads["ckpt"].keys() == grads["plain"].keys()
+    assert all(torch.equal(grads["ckpt"][n], grads["plain"][n]) for n in grads["plain"])  # recompute: same gradients
+    assert all(p.dtype == torch.float32 for g in trainer.optimizer.param_groups for p in g["params"])
+    start = dict(small_model.named_parameters())
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    moved = 0
+    for p, m in zip(trainer.weights.params, trainer.weights.masters):
+        assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
+        moved += not torch.equal(m, start[names[id(p)]].detach())
+    assert moved > 10, moved
