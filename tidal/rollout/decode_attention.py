@@ -3,17 +3,18 @@
 Why: the local engine hands every forward a ready boolean 4-D mask (``slots.py``), and transformers' SDPA
 integration (``integrations/sdpa_attention.py``, ``use_gqa_in_sdpa``) takes GQA natively on CUDA only without a
 mask: with one it calls ``repeat_kv`` and copies each layer's keys and values out to all query heads, every layer,
-every step. For Qwen2.5-0.5B (14 query heads over 2 KV heads) that is 7x the cache read, copied and read again: at
-4k-token contexts about as much traffic as the step's attention itself many times over. transformers 5.2x folds a
-single query token's heads itself (``pack_gqa``, plain decode only); 5.17, the lent GPU machines', does not, and
-no release folds a speculative verify step (several query tokens per row).
+every step. For Qwen2.5-0.5B (14 query heads over 2 KV heads) that is 7x the cache written and read again on top
+of the one read attention needs. transformers 5.24 (this project's CPU venv) folds a single query token's heads
+itself (``pack_gqa``, plain decode only); 5.17, the lent GPU machines', does not, and neither folds a speculative
+verify step (several query tokens per row) or a padded prefill.
 
 Two ways to attend each query head to its group's KV head in place, one SDPA call per layer, no host sync:
 
 - ``gqa``: ``scaled_dot_product_attention(..., enable_gqa=True)`` (torch >= 2.5; "attention with grouped query
-  heads", docs of ``torch.nn.functional.scaled_dot_product_attention``). Exact to the bit against ``repeat`` on the
-  CPU (both run the CPU flash kernel, which takes a mask and GQA). On CUDA the kernel depends on the torch release:
-  flash rejects any mask; the memory-efficient kernel rejected unequal head counts through at least torch 2.9
+  heads", docs of ``torch.nn.functional.scaled_dot_product_attention``). One call equals SDPA over repeated K and V
+  to the bit on the CPU (both run the CPU flash kernel, which takes a mask and GQA). On CUDA the kernel depends on
+  the torch release (PyTorch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``): flash rejects any mask;
+  the memory-efficient kernel rejected unequal head counts through at least torch 2.9
   (``can_use_mem_efficient_attention``: ``check_batch_size_and_num_heads_dense<false>``; newer sources set
   ``supports_gqa = true`` there); cuDNN (preferred on sm90 in recent releases) may take it; otherwise SDPA runs its
   math kernel, which repeats K and V itself and materializes the scores, slower than ``repeat``. Measure it.
