@@ -162,6 +162,16 @@ def test_bad_value_is_refused_naming_the_key(models, tokenizer):
         LocalEngine(models["llama"], tokenizer, SamplingConfig(decode_attention="paged"))
 
 
+def test_run_config_refuses_a_bad_value_before_any_work():
+    from tidal.config import ConfigError, apply_overrides
+    from tidal.system.config import RunConfig
+    from tidal.system.validate import validate_run_config
+
+    validate_run_config(apply_overrides(RunConfig(), ["rollout.decode_attention=fold"]))
+    with pytest.raises(ConfigError, match=r"^rollout\.decode_attention='gqa2': one of repeat, gqa, fold$"):
+        validate_run_config(apply_overrides(RunConfig(), ["rollout.decode_attention=gqa2"]))
+
+
 def test_without_enable_gqa_gqa_falls_back_to_repeat_and_says_why(models, tokenizer, monkeypatch, caplog):
     monkeypatch.setattr(decode_attention, "supports_enable_gqa", lambda: False)
     with caplog.at_level(logging.WARNING, logger=decode_attention.__name__):

@@ -20,6 +20,7 @@ from tidal.integrity.guard import SDCConfig
 from tidal.models.lora import check_device as check_lora_device
 from tidal.models.lora import check_run as check_lora
 from tidal.optim.rules import OPTIM_RULES, check_betas
+from tidal.rollout.decode_attention import DECODE_ATTENTION
 from tidal.rollout.speculative import check_config as check_speculative
 from tidal.system.config import RunConfig
 from tidal.train.config import validate as validate_trainer
@@ -259,6 +260,9 @@ def _check_device(cfg: RunConfig) -> None:
     resolve_dtype(cfg.rollout.dtype, device, "rollout.dtype")
     if cfg.rollout.cuda_graphs not in ("auto", "on", "off"):
         raise ConfigError(f"rollout.cuda_graphs must be auto, on or off, got {cfg.rollout.cuda_graphs!r}")
+    if cfg.rollout.decode_attention not in DECODE_ATTENTION:  # the engine checks it too, after the warm start
+        raise ConfigError(f"rollout.decode_attention={cfg.rollout.decode_attention!r}: one of "
+                          f"{', '.join(DECODE_ATTENTION)}")
     if device.type != "cpu" and cfg.trainer.data_parallel == "elastic":
         raise ConfigError(f"system.device={cfg.system.device} with trainer.data_parallel=elastic: elastic replicas "
                           "train on the CPU (gloo) for now; use system.device=cpu")
