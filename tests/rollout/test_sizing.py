@@ -49,8 +49,9 @@ def test_slot_shape_is_the_longest_prompt_plus_budget():
     # more requests than slots: rows join later and the span moves, so a span's worth of free columns more
     assert slot_shape(reqs, 8, max_rows=1, draft_tokens=0, joins_later=False) == (1, 46)
     assert slot_shape(reqs, 8, max_rows=4, draft_tokens=0, joins_later=True) == (2, 46)
-    # speculative: rolled-back drafts until compaction, plus the draft width
-    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=4, joins_later=False) == (2, 50)
+    # speculative: rows of different progress on one write column, each with up to 4 drafts
+    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=4, joins_later=False) == (2, 27)
+    assert slot_shape(reqs, 8, max_rows=1, draft_tokens=4, joins_later=False) == (1, 50)
 
 
 @pytest.mark.parametrize("max_batch_size", [32, 5], ids=["one-wave", "refills"])
@@ -84,7 +85,8 @@ def test_sized_samples_are_the_growing_paths_samples(small_model, tokenizer, gre
     _exact(runs[True], runs[False])
 
 
-def test_speculative_and_an_inflight_weight_update_sample_alike(small_model, tokenizer):
+@pytest.mark.parametrize("max_batch_size", [32, 6], ids=["one-wave", "refills"])
+def test_speculative_and_an_inflight_weight_update_sample_alike(small_model, tokenizer, max_batch_size):
     model = copy.deepcopy(small_model)
     with torch.no_grad():
         model.model.norm.weight.mul_(6.0)  # peaked outputs: drafts get accepted and rejected (test_speculative.py)
@@ -92,7 +94,8 @@ def test_speculative_and_an_inflight_weight_update_sample_alike(small_model, tok
            for k, v in model.state_dict().items()}
     runs = {}
     for up_front in (True, False):
-        engine = _engine(model, tokenizer, up_front, max_new_tokens=30, max_batch_size=6, speculative=NGRAM)
+        engine = _engine(model, tokenizer, up_front, max_new_tokens=30, max_batch_size=max_batch_size,
+                         speculative=NGRAM)
         apply, calls = engine._apply_pending_update, []
 
         def interrupt(engine=engine, apply=apply, calls=calls):

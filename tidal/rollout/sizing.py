@@ -10,10 +10,11 @@ against 2.06 s for the second. The call's requests say what it can need, so the 
   the last, and a speculative verify step writes its newest token plus at most the drafts its budget leaves,
   ``speculative._draft_budget``); ``num_draft_tokens`` more columns cover rows of different progress lined up on
   one write column (``SlotCache._compact``). That is all a call whose rows all join at once needs: its write
-  column never reaches the end. When rows join later (more samples than slots, or a stream fed over time), or
-  rolled-back drafts take columns until compacted, the live span moves back to column 0 as the write column
-  reaches the end, and the slot cache keeps a span's worth of free columns so a move is a copy once per span's
-  worth of steps, not every step (``SlotCache._place``): twice the span then.
+  column never reaches the end, and rolled-back drafts are compacted out before they would (speculative decoding
+  stays within plain decoding's width plus a verify step's, docs/speculative.md). When rows join later (more
+  samples than slots, or a stream fed over time) the live span moves back to column 0 as the write column reaches
+  the end, and the slot cache keeps a span's worth of free columns so that a move is a copy once per span's worth
+  of steps, not every step (``SlotCache._place``): twice the span then.
 
 A call never allocates more than this; a later call that fits reuses the buffers as they are (never shrunk), so a
 steady caller (the RL step, the async controller) allocates once. Contexts the sizing could not know (an agent's
@@ -34,5 +35,5 @@ def slot_shape(requests: Sequence[GenRequest], default_budget: int, max_rows: in
     join while others run (a stream, or more requests than ``max_rows``)."""
     rows = min(len(requests), max_rows)
     span = max(len(r.prompt_ids) + (r.max_new_tokens or default_budget) for r in requests)
-    moves = joins_later or len(requests) > max_rows or draft_tokens > 0
+    moves = joins_later or len(requests) > max_rows
     return rows, (2 * span if moves else span) + draft_tokens
