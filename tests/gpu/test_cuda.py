@@ -168,6 +168,33 @@ def test_cuda_graph_decode_matches_eager_decode(small_model, tokenizer):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
+def test_every_bucket_is_recorded_once_before_decoding(small_model, tokenizer):
+    """Issue 51: the slot cache is sized from the call's requests before its first row joins, and every bucket its
+    rows pass through is recorded right then: none in the middle of decoding, no growth, none recorded again by a
+    second call of the same shape, and the replays sample what eager decoding samples."""
+    from tidal.rollout.graphs import bucket
+
+    prompts = [Prompt(f"p{i}", f"{i}+{3 * i}=" + "1" * (i % 3), str(4 * i)) for i in range(7)]
+    requests = group_requests(tokenizer, prompts, 3)  # 21 rows in one wave: buckets 1, 2, 4, 8, 16, 21
+    engine = LocalEngine(copy.deepcopy(small_model).to("cuda"), tokenizer,
+                         SamplingConfig(max_new_tokens=40, dtype="fp32", cuda_graphs="auto"))
+    first = engine.generate(requests)
+    static = engine._slots.static
+    recorded = static.num_recorded
+    engine.generate(requests)
+    stats = engine.stats()
+    report("graph_buckets_once", recorded=recorded, again=static.num_recorded - recorded,
+           late=stats["rollout/graph_late_steps"], resizes=stats["rollout/slot_resizes"],
+           record_s=stats["rollout/graph_record_s"])
+    assert not static.failed
+    assert recorded == len({bucket(n, len(requests)) for n in range(1, len(requests) + 1)}) == 6
+    assert static.num_recorded == recorded and stats["rollout/graph_late_steps"] == 0
+    assert stats["rollout/slot_resizes"] == 0
+    eager = LocalEngine(copy.deepcopy(small_model).to("cuda"), tokenizer,
+                        SamplingConfig(max_new_tokens=40, dtype="fp32", cuda_graphs="off")).generate(requests)
+    assert [t.token_ids for t in first] == [t.token_ids for t in eager]
+
+
 def test_compiled_sampler_draws_the_eager_tokens_on_cuda():
     """The fused (torch.compile) Gumbel sampler evaluates the same float64 noise as the eager one: the same
     tokens on a [256 x 151,936] batch (a Qwen2.5-sized vocabulary), and did not fall back."""
