@@ -294,3 +294,22 @@ def test_muon_and_activation_checkpointing_step_the_masters(small_model, batches
         assert torch.equal(p.detach(), m.detach().to(torch.bfloat16))
         moved += not torch.equal(m, start[names[id(p)]].detach())
     assert moved > 10, moved
+
+
+def test_a_whole_run_resumes_exactly_under_bf16_master(tmp_path):
+    """The run's wiring (engine built from the bf16 policy, weight sync, evaluation, the run's checkpoints and
+    ``--resume``): 4 steps in one go equal 2 steps and a resume to 4, metrics and masters."""
+    import json
+
+    from tests.system.test_controller import comparable, run, tiny_cfg
+
+    sets = ("system.mode=sync", "trainer.weights=bf16_master", "sdc.record=false")
+    full_c, full_r = run(tiny_cfg(tmp_path, *sets), tmp_path / "full")
+    run(tiny_cfg(tmp_path, *sets, "max_steps=2"), tmp_path / "split")
+    resumed_c, _ = run(tiny_cfg(tmp_path, *sets), tmp_path / "split", resume=True)
+    rows = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert comparable(rows) == comparable(full_r.history)
+    assert all(p.dtype == torch.bfloat16 for p in resumed_c.trainer.model.parameters())
+    for a, b in zip(full_c.trainer.weights.masters, resumed_c.trainer.weights.masters):
+        assert torch.equal(a, b)
