@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked_cli
 from tidal.models import tiny
 from tidal.models.quant_checkpoint import quantize_checkpoint
 
@@ -181,11 +182,15 @@ SKIPPED_AND_COUNTED = [
 ]
 
 
-def _run(argv, stdin, d: Path, o: Path) -> subprocess.CompletedProcess:
+def _run(argv, stdin, d: Path, o: Path, fresh: bool = False) -> subprocess.CompletedProcess:
+    """The command as its own process: forked from one that imported torch once (``forked_cli``), or with
+    ``fresh`` a new interpreter, start-up and all."""
     argv = [a.replace("{d}", str(d)).replace("{o}", str(o)) for a in argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "tidal.cli", *argv], input=stdin or b"", capture_output=True,
-                          timeout=TIMEOUT_S, env=env, cwd=o)
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "tidal.cli", *argv], input=stdin or b"", capture_output=True,
+                              timeout=TIMEOUT_S, env=env, cwd=o)
+    return forked_cli.run(argv, env=env, cwd=o, stdin=stdin or b"", timeout=TIMEOUT_S)
 
 
 def _params(rows):
@@ -194,8 +199,19 @@ def _params(rows):
 
 @pytest.mark.parametrize("argv,message", _params(ERRORS))
 def test_bad_input_is_one_error_line_and_changes_nothing(inputs, tmp_path, argv, message):
+    _check_one_error_line(inputs, tmp_path, argv, message, fresh=False)
+
+
+@pytest.mark.parametrize("argv,message", _params([r for r in ERRORS if r[0] in ("curate-missing", "eval-junk-config")]))
+def test_a_fresh_interpreter_gives_the_same_one_line(inputs, tmp_path, argv, message):
+    """The rows above run forked from a process that imported torch and transformers already; whatever the
+    imports themselves print would not show there, and shows here."""
+    _check_one_error_line(inputs, tmp_path, argv, message, fresh=True)
+
+
+def _check_one_error_line(inputs, tmp_path, argv, message, fresh: bool) -> None:
     before = _snapshot(inputs)
-    proc = _run(argv, None, inputs, tmp_path)
+    proc = _run(argv, None, inputs, tmp_path, fresh)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode != 0, (proc.stdout[-500:], err[-2000:])
     assert "Traceback" not in err, err[-3000:]

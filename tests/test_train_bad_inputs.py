@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forked_cli
+
 TIMEOUT_S = 120
 TINY = [
     "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=2",
@@ -57,8 +59,14 @@ def _start(out: Path, extra: list[str], cache: Path, *sets: str, recipe: str = "
                             stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True, **kw)
 
 
-def _train(out: Path, extra: list[str], cache: Path, *sets: str, **kw) -> subprocess.CompletedProcess:
-    proc = _start(out, extra, cache, *sets, **kw)
+def _train(out: Path, extra: list[str], cache: Path, *sets: str, recipe: str = "quickstart_grpo",
+           **kw) -> subprocess.CompletedProcess:
+    """A run to its end. Forked from a process that imported torch and transformers once (``forked_cli``:
+    a process of its own all the same); with Popen keywords (``preexec_fn``), a fresh interpreter."""
+    if not kw:
+        return forked_cli.run(_argv(out, extra, cache, *sets, recipe=recipe)[3:], env=_env(), stdin=b"",
+                              timeout=TIMEOUT_S, text=True)
+    proc = _start(out, extra, cache, *sets, recipe=recipe, **kw)
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     finally:
