@@ -45,13 +45,16 @@ def test_slot_shape_is_the_longest_prompt_plus_budget():
     prompt = Prompt("p", "", "")
     reqs = [GenRequest(prompt, (1,) * 5, 0), GenRequest(prompt, (1,) * 3, 1, max_new_tokens=20)]
     # one wave: the longest sequence is 3 + 20 (its own budget beats 5 + 8)
-    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=0, joins_later=False) == (2, 23)
+    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=0, joins_later=False, quantum=1) == (2, 23)
     # more requests than slots: rows join later and the span moves, so a span's worth of free columns more
-    assert slot_shape(reqs, 8, max_rows=1, draft_tokens=0, joins_later=False) == (1, 46)
-    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=0, joins_later=True) == (2, 46)
+    assert slot_shape(reqs, 8, max_rows=1, draft_tokens=0, joins_later=False, quantum=1) == (1, 46)
+    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=0, joins_later=True, quantum=1) == (2, 46)
     # speculative: rows of different progress on one write column, each with up to 4 drafts
-    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=4, joins_later=False) == (2, 27)
-    assert slot_shape(reqs, 8, max_rows=1, draft_tokens=4, joins_later=False) == (1, 50)
+    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=4, joins_later=False, quantum=1) == (2, 27)
+    assert slot_shape(reqs, 8, max_rows=1, draft_tokens=4, joins_later=False, quantum=1) == (1, 50)
+    # rounded up to whole quanta, so that a slightly longer prompt in a later call fits what is allocated
+    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=0, joins_later=False) == (2, 64)
+    assert slot_shape(reqs, 8, max_rows=4, draft_tokens=0, joins_later=False, quantum=16) == (2, 32)
 
 
 @pytest.mark.parametrize("max_batch_size", [32, 5], ids=["one-wave", "refills"])
@@ -65,7 +68,7 @@ def test_a_call_is_sized_once_and_a_second_allocates_nothing(small_model, tokeni
     assert (cache.num_growths, cache.num_sizings) == (0, 1), "the call grew its buffers"
     assert len(cache.start) == rows == min(len(requests), max_batch_size)
     assert cache.columns == columns >= longest - 1  # the last sampled token is never fed
-    assert columns <= 2 * (max(len(r.prompt_ids) for r in requests) + 24)
+    assert columns <= 2 * (max(len(r.prompt_ids) for r in requests) + 24) + 63
     generation, pointer = cache.generation, cache.kv.data_ptr()
     again = engine.generate(requests)
     assert engine._slots is cache and (cache.generation, cache.kv.data_ptr()) == (generation, pointer)

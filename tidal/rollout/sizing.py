@@ -16,9 +16,12 @@ against 2.06 s for the second. The call's requests say what it can need, so the 
   the end, and the slot cache keeps a span's worth of free columns so that a move is a copy once per span's worth
   of steps, not every step (``SlotCache._place``): twice the span then.
 
-A call never allocates more than this; a later call that fits reuses the buffers as they are (never shrunk), so a
-steady caller (the RL step, the async controller) allocates once. Contexts the sizing could not know (an agent's
-longer next turn arriving mid-stream) grow the buffers as before, counted (``rollout/slot_resizes``).
+Columns are rounded up to a multiple of ``COLUMN_QUANTUM``: a run's prompts differ in length, and every call whose
+longest prompt beat the last would otherwise reallocate (and, with CUDA graphs, record every bucket again) for a
+handful of columns. A call never allocates more than this; a later call that fits reuses the buffers as they are
+(never shrunk), so a steady caller (the RL step, the async controller) allocates once or a few times. Contexts the
+sizing could not know (an agent's longer next turn arriving mid-stream) grow the buffers as before, counted
+(``rollout/slot_resizes``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ from collections.abc import Sequence
 
 from tidal.api import GenRequest
 
+COLUMN_QUANTUM = 64
+"""Columns are allocated in multiples of this (see module docstring): at most 63 spare columns per row."""
+
 
 def slot_shape(requests: Sequence[GenRequest], default_budget: int, max_rows: int, draft_tokens: int,
-               joins_later: bool) -> tuple[int, int]:
+               joins_later: bool, quantum: int = COLUMN_QUANTUM) -> tuple[int, int]:
     """(rows, columns) for ``requests`` (see module docstring). ``default_budget``: the length budget of a request
     without its own; ``draft_tokens``: speculative decoding's drafts per step (0: off); ``joins_later``: rows may
-    join while others run (a stream, or more requests than ``max_rows``)."""
+    join while others run (a stream, or more requests than ``max_rows``); ``quantum``: columns' rounding."""
     rows = min(len(requests), max_rows)
     span = max(len(r.prompt_ids) + (r.max_new_tokens or default_budget) for r in requests)
     moves = joins_later or len(requests) > max_rows
-    return rows, (2 * span if moves else span) + draft_tokens
+    columns = (2 * span if moves else span) + draft_tokens
+    return rows, -(-columns // quantum) * quantum
