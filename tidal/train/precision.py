@@ -37,13 +37,17 @@ What reads the weights: the rollout engine is sent the bf16 parameters (``state_
 the trainer computes its log-probs with, cast to the engine's dtype (a bf16 engine gets the masters' bf16
 rounding, bit for bit). Checkpoints hold the float32 masters: ``masters_in_model`` points each parameter at its
 master while a checkpoint is captured or loaded, so ``model.safetensors`` and ``trainer_state.pt`` carry the
-exact float32 state and a resume continues bit for bit.
+exact float32 state and a resume continues bit for bit. (A background checkpoint's ``config.json`` names
+``bfloat16``: Hugging Face's ``save_pretrained`` takes it from the live model when the writer thread runs, after the
+parameters are bf16 again, so ``from_pretrained``'s default ``dtype="auto"`` would load the masters rounded;
+tidal's loaders ask for float32 and read them exactly.)
 
 Memory per trained parameter (AdamW): bf16 parameter 2 + fp32 master 4 + fp32 gradient 4 + two fp32 moments 8
 = 18 bytes, against 16 for fp32 weights (4 + 4 + 8): the saving is in activations (bf16 residual stream, norms
 and attention inputs instead of float32 ones), not in the weights (docs/memory.md). Not supported yet: FSDP
 (its own ``MixedPrecisionPolicy`` is the way there), full-replica data parallel and DiLoCo, which read and
-write the model's parameters directly; refused with a ConfigError naming the keys.
+write the model's parameters directly, and SDC recording and replay (``sdc.record``), which fingerprint the
+model's gradients and restore its parameters; refused with a ConfigError naming the keys.
 """
 
 from __future__ import annotations
