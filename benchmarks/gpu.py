@@ -549,7 +549,8 @@ def part_decode_attention(s: Settings, base: torch.nn.Module, device: torch.devi
         engine = LocalEngine(model, tiny.build_tokenizer(), cfg, seed=s.seed)
         engine.eos_id = None
         engine.end_ids = ()
-        engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests])  # warm-up: graphs, kernels
+        engine.prepare(requests)  # the slot cache sized and the CUDA-graph buckets recorded before the clock
+        engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests])  # warm-up: kernels
         _, prefill_s = roofline.timed(lambda engine=engine: engine.generate(one), device)
         trajs, total_s = roofline.timed(lambda engine=engine: engine.generate(requests), device)
         assert all(t.num_tokens == s.attention_new_tokens for t in trajs), "a row stopped before its budget"
