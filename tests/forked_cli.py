@@ -9,11 +9,12 @@ own as a fresh one would be (its own session, so ``os.killpg(proc.pid, ...)`` re
 own stdin, stdout and stderr files; its environment and working directory; Python's default SIGINT and
 SIGTERM handling) and runs ``tidal.cli``'s ``__main__`` exactly as ``python -m`` does: an uncaught exception
 prints its traceback and exits 1, ``sys.exit`` codes pass through, atexit handlers and non-daemon threads
-run at exit (then ``os._exit``: a forked child that tears its interpreter down writes to every page it shares
-with the server, seconds of copy-on-write under load). What differs from a fresh interpreter: the modules the server imported are already imported
-(an import-time warning or failure would not show here: the tests that run a real ``python -m tidal.cli``,
-signals and ``kill -9`` among them, still do), and variables read only at interpreter start-up
-(``PYTHONWARNINGS``, ``PYTHONHASHSEED``) are applied by hand or not at all (the warnings filter is).
+run at exit (then ``os._exit``: a forked child that tears its interpreter down writes to every page it
+shares with the server, seconds of copy-on-write under load). What differs from a fresh interpreter: the
+modules the server imported are already imported (an import-time warning or failure would not show here:
+the tests that run a real ``python -m tidal.cli``, signals and ``kill -9`` among them, still do), and
+variables read only at interpreter start-up (``PYTHONWARNINGS``, ``PYTHONHASHSEED``) are applied by hand or
+not at all (the warnings filter is).
 
 The server forks only while it has no other thread (it asserts so) and never runs torch itself, so no
 thread pool is copied into a child half-held. Usage::

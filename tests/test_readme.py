@@ -82,7 +82,8 @@ def run_commands(commands: list[list[str]], tmp_path, monkeypatch, capsys, smoll
                 extra += ["--set", "max_steps=1", "--set", "task.num_eval=8", "--out", str(tmp_path / "bench")]
         own_knobs = {  # benchmarks with their own settings rather than a run config
             "rewards": ["math_samples=8", "code_samples=2", "workers=[1]"],
-            "packing": ["num_sequences=16", "max_len=32", "steps=1", "micro_batch_tokens=64", "pack_tokens=32"],
+            "packing": ["num_sequences=16", "max_len=32", "steps=1", "micro_batch_tokens=64", "pack_tokens=32",
+                    "row_tokens=128", "row_repeats=1"],  # the 1k-token row alone was 80 s of this test
             "optimizers": ["steps=2", "eval_every=2", "batch_size=2", "seq_len=16", "eval_windows=2",
                            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64"],
             "real": ["frameworks=[tidal]", "lora_ranks=[]", "engine=false", "max_time_s=1", "snapshot_every_s=0.5",

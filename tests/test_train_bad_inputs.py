@@ -75,6 +75,11 @@ def _train(out: Path, extra: list[str], cache: Path, *sets: str, recipe: str = "
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+def _tidal(*argv: str) -> subprocess.CompletedProcess:
+    """``tidal <argv>`` to its end, forked as ``_train`` runs are."""
+    return forked_cli.run(list(argv), env=_env(), stdin=b"", timeout=TIMEOUT_S, text=True)
+
+
 def _one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     assert proc.returncode not in (0, None), proc.stdout[-500:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -232,8 +237,7 @@ def test_ctrl_c_is_one_line_with_the_resume_command_and_exit_130(tmp_path, cache
 
     command = shlex.split(line.split("resume with: ")[1])
     assert command[:2] == ["tidal", "train"]
-    resumed = subprocess.run([sys.executable, "-m", "tidal.cli", *command[1:], "--set", f"max_steps={step + 2}"],
-                             capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S)
+    resumed = _tidal(*command[1:], "--set", f"max_steps={step + 2}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout)
     assert summary["steps"] == step + 2 and summary["base_accuracy"] is not None  # was null after a resume
@@ -347,18 +351,14 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_overwrite_restarts(
 def test_a_saved_config_yaml_reproduces_its_run(tmp_path, cache):
     first = _train(tmp_path / "a", [], cache, "max_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    again = subprocess.run([sys.executable, "-m", "tidal.cli", "train", str(tmp_path / "a" / "config.yaml"),
-                            "--out", str(tmp_path / "b")], capture_output=True, text=True, env=_env(),
-                           timeout=TIMEOUT_S)
+    again = _tidal("train", str(tmp_path / "a" / "config.yaml"), "--out", str(tmp_path / "b"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "b" / "config.yaml").read_text() == (tmp_path / "a" / "config.yaml").read_text()
     rows = [[{k: v for k, v in json.loads(x).items() if k.startswith(("step", "reward/", "eval/", "train/loss"))}
              for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab"]
     assert rows[0] == rows[1] and len(rows[0]) == 3
 
-    more = subprocess.run([sys.executable, "-m", "tidal.cli", "train", str(tmp_path / "a" / "config.yaml"),
-                           "--out", str(tmp_path / "c"), "--set", "max_steps=3"], capture_output=True, text=True,
-                          env=_env(), timeout=TIMEOUT_S)
+    more = _tidal("train", str(tmp_path / "a" / "config.yaml"), "--out", str(tmp_path / "c"), "--set", "max_steps=3")
     assert more.returncode == 0 and json.loads(more.stdout)["steps"] == 3, more.stderr[-3000:]
 
 
