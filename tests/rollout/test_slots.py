@@ -32,6 +32,7 @@ def test_relocation_and_growth_keep_logprobs_exact(small_model, tokenizer, monke
     texts = [f"{i}+{i}=" for i in range(20)] + ["1234567890" * 5 + "="]
     requests = group_requests(tokenizer, [Prompt(f"p{i}", t, "") for i, t in enumerate(texts)], 2)
     engine = LocalEngine(small_model, tokenizer, SamplingConfig(max_new_tokens=12, max_batch_size=5))
+    engine.size_up_front = False  # grown as rows and columns run out (sized up front, nothing would grow)
     queue, got = list(requests), {}
 
     def source(n, block):

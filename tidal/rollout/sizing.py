@@ -13,8 +13,9 @@ against 2.06 s for the second. The call's requests say what it can need, so the 
   column never reaches the end, and rolled-back drafts are compacted out before they would (speculative decoding
   stays within plain decoding's width plus a verify step's, docs/speculative.md). When rows join later (more
   samples than slots, or a stream fed over time) the live span moves back to column 0 as the write column reaches
-  the end, and the slot cache keeps a span's worth of free columns so that a move is a copy once per span's worth
-  of steps, not every step (``SlotCache._place``): twice the span then.
+  the end, so ``slots.MOVE_ROOM`` (64) more columns keep a move a copy once per 64 steps, not one every step
+  (``SlotCache._place``). Not twice the span, as doubling reached: with CUDA graphs attention reads the whole
+  buffer width every step (``graphs.py``), so spare columns cost every step's time, not only memory.
 
 Columns are rounded up to a multiple of ``COLUMN_QUANTUM``: a run's prompts differ in length, and every call whose
 longest prompt beat the last would otherwise reallocate (and, with CUDA graphs, record every bucket again) for a
@@ -29,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tidal.api import GenRequest
+from tidal.rollout.slots import MOVE_ROOM
 
 COLUMN_QUANTUM = 64
 """Columns are allocated in multiples of this (see module docstring): at most 63 spare columns per row."""
@@ -42,5 +44,5 @@ def slot_shape(requests: Sequence[GenRequest], default_budget: int, max_rows: in
     rows = min(len(requests), max_rows)
     span = max(len(r.prompt_ids) + (r.max_new_tokens or default_budget) for r in requests)
     moves = joins_later or len(requests) > max_rows
-    columns = (2 * span if moves else span) + draft_tokens
+    columns = span + (MOVE_ROOM if moves else 0) + draft_tokens
     return rows, -(-columns // quantum) * quantum

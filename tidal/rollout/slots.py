@@ -15,7 +15,7 @@ stacking every layer's (so a row move is one indexed copy, not two per layer).
   is masked out exactly like left padding. Attention reads columns [lo, t] where ``lo`` is the
   earliest start of a running row.
 - When ``t`` reaches the end of the buffer the live span moves back to column 0 (a copy once every
-  few dozen steps); when it does not fit, the buffers grow (doubling).
+  few dozen steps, ``MOVE_ROOM``); when that would leave too little room, the buffers grow (doubling).
 - The engine sizes the buffers before a call's first row joins (``reserve``, from the call's rows and length
   budget: ``sizing.py``), so a call grows nothing; growth stays the fallback for what the sizing could not know
   (a longer context arriving later), and ``num_growths`` counts it. With no row running the span is empty, so
@@ -72,6 +72,9 @@ def last_logits_kwargs(model: torch.nn.Module) -> dict:
 
 
 _KEEP_ARG: dict[type, bool] = {}
+
+MOVE_ROOM = 64
+"""Free columns a move of the live span back to the left must leave (``SlotCache._place``), else the buffers grow."""
 
 class SlotCache(Cache):
     """Running rows' keys and values in preallocated slots (see module docstring), plus each
@@ -366,8 +369,9 @@ class SlotCache(Cache):
             return
         dst = max(0, min_t - span)
         need = dst + span + extra
-        # a move leaves at least ``need`` free columns (else grow): moves stay a copy once per span's worth of steps
-        columns = self.columns if 2 * need <= self.columns else max(2 * need, self.min_columns)
+        # a move must leave ``MOVE_ROOM`` free columns (or ``need``, when smaller), else the buffers grow: a move copies
+        # the span once, and each step's attention reads it anyway, so one move per 64 steps adds at most 1/64
+        columns = self.columns if need + min(need, MOVE_ROOM) <= self.columns else max(2 * need, self.min_columns)
         if columns != self.columns:
             self._resize(len(self.start), columns, dst)
         elif self.n:
