@@ -76,6 +76,7 @@ _KEEP_ARG: dict[type, bool] = {}
 MOVE_ROOM = 64
 """Free columns a move of the live span back to the left must leave (``SlotCache._place``), else the buffers grow."""
 
+
 class SlotCache(Cache):
     """Running rows' keys and values in preallocated slots (see module docstring), plus each
     row's last position id and next-token logits, which move with the row."""
@@ -333,11 +334,11 @@ class SlotCache(Cache):
         self.n, self.lo = 0, self.t
 
     # ---- layout -------------------------------------------------------------------------------
-    def reserve(self, rows: int, columns: int, buckets: int | None = None) -> None:
+    def reserve(self, rows: int, columns: int) -> None:
         """Make the buffers at least ``rows`` (capped at ``max_slots``) x ``columns``, never smaller: kept buffers
         serve every later call that fits, so a steady caller allocates once. While rows run, rows grow at least
-        twofold (amortized, as ``admit`` grows them). Then the static decoder's steps for up to ``buckets`` running
-        rows (default ``rows``) are built (recorded, on CUDA) here rather than in the middle of decoding."""
+        twofold (amortized, as ``admit`` grows them). Then the static decoder's steps for up to ``rows`` running rows
+        are built (recorded, on CUDA) here rather than in the middle of decoding."""
         rows = min(rows, self.max_slots)
         have = len(self.start)
         if rows > have and self.n:
@@ -345,7 +346,7 @@ class SlotCache(Cache):
         if rows > have or columns > self.columns:
             self._resize(max(rows, have), max(columns, self.columns))
         if self.static is not None:
-            self.static.prepare(min(buckets or rows, len(self.start)))
+            self.static.prepare(min(rows, len(self.start)))
 
     @property
     def columns(self) -> int:
