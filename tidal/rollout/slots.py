@@ -339,14 +339,12 @@ class SlotCache(Cache):
         serve every later call that fits, so a steady caller allocates once. While rows run, rows grow at least
         twofold (amortized, as ``admit`` grows them). Then the static decoder's steps for up to ``rows`` running rows
         are built (recorded, on CUDA) here rather than in the middle of decoding."""
-        rows = min(rows, self.max_slots)
-        have = len(self.start)
-        if rows > have and self.n:
-            rows = min(self.max_slots, max(rows, 2 * have))
+        rows, have = min(rows, self.max_slots), len(self.start)
         if rows > have or columns > self.columns:
-            self._resize(max(rows, have), max(columns, self.columns))
+            grown = min(self.max_slots, max(rows, 2 * have)) if rows > have and self.n else max(rows, have)
+            self._resize(grown, max(columns, self.columns))
         if self.static is not None:
-            self.static.prepare(min(rows, len(self.start)))
+            self.static.prepare(rows)
 
     @property
     def columns(self) -> int:
