@@ -22,6 +22,7 @@ from tidal.rollout.episodes import EpisodeEngine
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.requests import group_requests
 from tidal.rollout.routes import merge_turn
+from tidal.rollout.slots import SlotCache
 from tidal.rollout.speculative import SpeculativeConfig
 from tidal.types import Prompt
 
@@ -78,14 +79,24 @@ def _engine(model, tokenizer, **cfg):
     return LocalEngine(model, tokenizer, SamplingConfig(dtype="fp32", **cfg))
 
 
+def _growing(engine: LocalEngine) -> LocalEngine:
+    """``engine`` with a slot cache grown from 8 columns as rows and columns run out, not sized up front
+    (``rollout/sizing.py``), so that routes are copied by reallocations while rows run."""
+    engine.size_up_front = False
+    engine._slots = SlotCache(engine.model, engine.cfg.max_batch_size, min_columns=8)
+    if engine._static_decode:
+        engine._slots.use_static_decode(engine.model)
+    return engine
+
+
 @pytest.mark.parametrize("share,greedy", [(True, False), (False, False), (True, True)])
 def test_routes_are_the_models_own_through_continuous_batching(moe_model, tokenizer, share, greedy):
     # 15 rows through 4 slots: rows finish at different lengths, others join their slots; 30 tokens outgrow
     # the first buffer width (reallocation). Greedy: a group's samples stay identical, decoded once and copied
-    engine = _engine(moe_model, tokenizer, max_new_tokens=30, max_batch_size=4, share_identical_rows=share)
+    engine = _growing(_engine(moe_model, tokenizer, max_new_tokens=30, max_batch_size=4, share_identical_rows=share))
     trajs = engine.generate(_requests(tokenizer), greedy=greedy)
     assert len({t.num_tokens for t in trajs}) > 2 or greedy
-    assert engine.num_removed_rows > 0 and engine._slots.generation > 1
+    assert engine.num_removed_rows > 0 and engine._slots.num_growths > 0
     check_routes(moe_model, trajs)
     assert (engine.num_shared_decodes > 0) == (share and greedy)
 
@@ -93,9 +104,9 @@ def test_routes_are_the_models_own_through_continuous_batching(moe_model, tokeni
 def test_routes_of_static_decode_steps(moe_model, tokenizer):
     """``cuda_graphs=on`` on the CPU runs the static step eagerly: its routes are written at the device column
     ``t_index`` (``graphs._BucketCache.write_routes``), as a recorded graph's replays write them."""
-    engine = _engine(moe_model, tokenizer, max_new_tokens=30, max_batch_size=5, cuda_graphs="on")
+    engine = _growing(_engine(moe_model, tokenizer, max_new_tokens=30, max_batch_size=5, cuda_graphs="on"))
     trajs = engine.generate(_requests(tokenizer))
-    assert engine._slots.static is not None and engine._slots.generation > 1
+    assert engine._slots.static is not None and engine._slots.num_growths > 0
     check_routes(moe_model, trajs)
 
 
