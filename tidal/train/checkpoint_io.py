@@ -41,6 +41,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import xxhash
 
@@ -88,6 +89,7 @@ class HashingWriter:
             self._fd = os.open(self.path, flags, 0o644)
         self._buffer, self._owned = _staging_buffer()
         self._view = memoryview(self._buffer)
+        self._array = np.frombuffer(self._buffer, dtype=np.uint8)
         self._filled = 0
         self._size = 0  # bytes given to write()
         self._written = 0  # bytes written to the file, padding included
@@ -97,9 +99,16 @@ class HashingWriter:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n, done = view.nbytes, 0
+        if n == 0:
+            return 0
+        # numpy's copy releases the GIL (a memoryview slice assignment holds it for the whole copy, ~10 ms per
+        # 32 MB here, and the training thread then waits that long for the GIL at each of its Python steps: it
+        # slowed the step beside a background write by more than the write's own CPU); xxhash and os.write
+        # release it too
+        source = np.frombuffer(view, dtype=np.uint8)
         while done < n:
             k = min(n - done, BUFFER_BYTES - self._filled)
-            self._view[self._filled:self._filled + k] = view[done:done + k]
+            np.copyto(self._array[self._filled:self._filled + k], source[done:done + k])
             self._filled += k
             done += k
             if self._filled == BUFFER_BYTES:
@@ -147,6 +156,7 @@ class HashingWriter:
         finally:
             os.close(self._fd)
             self._fd = -1
+            del self._array
             self._view.release()
             if self._owned:
                 _BUFFER_LOCK.release()
