@@ -36,7 +36,7 @@ mean, minus 1), then the median over the repeats, with ``spread`` giving [min, m
   one synchronous save per repeat on the same state, timed beside the others.
 
 Run time: with the defaults (16 tokens, 1 thread) a step is ~2.25 s on the 2-core machine, mostly AdamW over
-196M parameters and the 151,936-row head; one repeat, 35 timed steps plus the saves and the legacy write, takes
+196M parameters and the 151,936-row head; one repeat, 34 timed steps plus the saves and the legacy write, takes
 ~2 minutes (load average 2.5-3.5), the default 3 repeats ~6; more under load (a step was 4-20 s at load
 10-18). On a loaded machine run ``repeats=1`` a few times and ``merge`` the results, as the committed run did
 (docs/benchmarks.md).
@@ -77,7 +77,7 @@ class Settings:
     it than against a longer step (the overheads are upper ends)."""
     every: list[int] = field(default_factory=lambda: [1, 10])
     """``checkpoint_every`` of the save arms."""
-    steps: int = 3
+    steps: int = 2
     """Timed steps per repeat of an every-1 arm (an every-N arm times N)."""
     steps_none: int = 10
     """Timed steps per repeat of the no-save arm (as many as the every-10 window: the reference of its mean)."""
