@@ -4,6 +4,7 @@ LoRA, and the refusals. The speed it is for (MFU) is a GPU measurement: ``tidal 
 weights=bf16_master``."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -188,6 +189,9 @@ def test_checkpoint_holds_the_fp32_masters_and_resumes_bit_for_bit(small_model, 
     saved = load_file(path / "model.safetensors")
     named = dict(zip([n for n, _ in first.model.named_parameters()], first.weights.masters))
     assert all(saved[n].dtype == torch.float32 and torch.equal(saved[n], named[n]) for n in saved)
+    # config.json names the weights' dtype (the background writer's save_pretrained saw a bf16 model), so a
+    # plain from_pretrained loads the masters unrounded
+    assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
 
     resumed = _bf16_trainer(small_model)
     assert resumed.load_checkpoint(path).step == 1

@@ -204,6 +204,8 @@ def _write(root: Path, model, tokenizer, contents: CheckpointContents, keep: int
         else:
             with checkpoint_io.direct_save_pretrained(digests):
                 model.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
+            if contents.model_state is not None:
+                _config_names_the_weights_dtype(tmp, contents.model_state)
         _hold_if_asked(step)
         trainer_state = {"optimizer": contents.optimizer, "scheduler": contents.scheduler, "rng": contents.rng,
                          "state": contents.state}
@@ -231,6 +233,22 @@ def _write(root: Path, model, tokenizer, contents: CheckpointContents, keep: int
         if old != step:
             shutil.rmtree(root / f"step_{old}", ignore_errors=True)
     return final
+
+
+def _config_names_the_weights_dtype(directory: Path, weights: dict) -> None:
+    """``save_pretrained`` writes ``config.json``'s ``dtype`` from the live model, which can differ from the
+    weights it was handed: under ``trainer.weights=bf16_master`` the file holds the fp32 masters while the model
+    (read on the background writer's thread, after the step) is bf16, and ``from_pretrained(dir)`` would load
+    the masters rounded. The dtype of the floating tensors written is the one to name."""
+    dtype = next((t.dtype for t in weights.values() if torch.is_floating_point(t)), None)
+    path = directory / "config.json"
+    if dtype is None or not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    if config.get("dtype", name) != name:
+        config["dtype"] = name
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _hold_if_asked(step: int) -> None:
