@@ -5,7 +5,9 @@ stage's ``model/`` as ``model.path``. RL is the ``stages_rl`` recipe (``recipes/
 async RL on the domain's questions). Then every stage's model gets the domain's held-out checks
 (``stages/evaluate.py``), written to ``OUT/table.json`` and printed as the table docs/stages.md shows.
 
-    python -m tidal.cli.stages_chain --out runs/stages [--set STAGE:key=value ...] [--resume | --overwrite]
+    tidal chain --out runs/stages [--set STAGE:key=value ...] [--resume | --overwrite]
+
+(``python -m tidal.cli.stages_chain`` with the same flags is the same command.)
 
 ``--set sft:run.steps=2`` appends an override to one stage's command (tests run the chain that way,
 short); every stage's keys are checked before the first stage runs. An ``--out`` holding a previous chain
@@ -150,18 +152,21 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from tidal.config import ConfigError
-
-    p = argparse.ArgumentParser(prog="python -m tidal.cli.stages_chain", description=__doc__.splitlines()[0])
+def add_arguments(p) -> None:
+    """The chain's flags, for ``tidal chain`` and ``python -m tidal.cli.stages_chain``."""
     p.add_argument("--out", default="runs/stages")
-    p.add_argument("--set", action="append", default=[], metavar="STAGE:KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="STAGE:KEY=VALUE",
+                   help="one more override for one stage's command, e.g. sft:run.steps=2")
     p.add_argument("--resume", action="store_true", help="continue the stages that have a checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace a previous chain in --out (each stage "
                    "deletes only what it wrote)")
-    args = p.parse_args(argv)
+
+
+def cmd_chain(args) -> int:
+    """``tidal chain``: every stage, then the table (printed); a bad ``--set`` or an ``--out`` holding a previous
+    chain is one line and exit 2, with nothing run."""
+    from tidal.config import ConfigError
+
     extra: dict[str, list[str]] = {}
     try:
         for item in args.set:
@@ -170,9 +175,21 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(f"--set {item}: expected STAGE:KEY=VALUE, STAGE one of {', '.join(KINDS)}")
             extra.setdefault(stage, []).append(kv)
         print(markdown(run(args.out, extra, overwrite=args.overwrite, resume=args.resume)))
-    except ConfigError as e:  # a bad --set, an --out holding a previous chain: one line, nothing run
+    except ConfigError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tidal.cli.stages_chain``: the same as ``tidal chain``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tidal.cli.stages_chain", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    code = cmd_chain(p.parse_args(argv))
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":
