@@ -109,3 +109,19 @@ def test_replicates_on_a_toy_size(tmp_path, monkeypatch):
     assert set(result["curves"]) == {"0/0", "0/1"} and result["replicates"] == 2
     assert "slowest_run_over_median_steps_to_0.8" in result
     json.dumps(result)
+
+
+def test_the_twenty_seed_command_in_the_docs_names_seeds_0_to_19():
+    """docs/benchmarks.md's 20-seed line (issue 55) parses against the benchmark's settings as written."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from tidal.config import apply_overrides
+
+    module = bench.load("quickstart")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    (line,) = [x for x in re.findall(r"^tidal bench quickstart.*$", doc, flags=re.M) if "19]" in x]
+    args = shlex.split(line)[3:]
+    settings = apply_overrides(module.Settings(), [args[i + 1] for i, a in enumerate(args) if a == "--set"])
+    assert settings.seeds == list(range(20)) and settings.steps == 150
