@@ -11,11 +11,13 @@
 #                                                # smollm2 (the real model: its recipe and tidal vs TRL on it; its
 #                                                # GGUF comes in two calls: scripts/device_model_parts.sh),
 #                                                # moe (tidal bench moe: a CUDA bf16 engine, its CUDA graphs
-#                                                # recording routes, against an fp32 trainer; off vs r3)
+#                                                # recording routes, against an fp32 trainer; off vs r3),
+#                                                # arms (rollout.decode_attention repeat/gqa/fold and
+#                                                # trainer.weights fp32/bf16_master, side by side)
 #
 # Fill .whl/ first, on a machine with pip access: bash scripts/device_wheels.sh (reads scripts/device_wheels.txt).
 # Each stage has its own time limit (<STAGE>_LIMIT overrides it, in seconds: ENV_LIMIT, TESTS_LIMIT, CPU_LIMIT,
-# BENCH_LIMIT, TRL_LIMIT, SMOLLM2_LIMIT, REAL_LIMIT, MOE_LIMIT; DRY_LIMIT every stage's in a dry run, default 120), one
+# BENCH_LIMIT, ARMS_LIMIT, TRL_LIMIT, SMOLLM2_LIMIT, REAL_LIMIT, MOE_LIMIT; DRY_LIMIT every stage's in a dry run, default 120), one
 # failing stage does not stop the next, and each stage writes stage_<name>.json (rc, seconds, limit, timed_out)
 # and rewrites device_check.json (every stage so far) before the next starts: a time-out loses only its own
 # stage. The summary at the end says which passed.
@@ -34,7 +36,7 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 stages=("$@")
 if [ ${#stages[@]} -eq 0 ]; then
-  if ((DRY)); then stages=(env tests cpu bench trl smollm2 moe); else stages=(env tests bench); fi
+  if ((DRY)); then stages=(env tests cpu bench arms trl smollm2 moe); else stages=(env tests bench); fi
 fi
 dry_json=false
 if ((DRY)); then
@@ -115,6 +117,11 @@ EOF
       tiny=()
       ((DRY)) && tiny=(--set device=cpu --set tiny=true)
       run_stage bench "$(limit bench 240)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR" --set profile=true "${tiny[@]}" ;;
+    arms)  # issue 51's keys, each against today's path on the same model and rows (docs/gpu.md)
+      tiny=()
+      ((DRY)) && tiny=(--set device=cpu --set tiny=true)
+      run_stage arms "$(limit arms 150)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR/arms" \
+        --set 'parts=[decode_attention,train,train_bf16_master]' "${tiny[@]}" ;;
     trl|smollm2)
       if ((DRY)); then  # no TRL wheels, no model parts on a CPU runner: the stage's commands' settings resolve
         run_stage "$stage" "$(limit "$stage" 60)" "$PY" - "$stage" <<'EOF'

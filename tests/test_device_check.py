@@ -44,12 +44,14 @@ def test_the_whole_dry_run(tmp_path):
     dry_run(tmp_path)
     summary = json.loads((tmp_path / "device_check.json").read_text())
     stages = {s["stage"]: s for s in summary["stages"]}
-    assert list(stages) == ["env", "tests", "cpu", "bench", "trl", "smollm2", "moe"]
+    assert list(stages) == ["env", "tests", "cpu", "bench", "arms", "trl", "smollm2", "moe"]
     assert all(s["rc"] == 0 and not s["timed_out"] for s in stages.values()), stages
     gpu = json.loads((tmp_path / "gpu.json").read_text())
     assert gpu["on_cpu"] is True and gpu["tiny"] is True and "stand-in" in gpu["model"]
     assert set(gpu["trainer_phase_ms"]) == {"forward", "head", "backward", "optimizer"}
     assert gpu["decode_step_ms"] > 0 and gpu["rl_samples_per_s"] > 0 and gpu["rl_response_lengths"]["count"] == 6
     assert "profile" in gpu["train"]  # the device check's --set profile=true ran too
+    arms = json.loads((tmp_path / "arms" / "gpu.json").read_text())
+    assert {"decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold", "trainer_mfu_bf16_master"} <= set(arms)
     moe = json.loads((tmp_path / "moe.json").read_text())
     assert moe["arms"] == ["off", "r3"] and 0 < moe["routing_agreement_off"] <= 1

@@ -29,7 +29,7 @@ import argparse
 import os
 import sys
 
-from tidal.cli import data, models, results, run, stages
+from tidal.cli import data, models, results, run, stages, stages_chain
 from tidal.cli.data import SCORE_CHUNK  # noqa: F401 (tests size their input by it)
 from tidal.cli.run import show_recipe  # noqa: F401
 from tidal.config import ConfigError
@@ -39,7 +39,7 @@ from tidal.registry import UnknownNameError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="Asynchronous RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
-    for group in (run, results, models, data, stages):
+    for group in (run, results, models, data, stages, stages_chain):
         group.add_parsers(sub)
     return p
 

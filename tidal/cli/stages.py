@@ -33,12 +33,6 @@ def add_parsers(sub) -> None:
         sp.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
         sp.add_argument("--overwrite", action="store_true", help="delete the previous run's files in --out first")
         sp.set_defaults(fn=cmd_stage)
-    from tidal.cli import stages_chain
-
-    sp = sub.add_parser("chain", help="DAPT -> SFT -> DPO (and a reward model) -> RL on the synthetic domain, each "
-                        "stage's model the next one's base, then every stage's held-out table (docs/stages.md)")
-    stages_chain.add_arguments(sp)
-    sp.set_defaults(fn=stages_chain.cmd_chain)
 
 
 def stage_config(name: str, config: str | None, sets: list[str], saved: Path | None = None):

@@ -152,6 +152,14 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+def add_parsers(sub) -> None:
+    """``tidal chain`` among ``tidal``'s sub-parsers."""
+    sp = sub.add_parser("chain", help="DAPT -> SFT -> DPO (and a reward model) -> RL on the synthetic domain, each "
+                        "stage's model the next one's base, then every stage's held-out table (docs/stages.md)")
+    add_arguments(sp)
+    sp.set_defaults(fn=cmd_chain)
+
+
 def add_arguments(p) -> None:
     """The chain's flags, for ``tidal chain`` and ``python -m tidal.cli.stages_chain``."""
     p.add_argument("--out", default="runs/stages")
