@@ -17,6 +17,11 @@ Arms, interleaved in every repeat so that a noisy neighbour on the shared machin
   write if it still runs, snapshot into the reused host buffers, write on a background thread. A step's time
   includes what the background write takes from it (CPU, memory bandwidth) and any wait.
 
+- ``deferred_every{N}``: as ``async_every{N}`` with ``checkpoint_snapshot=deferred``
+  (``AsyncCheckpointer(deferred=True)``): ``save`` takes references, the writer's thread copies the state into
+  the host buffers beside the next step's forward and backward, and that step's optimizer step waits for the
+  copy if it is not done yet. Its blocking time is ``save``'s own time plus that wait.
+
 For N = 1 an arm times ``steps`` steps, each followed by a save (the async arm saves after an untimed warm-up
 step first, so every timed step runs beside the previous step's write, as in a run that saves every step).
 For N > 1 it times a window of N steps with one save, after the window's first step, so the write runs
@@ -30,7 +35,9 @@ mean, minus 1), then the median over the repeats, with ``spread`` giving [min, m
 - ``blocking_s_per_checkpoint``: what ``AsyncCheckpointer.save`` kept the training thread for (the snapshot,
   plus any wait for the previous write), in the ``every{max}`` arm, where the previous write is long done;
   ``blocking_s_per_checkpoint_every1`` is the same at every step, waits included.
-- ``async_blocking_over_sync``: that over the same repeat's synchronous save time (``sync_save_s``).
+- ``async_blocking_over_sync``: that over the same repeat's synchronous save time (``sync_save_s``);
+  ``deferred_blocking_over_sync`` the same for the deferred snapshot (``deferred_blocking_s_per_checkpoint``:
+  ``save`` plus the optimizer step's wait for the copy).
 - ``writer_cpu_s_per_gb``: the background writer thread's CPU time per GB written; ``legacy_*``: the writer
   before issue 55 (``save_file`` and ``torch.save`` through the page cache, the files read back to hash them),
   one synchronous save per repeat on the same state, timed beside the others.
@@ -77,6 +84,8 @@ class Settings:
     it than against a longer step (the overheads are upper ends)."""
     every: list[int] = field(default_factory=lambda: [1, 10])
     """``checkpoint_every`` of the save arms."""
+    kinds: list[str] = field(default_factory=lambda: ["sync", "async", "deferred"])
+    """The save arms at each ``every``: ``sync``, ``async`` (snapshot at the save), ``deferred``."""
     steps: int = 2
     """Timed steps per repeat of an every-1 arm (an every-N arm times N)."""
     steps_none: int = 10
@@ -170,6 +179,7 @@ def measure(s: Settings, root: Path) -> dict:
     gen = torch.Generator().manual_seed(s.seed)
     ids = torch.randint(0, shapes["vocab_size"], (s.rows, s.seq_len), generator=gen)
     writer = AsyncCheckpointer()
+    deferred_writer = AsyncCheckpointer(deferred=True)
     step_no = 0
 
     def state() -> TrainingState:
@@ -186,21 +196,28 @@ def measure(s: Settings, root: Path) -> dict:
     writer.save(root / "async", model, tokenizer, opt, sched, state(), keep=1)  # allocates the host buffers
     first_snapshot_s = time.perf_counter() - start
     writer.wait()
-    arms = ["none", *(f"{kind}_every{n}" for n in s.every for kind in ("sync", "async"))]
+    if "deferred" in s.kinds:  # its own host buffers, allocated here too (the first copy)
+        deferred_writer.save(root / "deferred", model, tokenizer, opt, sched, state(), keep=1)
+        train_step()
+        deferred_writer.wait()
+    arms = ["none", *(f"{kind}_every{n}" for n in s.every for kind in s.kinds)]
     longest = max(s.every)
     repeats = []
     for _ in range(s.repeats):
         r: dict = {"mean_step_s": {}, "sync_save_s": [], "sync_save_cpu_s": [], "blocking_s": {}, "snapshot_s": [],
+                   "deferred_blocking_s": {},
                    "write_s": [], "write_cpu_s": [], "drain_s": [], "step_s": {}, "step_cpu_s": []}
         for arm in arms:
             kind, n = (arm, 0) if arm == "none" else (arm.split("_every")[0], int(arm.split("_every")[1]))
             count = s.steps_none if kind == "none" else (s.steps if n == 1 else n)
             saves_after = set(range(count)) if n == 1 else ({0} if n else set())
             blocking = r["blocking_s"].setdefault(n, []) if kind == "async" else None
+            deferred_timings: list[dict] = []  # each deferred save's timings: its step's wait lands there later
+            w = deferred_writer if kind == "deferred" else writer
             in_flight = False
-            if kind == "async" and n == 1:  # a write in flight beside the first timed step, as at every step
+            if kind in ("async", "deferred") and n == 1:  # a write in flight beside the first timed step
                 train_step()
-                writer.save(root / "async", model, tokenizer, opt, sched, state(), keep=1)
+                w.save(root / kind, model, tokenizer, opt, sched, state(), keep=1)
                 in_flight = True
             times = []
             for i in range(count):
@@ -224,6 +241,9 @@ def measure(s: Settings, root: Path) -> dict:
                         r["write_s"].append(previous["write_s"])
                         r["write_cpu_s"].append(previous["write_cpu_s"])
                     in_flight = True
+                elif i in saves_after and kind == "deferred":
+                    deferred_writer.save(root / "deferred", model, tokenizer, opt, sched, state(), keep=1)
+                    deferred_timings.append(deferred_writer.timings)
                 times.append(time.perf_counter() - start)
             if kind == "async":
                 start = time.perf_counter()
@@ -232,6 +252,12 @@ def measure(s: Settings, root: Path) -> dict:
                 r["write_s"].append(writer.timings["write_s"])
                 r["write_cpu_s"].append(writer.timings["write_cpu_s"])
                 in_flight = False
+            if kind == "deferred":
+                if n == 1:
+                    train_step()  # untimed: the last save's copy is waited for by a step, as in a run
+                deferred_writer.wait()
+                r["deferred_blocking_s"][n] = [t["wait_s"] + t["snapshot_s"] + t.get("step_wait_s", 0.0)
+                                               for t in deferred_timings]
             r["step_s"][arm] = times
             r["mean_step_s"][arm] = statistics.fmean(times)
         if s.legacy:
@@ -276,6 +302,10 @@ def measure(s: Settings, root: Path) -> dict:
             add("blocking_s_per_checkpoint_every1", _median(r["blocking_s"].get(1, [])))
         if sync_save and r["blocking_s"].get(longest):
             add("async_blocking_over_sync", _median(r["blocking_s"][longest]) / sync_save)
+        if r["deferred_blocking_s"].get(longest):
+            add("deferred_blocking_s_per_checkpoint", _median(r["deferred_blocking_s"][longest]))
+            if sync_save:
+                add("deferred_blocking_over_sync", _median(r["deferred_blocking_s"][longest]) / sync_save)
         add("writer_s", _median(r["write_s"]))
         add("writer_cpu_s", _median(r["write_cpu_s"]))
         add("writer_cpu_s_per_gb", _median([c / gb for c in r["write_cpu_s"]]))
@@ -317,6 +347,10 @@ def summarize(per_repeat: dict[str, list[float]], arms: list[str]) -> dict:
         goals["async_blocking_over_sync <= 0.1"] = headline["async_blocking_over_sync"] <= 0.1
     if "async_overhead_frac_every10" in headline:
         goals["async_overhead_frac_every10 <= 0.05"] = headline["async_overhead_frac_every10"] <= 0.05
+    if "deferred_blocking_over_sync" in headline:
+        goals["deferred_blocking_over_sync <= 0.1"] = headline["deferred_blocking_over_sync"] <= 0.1
+    if "deferred_overhead_frac_every10" in headline:
+        goals["deferred_overhead_frac_every10 <= 0.05"] = headline["deferred_overhead_frac_every10"] <= 0.05
     key = lambda arm: "step_s_no_save" if arm == "none" else f"step_s_{arm}"  # noqa: E731
     table = [{"arm": arm, "every": 0 if arm == "none" else int(arm.split("_every")[1]),
               "mean_step_s": headline[key(arm)],

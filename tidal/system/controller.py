@@ -107,7 +107,8 @@ class Controller:
                               if cfg.rollout.engine == "local" and getattr(trainer, "device", None) is not None
                               else None)
         # at most one checkpoint write in flight, in the background (``train/async_checkpoint.py``)
-        self.ckpt_writer = AsyncCheckpointer() if cfg.async_checkpoint else None
+        self.ckpt_writer = (AsyncCheckpointer(deferred=cfg.checkpoint_snapshot == "deferred")
+                            if cfg.async_checkpoint else None)
         agentic = cfg.env.name is not None or cfg.harness.enabled  # its demonstrations must be conversations
         guide = cfg.algo.guidance != "none"
         self.guidance = Guidance(task, tokenizer, cfg.algo.guidance_reward, agentic) if guide else None

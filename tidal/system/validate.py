@@ -179,6 +179,25 @@ def _check_curriculum(cfg: RunConfig) -> None:
                           "forces the close of the thinking section (rollout/thinking.py says what vLLM would need)")
 
 
+def _check_checkpoint_snapshot(cfg: RunConfig) -> None:
+    """``checkpoint_snapshot=deferred`` copies the state after ``save`` returns, which is right only while the
+    state changes in optimizer steps alone (``train/async_checkpoint.py``)."""
+    if cfg.checkpoint_snapshot not in ("now", "deferred"):
+        raise ConfigError(f"checkpoint_snapshot must be now or deferred, got {cfg.checkpoint_snapshot!r}")
+    if cfg.checkpoint_snapshot != "deferred":
+        return
+    if not cfg.async_checkpoint:
+        raise ConfigError("checkpoint_snapshot=deferred needs async_checkpoint=true (a synchronous save copies "
+                          "nothing to defer)")
+    import os
+
+    if cfg.trainer.data_parallel == "elastic" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"checkpoint_snapshot=deferred with trainer.data_parallel={cfg.trainer.data_parallel} "
+                          "across processes: a sharded state is gathered (a copy already), and DiLoCo's outer step "
+                          "and an elastic replica's heal change parameters outside an optimizer step; use "
+                          "checkpoint_snapshot=now")
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Raise a ConfigError naming the first key whose value the run cannot use (see the module docstring)."""
     _check(cfg, RULES)
@@ -197,6 +216,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.length_schedule must be [[from_step >= 0, max_new_tokens >= 1], ...], "
                           f"got {r.length_schedule!r}")
     _check_curriculum(cfg)
+    _check_checkpoint_snapshot(cfg)
     check_betas(cfg.optim.betas, "optim.betas")
     if not (_number(cfg.algo.clip_cov_high) and _number(cfg.algo.clip_cov_low)
             and cfg.algo.clip_cov_high > cfg.algo.clip_cov_low):

@@ -80,25 +80,47 @@ def snapshot(model, optimizer, scheduler, state: TrainingState, buffers: HostBuf
     """Host copies of everything ``checkpoint.write_checkpoint`` writes. ``model_state``/``optimizer_state``:
     already gathered full states of a sharded model (fresh host tensors: not copied again). A LoRA model's
     weights are its trainable tensors only (the adapters), which is all its checkpoint holds."""
+    refs = references(model, optimizer, scheduler, state, components, model_state, optimizer_state)
+    return to_host(refs, buffers, copy_model=model_state is None, copy_optimizer=optimizer_state is None)
+
+
+def references(model, optimizer, scheduler, state: TrainingState, components: dict[str, Any] | None = None,
+               model_state: dict | None = None, optimizer_state: dict | None = None) -> CheckpointContents:
+    """What a snapshot holds, with the live tensors themselves in place of their copies (the state dicts'
+    tensors share memory with the model and the optimizer); the small rest (scheduler, RNG, counters) already
+    copied. ``to_host`` finishes the snapshot, and is right only while no tensor has changed since: the
+    deferred snapshot (``async_checkpoint.py``) holds every optimizer step until it has run."""
     from tidal.models import lora
 
-    aliases: dict = {}
     if model_state is None:
-        live = model.state_dict()
+        model_state = model.state_dict()
         if lora.is_peft(model):
             trained = {name for name, p in model.named_parameters() if p.requires_grad}
-            live = {k: v for k, v in live.items() if k in trained}
-        model_state = copy_to_host(live, buffers, ("model",), aliases)
-    if optimizer_state is None:
-        optimizer_state = copy_to_host(optimizer.state_dict(), buffers, ("optimizer",), aliases)
-    contents = CheckpointContents(
+            model_state = {k: v for k, v in model_state.items() if k in trained}
+    return CheckpointContents(
         model_state=model_state,
-        optimizer=optimizer_state,
-        scheduler=copy_to_host(scheduler.state_dict(), buffers, ("scheduler",), aliases),
+        optimizer=optimizer.state_dict() if optimizer_state is None else optimizer_state,
+        scheduler=copy.deepcopy(scheduler.state_dict()),
         rng=rng_state(),  # fresh copies already
         state=copy.deepcopy(state.__dict__),
-        components={name: copy_to_host(c.state_dict(), buffers, ("component", name), aliases)
-                    for name, c in (components or {}).items()},
+        components={name: c.state_dict() for name, c in (components or {}).items()},
+    )
+
+
+def to_host(refs: CheckpointContents, buffers: HostBuffers, copy_model: bool = True,
+            copy_optimizer: bool = True) -> CheckpointContents:
+    """``refs`` with every tensor copied into ``buffers`` (aliases kept: tied weights stay one buffer); a state
+    gathered from shards is fresh host memory already and is not copied again (``copy_model``/``copy_optimizer``
+    false)."""
+    aliases: dict = {}
+    contents = CheckpointContents(
+        model_state=copy_to_host(refs.model_state, buffers, ("model",), aliases) if copy_model else refs.model_state,
+        optimizer=copy_to_host(refs.optimizer, buffers, ("optimizer",), aliases) if copy_optimizer else refs.optimizer,
+        scheduler=copy_to_host(refs.scheduler, buffers, ("scheduler",), aliases),
+        rng=refs.rng,
+        state=refs.state,
+        components={name: copy_to_host(c, buffers, ("component", name), aliases)
+                    for name, c in refs.components.items()},
     )
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the non_blocking device-to-host copies have landed before a writer reads them
