@@ -55,7 +55,7 @@ def test_a_process_per_episode_with_its_environment_reward_and_failures(chat_mod
     prompts = [Prompt(f"p{i}", f"{i}*2=", str(2 * i), meta={"kind": k}) for i, k in enumerate(kinds)]
     engine = HarnessEngine(LocalEngine(model, tok, SamplingConfig(max_new_tokens=8), seed=0), tok,
                            process_agent(f"{sys.executable} {script}", timeout_s=10.0),
-                           HarnessConfig(episode_timeout_s=10.0), context_len=128, max_tokens=8)  # the sleeper waits this out
+                           HarnessConfig(episode_timeout_s=10.0), context_len=128, max_tokens=8)  # the sleeper's wait
     start = time.monotonic()
     try:
         trajs = engine.generate(group_requests(tok, prompts, 1))
