@@ -52,6 +52,7 @@ def test_the_whole_dry_run(tmp_path):
     assert gpu["decode_step_ms"] > 0 and gpu["rl_samples_per_s"] > 0 and gpu["rl_response_lengths"]["count"] == 6
     assert "profile" in gpu["train"]  # the device check's --set profile=true ran too
     arms = json.loads((tmp_path / "arms" / "gpu.json").read_text())
-    assert {"decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold", "trainer_mfu_bf16_master"} <= set(arms)
+    want = {"decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold", "trainer_mfu_bf16_master"}
+    assert want <= set(arms)
     moe = json.loads((tmp_path / "moe.json").read_text())
     assert moe["arms"] == ["off", "r3"] and 0 < moe["routing_agreement_off"] <= 1

@@ -44,6 +44,9 @@ import logging
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from tidal.models.architecture import UnsupportedArchitecture
+from tidal.models.attention import NAME as PACKED_ATTENTION
+
 log = logging.getLogger(__name__)
 
 DECODE_ATTENTION = ("repeat", "gqa", "fold")
@@ -100,6 +103,28 @@ def _fold_pays(query: torch.Tensor, key: torch.Tensor) -> bool:
 def supports_enable_gqa() -> bool:
     """torch >= 2.5 takes ``enable_gqa`` in ``scaled_dot_product_attention`` (its docs, "enable_gqa")."""
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def use_engine_attention(model: torch.nn.Module, mode: str) -> str:
+    """The local engine's copy: SDPA, then the ``rollout.decode_attention`` mode on top (it replaces only the
+    masked grouped-head calls); returns the mode in use."""
+    use_sdpa(model)
+    return use_decode_attention(model, mode)
+
+
+def use_sdpa(model: torch.nn.Module) -> None:
+    """Run the engine's private copy on SDPA: its decode masks are ready-made booleans, which SDPA (and tidal's
+    packed attention, which hands tensors to SDPA) takes as they are, while eager attention would add them to
+    the scores as 0/1 and flash attention would drop them."""
+    impl = model.config._attn_implementation
+    if impl in ("sdpa", PACKED_ATTENTION):
+        return
+    try:
+        model.set_attn_implementation("sdpa")
+    except (ValueError, ImportError) as e:
+        reason = str(e).splitlines()[0]
+        raise UnsupportedArchitecture(f"the local engine needs SDPA attention and {type(model).__name__} "
+                                      f"(attn_implementation={impl!r}) cannot switch to it: {reason}") from e
 
 
 def use_decode_attention(model: torch.nn.Module, mode: str) -> str:

@@ -34,12 +34,11 @@ from transformers import DynamicCache
 
 from tidal.api import GenRequest
 from tidal.models import lora, moe
-from tidal.models.architecture import UnsupportedArchitecture, check_architecture
-from tidal.models.attention import NAME as PACKED_ATTENTION
+from tidal.models.architecture import check_architecture
 from tidal.models.prompts import end_of_turn_ids
 from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
-from tidal.rollout.decode_attention import use_decode_attention
+from tidal.rollout.decode_attention import use_engine_attention
 from tidal.rollout.head import HEAD_DTYPES, fill_head, keep_head_fp32
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.routes import ForwardRoutes, recording, unfed_last
@@ -131,21 +130,6 @@ class _Row:
 RequestSource = Callable[[int, bool], "list[GenRequest] | None"]
 
 
-def _use_sdpa(model: torch.nn.Module) -> None:
-    """Run the engine's private copy on SDPA: its decode masks are ready-made booleans, which SDPA (and tidal's
-    packed attention, which hands tensors to SDPA) takes as they are, while eager attention would add them to
-    the scores as 0/1 and flash attention would drop them."""
-    impl = model.config._attn_implementation
-    if impl in ("sdpa", PACKED_ATTENTION):
-        return
-    try:
-        model.set_attn_implementation("sdpa")
-    except (ValueError, ImportError) as e:
-        reason = str(e).splitlines()[0]
-        raise UnsupportedArchitecture(f"the local engine needs SDPA attention and {type(model).__name__} "
-                                      f"(attn_implementation={impl!r}) cannot switch to it: {reason}") from e
-
-
 class LocalEngine:
     """In-process engine on a private copy of a Hugging Face causal LM (see module docstring)."""
 
@@ -156,8 +140,7 @@ class LocalEngine:
         model, self._lora_base = lora.engine_copy(model)
         self.model = model.eval().requires_grad_(False)
         check_architecture(self.model)  # one line naming a feature the slot cache's masks would get wrong
-        _use_sdpa(self.model)
-        use_decode_attention(self.model, cfg.decode_attention)  # after SDPA: it replaces only masked GQA calls
+        use_engine_attention(self.model, cfg.decode_attention)
         self.device = model_device(self.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device, "rollout.dtype")
         self.model.to(self.dtype)
