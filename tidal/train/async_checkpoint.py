@@ -39,9 +39,9 @@ run they change only in an optimizer step: a global optimizer step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``, torch >= 2.0) makes every ``step`` of every
 optimizer wait for it. So the copy overlaps the next step's generation, forward and backward (on the 2-core
 CPU the 0.5B-shaped state's 2.35 GB copy takes ~0.18 s; the step it overlaps ~2 s, and ``save`` blocked 0.0007 s,
-``tidal bench checkpoint``), and the checkpoint holds the state of the moment ``save`` was called. Not for a sharded model (its gather is already a copy) or for
-anything that changes parameters outside an optimizer step (an elastic replica's heal loads them in place):
-``system/validate.py`` refuses those combinations.
+``tidal bench checkpoint``), and the checkpoint holds the state of the moment ``save`` was called. Not for a
+sharded model (its gather is already a copy) or for anything that changes parameters outside an optimizer step
+(an elastic replica's heal loads them in place): ``system/validate.py`` refuses those combinations.
 
 What it costs: one extra host copy of the weights and optimizer state (pinned on CUDA), kept for the run;
 a snapshot that cannot be allocated falls back to a synchronous save with a warning, never a lost
