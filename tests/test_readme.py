@@ -86,6 +86,7 @@ def run_commands(commands: list[list[str]], tmp_path, monkeypatch, capsys, smoll
                     "row_tokens=128", "row_repeats=1"],  # the 1k-token row alone was 80 s of this test
             "optimizers": ["steps=2", "eval_every=2", "batch_size=2", "seq_len=16", "eval_windows=2",
                            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64"],
+            "quickstart": [*TINY, "task.num_eval=8", "seeds=[0,1]", "steps=2"],  # 2 seeds, not 10 runs
             "real": ["frameworks=[tidal]", "lora_ranks=[]", "engine=false", "max_time_s=1", "snapshot_every_s=0.5",
                      "num_eval=4", "threads=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
                      "rollout.max_new_tokens=8", "report_at=[1]"],
