@@ -14,7 +14,7 @@ tidal model list | import NAME|FILE.gguf|FILE.whl [--force] [--no-download]
 tidal curate RECIPE --in PATH --out PATH [--set key=value ...]
 tidal simulate [--set preset=cpu|areal] [--set key=value ...] [--out DIR] [--plot eta|devices|none]
 tidal sft|dpo|rm [CONFIG.yaml] [--set key=value ...] [--out DIR] [--resume | --overwrite]
-tidal chain [--out DIR] [--set STAGE:key=value ...] [--resume | --overwrite]
+tidal chain [--config CHAIN.yaml] [--out DIR] [--set STAGE:key=value ...] [--resume | --overwrite]
 
 Each command group is a module holding its handlers and its parser lines: ``run.py`` (recipes, train, eval),
 ``results.py`` (bench, simulate, report, inspect), ``models.py`` (model, distill, quantize, export), ``data.py``
