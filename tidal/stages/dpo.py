@@ -9,8 +9,11 @@ token ids (train and held out) and of the reference's weights. A resume whose ro
 content (another data file of the same size, another ``ref_path``) is one line naming which, never a silent reuse
 of the old rows' log-probs. Reference-free losses (SimPO) skip the pass.
 
-Each step packs the chosen and rejected sequences of ``batch_size`` pairs together (``train/packing.py``),
-sums each completion's token log-probs, and averages the chosen loss (``dpo_losses.py``) over pairs.
+Each step packs the chosen and rejected sequences of ``batch_size`` pairs together, each pair one prefix trie
+(``pair_tree.py``: the two share their prompt, and any answer tokens they agree on, computed once; the
+reference pass too), sums each completion's token log-probs, and averages the chosen loss (``dpo_losses.py``)
+over pairs. ``share_prefix=false`` packs them as 2B separate sequences (``train/packing.py``), with the same
+losses and gradients, at nearly twice the tokens.
 Held out: the loss and the preference accuracy (the share of pairs whose implicit margin is > 0).
 
     tidal dpo --set data.path=pairs.jsonl --set model.path=runs/sft/model --out runs/dpo
@@ -44,6 +47,7 @@ from tidal.stages.common import (
     with_lora,
 )
 from tidal.stages.dpo_losses import PREFERENCE_LOSSES, REFERENCE_FREE, implicit_margin
+from tidal.stages.pair_tree import pair_logprobs, shares_prefixes
 from tidal.stages.sft import masks, packed_logprobs
 
 
@@ -68,6 +72,9 @@ class DPOStageConfig:
     """Pairs per batched reference pass."""
     pack_length: int = 0
     """Tokens per packed row; 0: ``data.max_length``."""
+    share_prefix: bool = True
+    """Each pair as one prefix trie, its chosen and rejected's common token prefix computed once
+    (``pair_tree.py``); false: 2B packed sequences. Same losses and gradients either way."""
 
 
 def validate(cfg: DPOStageConfig) -> None:
@@ -75,26 +82,38 @@ def validate(cfg: DPOStageConfig) -> None:
     PREFERENCE_LOSSES.get(cfg.loss_type)  # an unknown name lists the registered ones
 
 
-def sequence_logps(model, pairs: list[PairExample], pack_length: int) -> tuple[torch.Tensor, ...]:
+def sequence_logps(model, pairs: list[PairExample], pack_length: int,
+                   share_prefix: bool = True) -> tuple[torch.Tensor, ...]:
     """(pc, pr, nc, nr) [B] each: summed completion log-probs of chosen and rejected, and their token counts;
-    all 2B sequences in one packed forward."""
+    all 2B sequences in one packed forward, each pair's common prefix once (``share_prefix``, ``pair_tree.py``)
+    or twice."""
+    return _completion_sums(model, pairs, pack_length, share_prefix)[:4]
+
+
+def _completion_sums(model, pairs: list[PairExample], pack_length: int, share_prefix: bool):
+    """``sequence_logps``'s four, and the tokens the forward computed."""
     seqs = [SFTExample(p.chosen_ids, p.chosen_mask) for p in pairs] + \
            [SFTExample(p.rejected_ids, p.rejected_mask) for p in pairs]
-    logp_bt = packed_logprobs(model, [s.ids for s in seqs], pack_length)
-    mask_bt = masks(seqs, logp_bt.shape[1]).to(logp_bt.device)
-    sums, counts = (logp_bt * mask_bt).sum(1), mask_bt.sum(1)
-    n = len(pairs)
-    return sums[:n], sums[n:], counts[:n], counts[n:]
+    mask_bt = masks(seqs, max(len(s.ids) for s in seqs))
+    if share_prefix and shares_prefixes(model):
+        logp_bt, computed = pair_logprobs(model, [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
+                                          pack_length, mask_bt)
+    else:
+        logp_bt, computed = packed_logprobs(model, [s.ids for s in seqs], pack_length), sum(len(s.ids) for s in seqs)
+    mask_bt = mask_bt.to(logp_bt.device)
+    sums, counts, n = (logp_bt * mask_bt).sum(1), mask_bt.sum(1), len(pairs)
+    return sums[:n], sums[n:], counts[:n], counts[n:], computed
 
 
 @torch.no_grad()
-def reference_logps(model, pairs: list[PairExample], batch_size: int, pack_length: int) -> torch.Tensor:
+def reference_logps(model, pairs: list[PairExample], batch_size: int, pack_length: int,
+                    share_prefix: bool = True) -> torch.Tensor:
     """[N, 2] (chosen, rejected) summed completion log-probs under ``model``, ``batch_size`` pairs a pass."""
     was_training = model.training
     model.eval()
     out = []
     for part in chunks(pairs, batch_size):
-        pc, pr, _, _ = sequence_logps(model, part, pack_length)
+        pc, pr, _, _ = sequence_logps(model, part, pack_length, share_prefix)
         out.append(torch.stack([pc, pr], 1).cpu())
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros((0, 2))
@@ -103,13 +122,13 @@ def reference_logps(model, pairs: list[PairExample], batch_size: int, pack_lengt
 def pair_loss(cfg: DPOStageConfig, model, rows: list[tuple[PairExample, torch.Tensor]], pack_length: int):
     """(mean loss over pairs, metrics) of ``rows``: (pair, its reference log-probs [2])."""
     pairs = [p for p, _ in rows]
-    pc, pr, nc, nr = sequence_logps(model, pairs, pack_length)
+    pc, pr, nc, nr, computed = _completion_sums(model, pairs, pack_length, cfg.share_prefix)
     ref = torch.stack([r for _, r in rows]).to(pc.device)
     rc, rr = ref[:, 0], ref[:, 1]
     loss_b = PREFERENCE_LOSSES.get(cfg.loss_type)(pc, pr, rc, rr, nc, nr, cfg.beta, cfg.gamma)
     margin = implicit_margin(cfg.loss_type, pc, pr, rc, rr, nc, nr).detach()
     metrics = {"pref_acc": float((margin > 0).float().mean()), "margin": float(margin.mean()),
-               "num_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)}
+               "num_tokens": sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs), "computed_tokens": computed}
     return loss_b.mean(), metrics
 
 
@@ -154,8 +173,8 @@ def with_reference(cfg: DPOStageConfig, policy, train_pairs, held_pairs, out: Pa
     elif ref_model is None:
         ref_train, ref_held = torch.zeros((len(train_pairs), 2)), torch.zeros((len(held_pairs), 2))
     else:
-        ref_train = reference_logps(ref_model, train_pairs, cfg.ref_batch_size, pack_length)
-        ref_held = reference_logps(ref_model, held_pairs, cfg.ref_batch_size, pack_length)
+        ref_train = reference_logps(ref_model, train_pairs, cfg.ref_batch_size, pack_length, cfg.share_prefix)
+        ref_held = reference_logps(ref_model, held_pairs, cfg.ref_batch_size, pack_length, cfg.share_prefix)
         log(f"dpo: reference log-probs of {len(train_pairs)} + {len(held_pairs)} pairs computed")
     del ref_model
     if len(ref_train) != len(train_pairs) or len(ref_held) != len(held_pairs):

@@ -1,10 +1,11 @@
 """Reward-model training: Bradley-Terry on preference rows, a scalar head on the policy's architecture.
 
 The model is ``models/reward_model.from_policy(model.path)``: the policy's backbone with a new one-output
-head. Each step packs the chosen and rejected chats of ``batch_size`` pairs (``train/packing.py``), reads
-the head at each sequence's last token and minimizes ``rm_loss.bradley_terry_loss``. Held out: the loss
-and the accuracy (the share of pairs with r_chosen > r_rejected). ``model/`` is a Hugging Face
-sequence-classification directory; ``reward.name=rm`` with ``reward.params.path`` set to it scores RL
+head. Each step packs the chosen and rejected chats of ``batch_size`` pairs, each pair one prefix trie whose
+common prefix is computed once (``pair_tree.py``; ``share_prefix=false``: 2B sequences, ``train/packing.py``,
+same rewards), reads the head at each sequence's last token and minimizes ``rm_loss.bradley_terry_loss``.
+Held out: the loss and the accuracy (the share of pairs with r_chosen > r_rejected). ``model/`` is a Hugging
+Face sequence-classification directory; ``reward.name=rm`` with ``reward.params.path`` set to it scores RL
 samples (``rewards/rm.py``).
 
     tidal rm --set data.path=pairs.jsonl --set model.path=runs/sft/model --out runs/rm
@@ -32,6 +33,7 @@ from tidal.stages.common import (
     split_rows,
     stage_optim,
 )
+from tidal.stages.pair_tree import pair_last_hidden, shares_prefixes
 from tidal.stages.rm_loss import bradley_terry_loss
 from tidal.stages.sft import padded
 from tidal.train.packing import pack, packed_attention_mask
@@ -51,6 +53,9 @@ class RMStageConfig:
     """Weight of mean((r_c + r_r)^2) (TRL's ``center_rewards_coefficient``; Eisenstein et al. 2023 use 0.01)."""
     pack_length: int = 0
     """Tokens per packed row; 0: ``data.max_length``."""
+    share_prefix: bool = True
+    """Each pair as one prefix trie, its chosen and rejected's common token prefix computed once
+    (``pair_tree.py``); false: 2B packed sequences. Same rewards and gradients either way."""
 
 
 def packed_rewards(rm: torch.nn.Module, seqs: list[list[int]], pack_length: int) -> torch.Tensor:
@@ -66,8 +71,15 @@ def packed_rewards(rm: torch.nn.Module, seqs: list[list[int]], pack_length: int)
     return rm.score(hidden_rlh[rows, last]).squeeze(-1).float()
 
 
-def pair_rewards(rm, pairs: list[PairExample], pack_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    r = packed_rewards(rm, [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs], pack_length)
+def pair_rewards(rm, pairs: list[PairExample], pack_length: int,
+                 share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) rewards [B] each; with ``share_prefix`` each pair's common prefix computed once."""
+    chosen, rejected = [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs]
+    if share_prefix and shares_prefixes(rm) and min(map(len, chosen + rejected)) >= 2:
+        hidden, _ = pair_last_hidden(rm, getattr(rm, rm.base_model_prefix), chosen, rejected, pack_length)
+        r = rm.score(hidden).squeeze(-1).float()
+    else:  # one-token sequences (no completion) never come from encode_pair; the plain path takes them
+        r = packed_rewards(rm, chosen + rejected, pack_length)
     return r[: len(pairs)], r[len(pairs):]
 
 
@@ -95,7 +107,7 @@ def _train(cfg: RMStageConfig, out: str, resume: bool, overwrite: bool, log, beg
     pack_length = cfg.pack_length or cfg.data.max_length
 
     def step_fn(model, batch):
-        rc, rr = pair_rewards(model, batch, pack_length)
+        rc, rr = pair_rewards(model, batch, pack_length, cfg.share_prefix)
         diff = (rc - rr).detach()
         return bradley_terry_loss(rc, rr, center=cfg.center), {
             "accuracy": float((diff > 0).float().mean()), "margin": float(diff.mean()),
@@ -104,7 +116,7 @@ def _train(cfg: RMStageConfig, out: str, resume: bool, overwrite: bool, log, beg
     def eval_fn(model):
         loss, acc, n = 0.0, 0.0, 0
         for part in chunks(held, 64):
-            rc, rr = pair_rewards(model, part, pack_length)
+            rc, rr = pair_rewards(model, part, pack_length, cfg.share_prefix)
             loss += float(bradley_terry_loss(rc, rr, center=cfg.center)) * len(part)
             acc, n = acc + float((rc > rr).float().sum()), n + len(part)
         return {"loss": loss / n, "accuracy": acc / n}

@@ -1,0 +1,86 @@
+"""Preference pairs as prefix tries: a pair's chosen and rejected share their prompt, computed once.
+
+DPO and the reward model score a pair's two conversations, and the two start with the same tokens: the
+prompt, and often part of the answer too (``what is 12+34?`` -> ``46`` against ``45`` share everything up to
+the last digit). Run as two packed sequences, that common prefix goes through the model twice, at the same
+positions, giving the same hidden states twice. Here each pair is one token trie of the RL trainer's prefix
+sharing (``train/prefix_tree.py``, whose group is the pair): the longest common token prefix laid out once,
+the two tails after it as sibling branches, a node attending to its ancestors and itself at its depth as
+position. Every node's hidden state is then the one each sequence through it computes alone, so the
+log-probs, the rewards and their gradients equal the two-row computation's (``tests/stages/
+test_pair_sharing.py`` checks it, with the token count). On the synthetic domain (18-token sequences whose
+answers differ in a digit or two) a pair is ~20 tokens instead of ~36.
+
+What the loss counts is unchanged: the log-probs come back in the right-padded [2B, T] layout, one copy per
+sequence (``unpack_trees``), and the caller applies the same completion masks as before. The LM head runs
+only on the nodes some sequence's mask scores (``token_logprobs``'s ``score_mask_bt``), the prompt's never.
+
+A trie is not a varlen flash-attention segment: a model loaded with flash attention (no explicit mask) takes
+the two-row packing (``shares_prefixes``), with the same results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.models.logprobs import token_logprobs
+from tidal.stages.sft import padded
+from tidal.train.packing import packed_attention_mask
+from tidal.train.prefix_tree import PackedTrees, pack_prefix_trees, unpack_trees
+
+
+def shares_prefixes(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention takes the explicit mask a trie needs (not varlen flash attention)."""
+    return not str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("flash")
+
+
+def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], pack_length: int) -> tuple[PackedTrees, list[int]]:
+    """One trie per pair (sequences numbered chosen 0..B-1, then rejected 0..B-1, as the two-row path numbers
+    them), tries packed into rows of ``pack_length`` nodes (wider when one sequence is); and the lengths."""
+    ids_bt, lengths = padded(chosen + rejected)
+    pairs = list(range(len(chosen)))
+    return pack_prefix_trees(ids_bt, lengths, pairs + pairs, max(pack_length, ids_bt.shape[1])), lengths
+
+
+def node_mask(layout: PackedTrees, mask_bt: torch.Tensor) -> torch.Tensor:
+    """Bool [R, L]: the nodes whose token some sequence's ``mask_bt`` [B, T] counts (a shared node counts if
+    either sequence through it does)."""
+    hits = torch.zeros(layout.input_ids_rl.shape)
+    hits.index_put_((layout.source_rows, layout.source_cols), mask_bt[layout.dest_b, layout.dest_t].float(),
+                    accumulate=True)
+    return hits > 0
+
+
+def pair_logprobs(model: torch.nn.Module, chosen: list[list[int]], rejected: list[list[int]], pack_length: int,
+                  mask_bt: torch.Tensor, attention: str = "auto") -> tuple[torch.Tensor, int]:
+    """(log p(x_t | x_<t) right-padded [2B, T], chosen rows then rejected, nonzero where ``mask_bt`` [2B, T]
+    scores; the tokens the forward computed). One packed forward of the pairs' tries."""
+    layout, _ = pack_pairs(chosen, rejected, pack_length)
+    mask = packed_attention_mask(layout, model, attention)
+    logp_rl, _ = token_logprobs(model, layout.input_ids_rl, mask, position_ids=layout.position_ids_rl,
+                                parents_bt=layout.parents_rl, score_mask_bt=node_mask(layout, mask_bt))
+    return unpack_trees(logp_rl, layout, mask_bt.shape[1]), layout.num_tokens
+
+
+def last_nodes(layout: PackedTrees, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of each sequence's last token's node: where ``unpack_trees`` reads position length - 1.
+    Every sequence needs two tokens or more (a pair's prompt and completion have one each)."""
+    last_b = torch.tensor(lengths, dtype=torch.long) - 1
+    assert bool((last_b >= 1).all()), "a one-token sequence has no entry in the unpack index"
+    hit = layout.dest_t == last_b[layout.dest_b]
+    rows, cols = torch.empty_like(last_b), torch.empty_like(last_b)
+    rows[layout.dest_b[hit]], cols[layout.dest_b[hit]] = layout.source_rows[hit], layout.source_cols[hit]
+    return rows, cols
+
+
+def pair_last_hidden(model: torch.nn.Module, backbone: torch.nn.Module, chosen: list[list[int]],
+                     rejected: list[list[int]], pack_length: int) -> tuple[torch.Tensor, int]:
+    """(the backbone's last hidden state at each sequence's last token [2B, H], chosen then rejected; the tokens
+    the forward computed): what a reward model's head reads, with each pair's common prefix computed once."""
+    layout, lengths = pack_pairs(chosen, rejected, pack_length)
+    device = next(model.parameters()).device
+    hidden_rlh = backbone(input_ids=layout.input_ids_rl.to(device),
+                          attention_mask=packed_attention_mask(layout, model, "auto"),
+                          position_ids=layout.position_ids_rl.to(device), use_cache=False).last_hidden_state
+    rows, cols = last_nodes(layout, lengths)
+    return hidden_rlh[rows.to(device), cols.to(device)], layout.num_tokens
