@@ -24,6 +24,27 @@ Given a mask, the head (forward, the checkpoint's recompute and the backward) ru
 the others come back 0. Each scored token's log-prob is the same row of the same float32 matmul, so it
 equals the full path's (tests/models/test_head_tokens.py checks values, entropies and gradients).
 
+Kernels (``head_kernel``, ``trainer.head_kernel``): ``chunked`` is the path above. ``fused`` is one
+``torch.autograd.Function`` over all chunks with a hand-written backward: the forward keeps per token only
+its log-prob, entropy (when its gradient is asked for) and, of the logits, only the last chunk's; the
+backward forms d/d logits in closed form (d logp_y/dz = onehot(y) - p, dH/dz = -p (log p + H), z = logits / T)
+from one matmul per chunk and projects it (grad hidden = G W, grad W += G^T hidden). Matmuls per chunk of
+C tokens (2 C hidden vocab FLOPs each): ``chunked`` 4 (forward, checkpoint recompute, two for the gradient);
+``fused`` 4 as well, except the last chunk's 3, whose logits are still there (one chunk: 3, the minimum). A
+head that feeds an arbitrary loss cannot do better without keeping [tokens x vocab] logits: its gradient
+needs the loss's per-token d loss/d logp and d loss/d entropy, known only after the forward. Liger Kernel's
+fused linear cross-entropy (arXiv 2410.10989) reaches 3 by computing the gradient in the forward, which holds
+only when the cross-entropy is the end of the graph (a scalar, ``reduction`` mean or sum); with
+``reduction="none"`` it recomputes in the backward (4, like ``chunked``) and it returns no entropy (nor does
+Cut Cross-Entropy, arXiv 2411.09009, which also recomputes). What ``fused`` saves on every chunk is
+elementwise work and memory: one log-softmax pass in the backward instead of the checkpoint's recompute of
+log-softmax, exp and entropy and autograd's backward through each, and no [C x vocab] intermediates saved
+for autograd. ``compiled`` is ``fused`` with its elementwise parts (log-softmax + gather + entropy; the
+gradient of the logits) compiled by ``torch.compile`` into a few fused passes, no [C x vocab] log-softmax
+materialized; it compiles once per process and shape family (tens of seconds on a CPU: see
+``trainer.head_kernel``). tests/models/test_head_kernel.py checks the three give the same log-probs,
+entropies and gradients and counts their matmul FLOPs.
+
 TF32 (``tf32``): PyTorch's TF32 switch is process-wide, so it is set around the head's own matmuls only
 (``tf32_matmul``), forward, recompute and backward, and put back after each, exceptions included.
 
@@ -49,6 +70,10 @@ bounds the head's peak whatever the microbatch size, while each chunk's matmul s
 (1024 x hidden x vocab) rather than many small ones; at the tiny model's 51-token vocabulary a typical
 microbatch is a handful of chunks."""
 
+HEAD_KERNELS = ("chunked", "fused", "compiled")
+"""``head_kernel`` values (module docstring): checkpointed chunks; a fused autograd Function; the same with its
+elementwise work compiled by ``torch.compile``."""
+
 # Config fields of HF models that transform the head's output before the softmax (Gemma-2 soft-capping,
 # Cohere's logit_scale, Granite's logits_scaling); such models take the full-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -67,6 +92,7 @@ def token_logprobs(
     entropy_grad: bool = False,
     score_mask_bt: torch.Tensor | None = None,
     tf32: bool = False,
+    head_kernel: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``logp_bt`` [B, T] (float32, differentiable) and, if asked, entropies [B, T]
     (float32; no gradient unless ``entropy_grad``, for an entropy bonus: the metric alone keeps no graph
@@ -82,7 +108,7 @@ def token_logprobs(
     ``score_mask_bt`` [B, T] (bool): the positions whose log-prob (and entropy) the caller reads; the head
     runs on those only and every other position is 0. Pass it on the host: the positions are then found
     without waiting for the device. None: every position (the full head). ``tf32``: the head's float32
-    matmuls on CUDA use TF32 (``tf32_matmul``)."""
+    matmuls on CUDA use TF32 (``tf32_matmul``). ``head_kernel``: one of ``HEAD_KERNELS`` (module docstring)."""
     assert chunk_size > 0, f"chunk_size must be positive, got {chunk_size}"
     device = model_device(model)  # inputs built on the host (packing, tries) go where the weights are
     host_parents_bt = parents_bt  # where the caller built it: scored positions are found there
@@ -102,7 +128,7 @@ def token_logprobs(
         out_btx = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     if score_mask_bt is not None and head is not None:
         return _scored_positions(out_btx, head, input_ids_bt, host_parents_bt, score_mask_bt, temperature,
-                                 with_entropy, chunk_size, entropy_grad, tf32)
+                                 with_entropy, chunk_size, entropy_grad, tf32, head_kernel)
     if parents_bt is None:  # the column before predicts each token; nothing predicts column 0
         preceding, targets = out_btx[:, :-1], input_ids_bt[:, 1:]
     else:
@@ -113,7 +139,7 @@ def token_logprobs(
     else:
         with phase("head"):  # the trainer's ``perf/trainer_head_ms`` (``utils/phases.py``)
             logp, ent = chunked_head_logprobs(preceding, head.weight, head.bias, targets, temperature,
-                                              with_entropy, chunk_size, entropy_grad, tf32)
+                                              with_entropy, chunk_size, entropy_grad, tf32, head_kernel)
     if score_mask_bt is not None:  # the full-logits path computed everything: keep the asked-for positions
         keep = score_mask_bt.to(logp.device, torch.bool)
         keep = keep[:, 1:] if parents_bt is None else keep
@@ -125,7 +151,7 @@ def token_logprobs(
 
 
 def _scored_positions(out_btx, head, input_ids_bt, parents_bt, score_mask_bt, temperature, with_entropy,
-                      chunk_size, entropy_grad, tf32):
+                      chunk_size, entropy_grad, tf32, head_kernel="chunked"):
     """``token_logprobs``'s head on the positions ``score_mask_bt`` keeps: their predecessors' hidden states
     are gathered into one [N, hidden] block, scored as the full path scores them, and scattered back into
     zeros."""
@@ -149,7 +175,7 @@ def _scored_positions(out_btx, head, input_ids_bt, parents_bt, score_mask_bt, te
     targets_1n = input_ids_bt.reshape(b * t).index_select(0, target_n)[None]
     with phase("head"):
         logp_1n, ent_1n = chunked_head_logprobs(hidden_1nh, head.weight, head.bias, targets_1n, temperature,
-                                                with_entropy, chunk_size, entropy_grad, tf32)
+                                                with_entropy, chunk_size, entropy_grad, tf32, head_kernel)
     zeros = torch.zeros(b * t, dtype=logp_1n.dtype, device=device)
     logp_bt = zeros.index_put((target_n,), logp_1n[0]).reshape(b, t)
     ent_bt = zeros.index_put((target_n,), ent_1n[0]).reshape(b, t) if with_entropy else None
@@ -166,10 +192,13 @@ def chunked_head_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     entropy_grad: bool = False,
     tf32: bool = False,
+    kernel: str = "chunked",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T + bias)[target] per position, in float32, ``chunk_size`` positions at
     a time; returns ([B, T] log-probs, [B, T] entropies or None; differentiable if ``entropy_grad``).
-    ``tf32``: the matmuls (forward, recompute, backward) in TF32 on CUDA (``tf32_matmul``)."""
+    ``tf32``: the matmuls (forward, recompute, backward) in TF32 on CUDA (``tf32_matmul``). ``kernel``: one
+    of ``HEAD_KERNELS`` (module docstring); all give the same values and gradients within float rounding."""
+    assert kernel in HEAD_KERNELS, f"head kernel must be one of {HEAD_KERNELS}, got {kernel!r}"
     b, t, h = hidden_bth.shape
     # Cast once, outside the chunks: a bf16 weight's gradient is then summed over chunks in float32 and
     # rounded to bf16 once, as in the unchunked head, rather than once per chunk.
@@ -177,6 +206,11 @@ def chunked_head_logprobs(
     weight_vh = weight_vh.float()
     bias_v = bias_v.float() if bias_v is not None else None
     targets_n = targets_bt.reshape(b * t)
+    if kernel != "chunked":
+        with torch.autocast(hidden_nh.device.type, enabled=False):  # the Function's matmuls stay float32
+            logp_n, ent_n = _FusedHead.apply(hidden_nh, weight_vh, bias_v, targets_n, float(temperature),
+                                             with_entropy, entropy_grad, tf32, chunk_size, kernel == "compiled")
+        return logp_n.reshape(b, t), ent_n.reshape(b, t) if with_entropy else None
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden_nh, weight_vh, bias_v))
     logps, ents = [], []
@@ -237,6 +271,141 @@ class _TF32Linear(torch.autograd.Function):
             grad_w = grad_nv.t() @ x_nh if ctx.needs_input_grad[1] else None
         grad_b = grad_nv.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
+
+
+class _FusedHead(torch.autograd.Function):
+    """The ``fused``/``compiled`` head (module docstring): [N] log-probs and entropies of ``targets_n`` under
+    softmax((hidden @ weight.T + bias) / T), ``chunk_size`` rows at a time, keeping no [N x vocab] tensor
+    for the backward; the last chunk's logits stay (its backward then needs no recompute)."""
+
+    @staticmethod
+    def forward(ctx, hidden_nh, weight_vh, bias_v, targets_n, temperature, with_entropy, entropy_grad, tf32,
+                chunk_size, compiled):
+        n = hidden_nh.shape[0]
+        elementwise = _compiled("forward") if compiled else _chunk_logp_entropy
+        logp_n = hidden_nh.new_empty(n)
+        ent_n = hidden_nh.new_empty(n) if with_entropy else hidden_nh.new_empty(0)
+        z_cv = None
+        for start in range(0, n, chunk_size):
+            z_cv = _scaled_logits(hidden_nh[start:start + chunk_size], weight_vh, bias_v, temperature, tf32)
+            logp_c, ent_c = elementwise(z_cv, targets_n[start:start + chunk_size], with_entropy)
+            logp_n[start:start + chunk_size] = logp_c
+            if with_entropy:
+                ent_n[start:start + chunk_size] = ent_c
+        ctx.set_materialize_grads(False)
+        ctx.entropy_grad = with_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent_n)
+        ctx.save_for_backward(hidden_nh, weight_vh, bias_v, targets_n, ent_n if ctx.entropy_grad else None, z_cv)
+        ctx.args = (temperature, tf32, chunk_size, compiled)
+        return logp_n, ent_n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp_n, g_ent_n):
+        hidden_nh, weight_vh, bias_v, targets_n, ent_n, z_last = ctx.saved_tensors
+        temperature, tf32, chunk_size, compiled = ctx.args
+        n = hidden_nh.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden_nh) if need_h else None
+        grad_w = torch.zeros_like(weight_vh) if need_w else None
+        grad_b = torch.zeros_like(bias_v) if need_b else None
+        if g_ent_n is None or not ctx.entropy_grad:
+            g_ent_n = None
+        if g_logp_n is None:
+            g_logp_n = hidden_nh.new_zeros(n)
+        elementwise = _compiled("backward") if compiled else _chunk_grad_logits
+        starts = list(range(0, n, chunk_size))
+        with torch.autocast(hidden_nh.device.type, enabled=False):
+            for i, start in enumerate(reversed(starts)):  # the last chunk first: its logits are still here
+                rows = slice(start, start + chunk_size)
+                h_ch = hidden_nh[rows]
+                z_cv = z_last if i == 0 else _scaled_logits(h_ch, weight_vh, bias_v, temperature, tf32)
+                z_last = None
+                g_cv = elementwise(z_cv, targets_n[rows], g_logp_n[rows],
+                                   None if g_ent_n is None else g_ent_n[rows],
+                                   None if ent_n is None else ent_n[rows], temperature)
+                del z_cv
+                with tf32_matmul(tf32 and hidden_nh.device.type == "cuda"):
+                    if need_h:
+                        torch.mm(g_cv, weight_vh, out=grad_h[rows])
+                    if need_w:
+                        torch.addmm(grad_w, g_cv.t(), h_ch, out=grad_w)  # (not addmm_: FLOP counters skip it)
+                if need_b:
+                    grad_b += g_cv.sum(0)
+                del g_cv
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def _scaled_logits(hidden_ch, weight_vh, bias_v, temperature, tf32):
+    """z = (hidden @ weight.T + bias) / T for one chunk (T 0 or 1: unscaled, as ``_logp_and_entropy``)."""
+    with tf32_matmul(tf32 and hidden_ch.device.type == "cuda"):
+        z_cv = torch.nn.functional.linear(hidden_ch, weight_vh, bias_v)
+    return z_cv.div_(temperature) if temperature not in (0.0, 1.0) else z_cv
+
+
+def _chunk_logp_entropy(z_cv, targets_c, with_entropy):
+    """The fused head's forward elementwise work, as ``_logp_and_entropy`` does it (the same values)."""
+    logp_all = torch.log_softmax(z_cv, dim=-1)
+    logp_c = logp_all.gather(-1, targets_c.unsqueeze(-1)).squeeze(-1)
+    ent_c = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp_c, ent_c
+
+
+def _chunk_grad_logits(z_cv, targets_c, g_logp_c, g_ent_c, ent_c, temperature):
+    """d loss / d logits of one chunk from the loss's per-token d/d logp (a) and d/d entropy (b):
+    (a (onehot(y) - p) - b p (log p + H)) / T, with p = softmax(z); in place on [C x vocab] buffers."""
+    logp_cv = torch.log_softmax(z_cv, dim=-1)
+    p_cv = logp_cv.exp()
+    if g_ent_c is not None:  # coefficient a + b (log p + H), in the log-softmax's buffer
+        coef = logp_cv.add_(ent_c[:, None]).mul_(g_ent_c[:, None]).add_(g_logp_c[:, None])
+    else:
+        del logp_cv
+        coef = g_logp_c[:, None]
+    g_cv = p_cv.mul_(coef).neg_()
+    del coef
+    g_cv.scatter_add_(1, targets_c[:, None], g_logp_c[:, None].to(g_cv.dtype))
+    return g_cv.div_(temperature) if temperature not in (0.0, 1.0) else g_cv
+
+
+def _compiled_logp_entropy(z_cv, targets_c, with_entropy):
+    """``_chunk_logp_entropy`` for ``torch.compile``: the log-softmax is read, not stored."""
+    lse_c = torch.logsumexp(z_cv, dim=-1)
+    logp_c = z_cv.gather(-1, targets_c.unsqueeze(-1)).squeeze(-1) - lse_c
+    if not with_entropy:
+        return logp_c, None
+    logp_cv = z_cv - lse_c[:, None]
+    return logp_c, -(logp_cv.exp() * logp_cv).sum(-1)
+
+
+def _compiled_grad_logits(z_cv, targets_c, g_logp_c, g_ent_c, ent_c, temperature):
+    """``_chunk_grad_logits`` for ``torch.compile``: one elementwise expression (the one-hot as a compare)."""
+    logp_cv = torch.log_softmax(z_cv, dim=-1)
+    coef = g_logp_c[:, None] if g_ent_c is None else g_logp_c[:, None] + g_ent_c[:, None] * (logp_cv + ent_c[:, None])
+    onehot = torch.arange(z_cv.shape[-1], device=z_cv.device)[None] == targets_c[:, None]
+    g_cv = torch.where(onehot, g_logp_c[:, None], 0.0) - logp_cv.exp() * coef
+    return g_cv / temperature if temperature not in (0.0, 1.0) else g_cv
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(which: str):
+    """The ``compiled`` kernel's elementwise parts, compiled once per process on first use (``torch.compile``
+    caches per shape family: the chunk's row count is marked dynamic, so a last, shorter chunk does not
+    recompile)."""
+    if which not in _COMPILED:
+        fn = _compiled_logp_entropy if which == "forward" else _compiled_grad_logits
+        compiled = torch.compile(fn)
+
+        def call(z_cv, *args):
+            torch._dynamo.maybe_mark_dynamic(z_cv, 0)
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
+            return compiled(z_cv, *args)
+        _COMPILED[which] = call
+    return _COMPILED[which]
 
 
 def _logp_and_entropy(logits, targets, temperature, with_entropy, entropy_grad=False):
