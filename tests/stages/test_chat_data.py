@@ -65,10 +65,18 @@ def test_bad_pairs_are_named(chat_tok):
     assert summary("x", 1, bad).startswith("x: 1 rows, 3 skipped: 'chosen == rejected' x1 (rows 1)")
 
 
-def test_a_template_without_generation_marks_is_named():
-    tok = tiny.build_chat_tokenizer()  # ChatML without {% generation %}
+def test_a_template_without_generation_marks_derives_the_same_mask(chat_tok):
+    tok = tiny.build_chat_tokenizer()  # ChatML without {% generation %}: the mask comes from the template's turns
+    ex, want = encode_sft(tok, CHAT, 100), encode_sft(chat_tok, CHAT, 100)
+    assert (ex.ids, ex.mask) == (want.ids, want.mask)
+
+
+def test_a_template_that_renders_no_assistant_turn_is_named():
+    tok = tiny.build_chat_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+                         "{% endfor %}")
     _, bad = encode_all([CHAT], encode_sft, tok, 100)
-    assert "marks no assistant tokens" in bad[0].reason
+    assert bad[0].reason == "the chat template renders no assistant tokens"
 
 
 def test_no_usable_row_is_one_error(chat_tok, tmp_path):

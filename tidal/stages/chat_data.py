@@ -4,10 +4,19 @@ Rows come from JSONL, Parquet or a Hugging Face dataset saved with ``save_to_dis
 
 SFT rows: ``messages`` (a chat) or ``prompt``/``completion`` (strings, wrapped as one user turn and one
 assistant turn, or message lists, concatenated), or ``text`` (domain-adaptive pre-training: BOS + text + EOS,
-every token in the loss, as TRL's language-modeling rows). The loss mask is the template's own assistant mask:
-``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks the tokens its ``{% generation %}``
-blocks render, the same call TRL's ``assistant_only_loss`` makes (``sft_trainer.py``, tokenize_fn). Pieces
-are never tokenized separately and glued: the template decides where a turn starts and ends.
+every token in the loss, as TRL's language-modeling rows). The loss mask marks the assistant's tokens, found
+one of two ways (``assistant_mask``; pieces are never tokenized separately and glued, the template decides where
+a turn starts and ends):
+
+- a template with ``{% generation %}`` blocks marks them itself: ``apply_chat_template(...,
+  return_assistant_tokens_mask=True)``, the same call TRL's ``assistant_only_loss`` makes (``sft_trainer.py``,
+  tokenize_fn), so a tagged template's author decides;
+- most shipped templates (SmolLM2's, Qwen2.5's, Llama 3's) have none, and their mask is derived from the
+  template itself (``derived_mask``): assistant turn i is what ``messages[:i+1]`` renders past ``messages[:i]``
+  rendered with the generation prompt, i.e. exactly what the model writes after being prompted at inference:
+  its content and the end-of-turn marker it must learn to stop with (``<|im_end|>``, ``<|eot_id|>``, EOS), not
+  the whitespace the template writes after that marker (ChatML's newline: generation stops at the marker, so
+  the model never writes it). On tidal's tagged templates this equals the tags' mask token for token.
 
 Preference rows (DPO, reward model): ``prompt``, ``chosen``, ``rejected`` (strings or message lists). The
 completion is what follows the prompt rendered with ``add_generation_prompt=True``, the longest common
@@ -32,6 +41,7 @@ long unknown run to one token, which breaks the bound, is caught by the count an
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,18 +229,119 @@ def _cut(messages: list[dict[str, Any]], budget: int) -> tuple[list[dict[str, An
 
 
 def _template(tokenizer, messages, **kwargs) -> dict[str, list[int]]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+    """The template's ids (and masks); a template that raises (``raise_exception``: roles that do not alternate, a
+    system turn it refuses) is the row's error, not a traceback."""
+    from jinja2 import TemplateError
+
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+    except TemplateError as e:
+        raise ValueError(f"the chat template fails: {e}") from None
     return {k: list(v) for k, v in out.items()}
 
 
-def _template_cut(tokenizer, messages, max_length: int, **kwargs) -> dict[str, list[int]]:
-    """``_template`` of ``messages`` whose first ``max_length`` ids and mask are the whole chat's, tokenizing at
-    most ``char_budget`` characters of content (module docstring)."""
+def _template_cut(tokenizer, messages, max_length: int, **kwargs) -> tuple[dict[str, list[int]], list[dict]]:
+    """(``_template`` of ``messages`` whose first ``max_length`` ids and mask are the whole chat's, tokenizing at
+    most ``char_budget`` characters of content (module docstring); the messages it rendered, cut or whole)."""
     short, cut = _cut(messages, char_budget(tokenizer, max_length))
     out = _template(tokenizer, short, **kwargs)
     if cut and len(out["input_ids"]) < 2 * max_length:  # tokens longer than K characters (an unknown run)
-        out = _template(tokenizer, messages, **kwargs)
-    return out
+        return _template(tokenizer, messages, **kwargs), messages
+    return out, short
+
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""``{% generation %}`` and its whitespace-trimming forms (TRL's ``has_generation_markers`` pattern)."""
+
+
+def has_generation_tags(tokenizer) -> bool:
+    """Whether the tokenizer's chat template marks assistant tokens itself (its ``default`` one, when it ships
+    named templates, as ``apply_chat_template`` picks)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default", "")
+    return isinstance(template, str) and _GENERATION_TAG.search(template) is not None
+
+
+def assistant_mask(tokenizer) -> str:
+    """``template_tags`` when the chat template has ``{% generation %}`` blocks (its author's mask wins, as in
+    TRL), else ``derived`` (``derived_mask``). Both agree on tidal's tagged templates, so no setting chooses."""
+    return "template_tags" if has_generation_tags(tokenizer) else "derived"
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _blank(tokenizer, ids: list[int]) -> bool:
+    """Whether ``ids`` decode to whitespace only (or nothing)."""
+    return not tokenizer.decode(ids).strip()
+
+
+def _past_seam(tokenizer, seam: str, ids: list[int], start: int) -> int:
+    """The first token of ``ids`` from ``start`` that is not wholly inside ``seam``, the generation prompt's
+    trailing whitespace that the whole conversation tokenizes differently (Llama 3's ``\n\n`` is one token
+    alone, two before the answer): those tokens are the prompt's, a token that straddles into the turn is the
+    turn's (as the tags' character offsets count it)."""
+    while seam and start < len(ids):
+        piece = tokenizer.decode(ids[start: start + 1])
+        if not piece or not seam.startswith(piece):
+            break
+        seam, start = seam[len(piece):], start + 1
+    return start
+
+
+def derived_mask(tokenizer, messages: list[dict[str, Any]], ids: list[int], limit: int) -> list[int]:
+    """The assistant mask of ``ids`` (the template's ids of ``messages``), from the template alone, for templates
+    without ``{% generation %}`` blocks. Assistant turn i starts where the ids of ``messages[:i]`` rendered with
+    the generation prompt end (the prompt the model answers at inference) and ends where the ids of
+    ``messages[:i+1]`` stop agreeing with ``ids``, less the whitespace the template writes after the turn's last
+    visible token (ChatML's newline after ``<|im_end|>``: generation stops at the marker). Boundaries are found
+    by comparing token ids, so tokenization is the whole conversation's. A turn is skipped once it starts past
+    ``limit`` tokens. O(turns) renders per row.
+
+    A template whose rendering of the turns so far is not what the whole conversation renders has no such
+    boundary, and the turn is named (``ValueError``) rather than guessed: templates that drop earlier turns'
+    reasoning (Qwen3, DeepSeek-R1), or whose generation prompt opens a block the turn does not repeat. Two
+    seams are allowed. At the start, whitespace the whole conversation tokenizes differently from the prompt
+    alone (``_past_seam``). At the end, tokens the template writes after the last message only, special ones
+    (Phi-3's EOS) or whitespace: the last turn keeps them, as TRL's tagged Phi-3 template marks its EOS."""
+    mask = [0] * len(ids)
+    special: set[int] | None = None
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        where = f"messages[{i}] (assistant)"
+        head = _template(tokenizer, messages[:i], add_generation_prompt=True)["input_ids"]
+        start = _shared(head, ids)
+        if start >= limit:
+            break
+        if not _blank(tokenizer, head[start:]):
+            raise ValueError(f"{where}: the chat template renders the conversation before it, with the generation "
+                             "prompt, differently from the whole conversation, so its tokens cannot be told apart "
+                             "(give data.chat_template a template with {% generation %} blocks)")
+        start = _past_seam(tokenizer, tokenizer.decode(head[start:]), ids, start)
+        turn = _template(tokenizer, messages[: i + 1])["input_ids"]
+        end = _shared(turn, ids)
+        rest = turn[end:]
+        if rest:
+            special = special if special is not None else \
+                set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+            if end < start or not all(t in special or _blank(tokenizer, [t]) for t in rest):
+                raise ValueError(f"{where}: the chat template renders this turn differently once later turns "
+                                 "follow it (it drops reasoning from earlier turns, say), so its tokens cannot be "
+                                 "told apart (give data.chat_template a template with {% generation %} blocks)")
+        while end > start and _blank(tokenizer, ids[end - 1: end]):  # the template's whitespace after the turn
+            end -= 1
+        mask[start:end] = [1] * (end - start)
+    return mask
 
 
 def encode_sft(tokenizer, row: dict[str, Any], max_length: int) -> SFTExample:
@@ -249,10 +360,17 @@ def encode_sft(tokenizer, row: dict[str, Any], max_length: int) -> SFTExample:
     messages = sft_messages(row)
     if not any(m.get("role") == "assistant" for m in messages):
         raise ValueError("no assistant turn")
-    out = _template_cut(tokenizer, messages, max_length, return_assistant_tokens_mask=True)
-    ids, mask = out["input_ids"], out["assistant_masks"]
-    if 1 not in mask:
-        raise ValueError("the chat template marks no assistant tokens (it needs {% generation %} blocks)")
+    if assistant_mask(tokenizer) == "template_tags":
+        out, _ = _template_cut(tokenizer, messages, max_length, return_assistant_tokens_mask=True)
+        ids, mask = out["input_ids"], out["assistant_masks"]
+        if 1 not in mask:
+            raise ValueError("the chat template's {% generation %} blocks mark no assistant tokens")
+    else:
+        out, rendered = _template_cut(tokenizer, messages, max_length)
+        ids = out["input_ids"]
+        mask = derived_mask(tokenizer, rendered, ids, max_length)
+        if 1 not in mask and len(ids) <= max_length:  # else: the turns may start past max_length (below)
+            raise ValueError("the chat template renders no assistant tokens")
     ids, mask = ids[:max_length], mask[:max_length]
     if 1 not in mask[1:]:  # token 0 is never predicted
         raise ValueError(f"no assistant token within max_length={max_length}")
