@@ -263,3 +263,13 @@ def test_derived_mask_equals_trls_assistant_only_loss(smollm2_dir, tmp_path):
                 (name, [tok.decode(s) for s in _spans(tok, ours.ids, ours.mask)],
                  [tok.decode(s) for s in _spans(tok, case["ids"], case["mask"])])
             assert _trimmed(tok, ours.ids, ours.mask) == _spans(tok, ours.ids, ours.mask), name  # no edge blanks
+
+
+def test_the_pages_example_runs(smollm2_dir, capsys):
+    """docs/stages.md's example on SmolLM2's own template prints what its comments say."""
+    import textwrap
+
+    page = (ROOT / "docs" / "stages.md").read_text()
+    block = re.search(r"```python\n(.*?assistant_mask\(tok\).*?)```", page, re.S)
+    exec(textwrap.dedent(block.group(1)), {})
+    assert capsys.readouterr().out == "derived\n'5.<|im_end|>'\n"

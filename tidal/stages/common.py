@@ -49,8 +49,10 @@ class DataConfig:
     max_length: int = 128
     """Tokens per row; longer rows are cut (the tiny model's context is 128)."""
     chat_template: str = ""
-    """A Jinja file replacing the tokenizer's chat template (one with ``{% generation %}`` marks assistant
-    tokens; ``chat_data.GENERATION_CHAT_TEMPLATE`` is ChatML's)."""
+    """A Jinja file replacing the tokenizer's chat template. Its ``{% generation %}`` blocks, if it has any, mark
+    the assistant tokens; without them the mask is derived from how it renders each turn (``chat_data.derived_mask``),
+    which needs a template that renders a turn the same whatever follows (``GENERATION_CHAT_TEMPLATE`` is ChatML's
+    with tags)."""
 
 
 STAGE_BETAS = (0.9, 0.999)
