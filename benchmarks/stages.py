@@ -14,10 +14,17 @@ Same model, rows, settings and threads for both, one after the other:
   ``rewards/accuracies``) on the domain's held-out pairs; the curve's times are wall seconds since training
   began, evaluations included. ``dpo_s_to_target`` is the first evaluation at ``target_pref_acc`` or above.
 
-Top-level keys: ``sft_tokens_per_s_over_trl``, ``dpo_pairs_per_s_over_trl``, ``dpo_pref_acc``,
-``trl_dpo_pref_acc`` (the last evaluation's), ``dpo_s_to_target``.
+``repeats`` runs both sides' SFT and DPO that many times, alternating (TRL, then tidal, per repeat), on the same
+base: on a shared machine the throughput moves by tens of percent between runs, so each repeat's ratio is
+measured side by side and kept (``*_runs``), and the top-level ratio is their median.
 
-    tidal bench stages [--set sft_steps=40] [--set dpo_steps=200] [--set venv=.tidal_cache/bench-trl-venv]
+Top-level keys: ``sft_tokens_per_s_over_trl``, ``dpo_pairs_per_s_over_trl`` (medians over repeats) and their
+``*_runs`` lists, ``dpo_pref_acc`` (tidal's last evaluation), ``dpo_pref_acc_trl`` (TRL's; also under its older
+name ``trl_dpo_pref_acc``), ``dpo_s_to_target``. ``runs`` holds the first repeat's details, ``repeat_runs``
+each repeat's throughputs.
+
+    tidal bench stages [--set sft_steps=40] [--set dpo_steps=200] [--set repeats=3] \
+        [--set venv=.tidal_cache/bench-trl-venv]
 
 TRL runs in ``tidal bench trl``'s venv (``venv``; created on first use, ``current``: this interpreter).
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -59,6 +67,8 @@ class Settings:
     trl_sft_settings: list[str] = field(default_factory=lambda: ["padding_free", "packing", "padded"])
     frameworks: list[str] = field(default_factory=lambda: ["trl", "tidal"])
     venv: str = ".tidal_cache/bench-trl-venv"
+    repeats: int = 1
+    """Side-by-side repeats of both frameworks' SFT and DPO (the ratios' spread; the median is reported)."""
 
 
 def _stage_cfg(kind: str, overrides: list[str]):
@@ -151,13 +161,18 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = synthetic.build(out_dir / "domain", num_pairs=s.num_pairs, seed=s.seed)
     base = build_base(s, files, out_dir)
-    res: dict[str, dict] = {}
-    if "trl" in s.frameworks:
-        python, version = bench.load("trl").trl_python(s.venv)
-        res["trl"] = {"sft": trl_sft(s, files, base, out_dir, python), "dpo": trl_dpo(s, files, base, out_dir, python),
-                      "version": version}
-    if "tidal" in s.frameworks:
-        res["tidal"] = {"sft": tidal_sft(s, files, base, out_dir), "dpo": tidal_dpo(s, files, base, out_dir)}
+    python, version = bench.load("trl").trl_python(s.venv) if "trl" in s.frameworks else (None, None)
+    repeats: list[dict[str, dict]] = []
+    for k in range(max(s.repeats, 1)):
+        work = out_dir if k == 0 else out_dir / f"repeat{k}"
+        res: dict[str, dict] = {}
+        if "trl" in s.frameworks:
+            res["trl"] = {"sft": trl_sft(s, files, base, work, python), "dpo": trl_dpo(s, files, base, work, python),
+                          "version": version}
+        if "tidal" in s.frameworks:
+            res["tidal"] = {"sft": tidal_sft(s, files, base, work), "dpo": tidal_dpo(s, files, base, work)}
+        repeats.append(res)
+    res = repeats[0]
     table = []
     for name, r in res.items():
         curve = r["dpo"]["curve"]
@@ -165,12 +180,18 @@ def run(overrides: list[str], out_dir: Path) -> dict:
                       "sft_setting": r["sft"].get("setting", "packed"), "dpo_pairs_per_s": r["dpo"]["pairs_per_s"],
                       "dpo_pref_acc": curve[-1]["pref_acc"] if curve else None,
                       f"s_to_pref_acc_{s.target_pref_acc:g}": time_to(curve, s.target_pref_acc)})
-    result = {"table": table, "settings": asdict(s), "runs": res, "python": sys.executable}
+    result = {"table": table, "settings": asdict(s), "runs": res, "python": sys.executable,
+              "repeat_runs": [{name: {"sft_tokens_per_s": r["sft"]["tokens_per_s"],
+                                      "dpo_pairs_per_s": r["dpo"]["pairs_per_s"],
+                                      "dpo_pref_acc": r["dpo"]["curve"][-1]["pref_acc"] if r["dpo"]["curve"] else None}
+                               for name, r in rep.items()} for rep in repeats]}
     if "trl" in res and "tidal" in res:
-        t, r = res["tidal"], res["trl"]
-        result["sft_tokens_per_s_over_trl"] = t["sft"]["tokens_per_s"] / r["sft"]["tokens_per_s"]
-        result["dpo_pairs_per_s_over_trl"] = t["dpo"]["pairs_per_s"] / r["dpo"]["pairs_per_s"]
-        result["trl_dpo_pref_acc"] = r["dpo"]["curve"][-1]["pref_acc"] if r["dpo"]["curve"] else None
+        for key, stage, unit in (("sft_tokens_per_s_over_trl", "sft", "tokens_per_s"),
+                                 ("dpo_pairs_per_s_over_trl", "dpo", "pairs_per_s")):
+            ratios = [rep["tidal"][stage][unit] / rep["trl"][stage][unit] for rep in repeats]
+            result[key], result[f"{key}_runs"] = statistics.median(ratios), ratios
+        trl_curve = res["trl"]["dpo"]["curve"]
+        result["dpo_pref_acc_trl"] = result["trl_dpo_pref_acc"] = trl_curve[-1]["pref_acc"] if trl_curve else None
         result["dpo_s_to_target"] = {name: time_to(x["dpo"]["curve"], s.target_pref_acc) for name, x in res.items()}
     if "tidal" in res:
         curve = res["tidal"]["dpo"]["curve"]
