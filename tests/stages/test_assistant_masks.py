@@ -34,6 +34,12 @@ TRL_ROWS = [
     _chat("hi", "Hello.", "And 1+1?", "2", system="Be brief."),
 ]
 
+TOOL_ROW = [{"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calc", "arguments": {"expr": "2+3"}}}]},
+            {"role": "tool", "content": "5"}, {"role": "assistant", "content": "It is 5."}]
+"""A tool call and its result (Qwen2.5's template renders both)."""
+
 
 def _trl_side(tokenizer_dir: str) -> dict:
     """Per template and row: the ids and assistant mask of TRL's ``SFTTrainer(assistant_only_loss=True)`` on
@@ -51,6 +57,7 @@ def _trl_side(tokenizer_dir: str) -> dict:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1,
                                              num_attention_heads=2, intermediate_size=32))
         rows = [r for r in TRL_ROWS if name != "gemma" or r[0]["role"] != "system"]  # Gemma refuses system turns
+        rows += [TOOL_ROW] if name == "qwen2_5" else []
         args = SFTConfig(output_dir=str(Path(tokenizer_dir) / "out"), assistant_only_loss=True, report_to=[],
                          use_cpu=True, dataset_num_proc=None, max_length=None)
         trainer = SFTTrainer(model=model, args=args, processing_class=tok,

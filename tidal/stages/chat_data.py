@@ -305,7 +305,7 @@ def derived_mask(tokenizer, messages: list[dict[str, Any]], ids: list[int], limi
     ``messages[:i+1]`` stop agreeing with ``ids``, less the whitespace the template writes after the turn's last
     visible token (ChatML's newline after ``<|im_end|>``: generation stops at the marker). Boundaries are found
     by comparing token ids, so tokenization is the whole conversation's. A turn is skipped once it starts past
-    ``limit`` tokens. O(turns) renders per row.
+    ``limit`` tokens. Two renders per assistant turn (one for a last one), of the turns up to it.
 
     A template whose rendering of the turns so far is not what the whole conversation renders has no such
     boundary, and the turn is named (``ValueError``) rather than guessed: templates that drop earlier turns'
@@ -328,7 +328,7 @@ def derived_mask(tokenizer, messages: list[dict[str, Any]], ids: list[int], limi
                              "prompt, differently from the whole conversation, so its tokens cannot be told apart "
                              "(give data.chat_template a template with {% generation %} blocks)")
         start = _past_seam(tokenizer, tokenizer.decode(head[start:]), ids, start)
-        turn = _template(tokenizer, messages[: i + 1])["input_ids"]
+        turn = ids if i + 1 == len(messages) else _template(tokenizer, messages[: i + 1])["input_ids"]
         end = _shared(turn, ids)
         rest = turn[end:]
         if rest:
