@@ -22,9 +22,10 @@ Preference rows (DPO, reward model): ``prompt``, ``chosen``, ``rejected`` (strin
 completion is what follows the prompt rendered with ``add_generation_prompt=True``, the longest common
 prefix of the prompt's and the prompt+completion's ids, as TRL's DPO collator counts it (``dpo_trainer.py``).
 
-Bad rows are skipped, counted and named (``BadRow``): no assistant turn, a template that marks no assistant
-tokens, empty ``chosen``, ``chosen == rejected``, a message whose content is not text (``messages[1].content``
-null or a number: a template would render it as ``None`` or ``5`` and train on that), a row longer than
+Bad rows are skipped, counted and named (``BadRow``): no assistant turn, a template whose assistant tokens
+cannot be told apart (``derived_mask`` names the turn), a template that raises, empty ``chosen``,
+``chosen == rejected``, a message whose content is not text (``messages[1].content`` null or a number: a
+template would render it as ``None`` or ``5`` and train on that), a row longer than
 ``max_length`` after truncation leaves nothing to learn from. Never a traceback: the stage prints ``summary``
 (one part per reason, counted) and trains on the rest. Rows are numbered from 1, a JSONL file's by its line
 numbers (blank lines keep theirs), as RL's task files number them. A file that is not text at all (a model,
