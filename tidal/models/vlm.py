@@ -369,8 +369,8 @@ def vlm_inputs(model: Qwen2VLForConditionalGeneration, batch: VisionBatch) -> tu
 def vlm_token_logprobs(model: Qwen2VLForConditionalGeneration, batch: VisionBatch,
                        temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probs [B, T] (float32, differentiable, vision tower included) of ``batch.input_ids_bt``:
-    column t is log p(token t | tokens < t, images), column 0 is 0, as ``logprobs.token_logprobs``; the caller
-    keeps the response columns (``TrainBatch.loss_mask_bt``)."""
+    column t is log p(token t | tokens < t, images); column 0 and padding are 0. The caller keeps the response
+    columns (``TrainBatch.loss_mask_bt``)."""
     embeds_bth, positions = vlm_inputs(model, batch)
     mask_bt = batch.attention_mask_bt.to(embeds_bth.device)
     out = model.get_decoder()(inputs_embeds=embeds_bth, attention_mask=mask_bt, position_ids=positions,
@@ -378,4 +378,4 @@ def vlm_token_logprobs(model: Qwen2VLForConditionalGeneration, batch: VisionBatc
     head = model.get_output_embeddings()
     targets_bt = batch.input_ids_bt.to(embeds_bth.device)[:, 1:]
     logp_bt, _ = chunked_head_logprobs(out.last_hidden_state[:, :-1], head.weight, head.bias, targets_bt, temperature)
-    return torch.nn.functional.pad(logp_bt, (1, 0))
+    return torch.nn.functional.pad(logp_bt, (1, 0)).masked_fill(~mask_bt.bool(), 0.0)
