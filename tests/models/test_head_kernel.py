@@ -192,3 +192,15 @@ def test_an_unknown_kernel_is_refused():
     with pytest.raises(AssertionError, match="head kernel"):
         chunked_head_logprobs(hidden, weight, bias, targets, kernel="liger")
     assert HEAD_KERNELS == ("chunked", "fused", "compiled")
+
+
+def test_a_retained_graph_gives_the_same_gradient_twice():
+    """The last chunk's kept block is consumed by the first backward; a second one (``retain_graph``) recomputes
+    it and gets the same gradient."""
+    hidden, weight, bias, targets, upstream = _head()
+    logp, ent = chunked_head_logprobs(hidden, weight, bias, targets, 0.7, True, 8, True, kernel="fused")
+    loss = (logp * upstream[0]).sum() + (ent * upstream[1]).sum()
+    first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight, bias))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

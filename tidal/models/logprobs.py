@@ -275,8 +275,10 @@ class _TF32Linear(torch.autograd.Function):
 
 class _FusedHead(torch.autograd.Function):
     """The ``fused``/``compiled`` head (module docstring): [N] log-probs and entropies of ``targets_n`` under
-    softmax((hidden @ weight.T + bias) / T), ``chunk_size`` rows at a time, keeping no [N x vocab] tensor
-    for the backward; the last chunk's logits stay (its backward then needs no recompute)."""
+    softmax((hidden @ weight.T + bias) / T), ``chunk_size`` rows at a time, keeping no [N x vocab] tensor for
+    the backward but the last chunk's (its log-softmax, or its logits when compiled), whose backward then
+    needs no recompute. Eager, a chunk holds at most two [C x vocab] float32 blocks at a time, forward and
+    backward (the logits are dropped once their log-softmax exists; the gradient is formed in place)."""
 
     @staticmethod
     def forward(ctx, hidden_nh, weight_vh, bias_v, targets_n, temperature, with_entropy, entropy_grad, tf32,
@@ -285,10 +287,13 @@ class _FusedHead(torch.autograd.Function):
         elementwise = _compiled("forward") if compiled else _chunk_logp_entropy
         logp_n = hidden_nh.new_empty(n)
         ent_n = hidden_nh.new_empty(n) if with_entropy else hidden_nh.new_empty(0)
-        z_cv = None
+        x_cv = None
         for start in range(0, n, chunk_size):
-            z_cv = _scaled_logits(hidden_nh[start:start + chunk_size], weight_vh, bias_v, temperature, tf32)
-            logp_c, ent_c = elementwise(z_cv, targets_n[start:start + chunk_size], with_entropy)
+            x_cv = None  # the previous chunk's block goes before this one's is made
+            x_cv = _scaled_logits(hidden_nh[start:start + chunk_size], weight_vh, bias_v, temperature, tf32)
+            if not compiled:
+                x_cv = torch.log_softmax(x_cv, dim=-1)  # the logits' block is freed here
+            logp_c, ent_c = elementwise(x_cv, targets_n[start:start + chunk_size], with_entropy)
             logp_n[start:start + chunk_size] = logp_c
             if with_entropy:
                 ent_n[start:start + chunk_size] = ent_c
@@ -296,14 +301,18 @@ class _FusedHead(torch.autograd.Function):
         ctx.entropy_grad = with_entropy and entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(ent_n)
-        ctx.save_for_backward(hidden_nh, weight_vh, bias_v, targets_n, ent_n if ctx.entropy_grad else None, z_cv)
+        ctx.save_for_backward(hidden_nh, weight_vh, bias_v, targets_n, ent_n if ctx.entropy_grad else None)
+        # Not saved_for_backward (which would hold it until the whole backward ends): the backward takes it off
+        # ctx and drops it after the last chunk; a retained graph's second backward recomputes that chunk too.
+        ctx.kept_cv = x_cv
         ctx.args = (temperature, tf32, chunk_size, compiled)
         return logp_n, ent_n
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp_n, g_ent_n):
-        hidden_nh, weight_vh, bias_v, targets_n, ent_n, z_last = ctx.saved_tensors
+        hidden_nh, weight_vh, bias_v, targets_n, ent_n = ctx.saved_tensors
+        kept_cv, ctx.kept_cv = ctx.kept_cv, None
         temperature, tf32, chunk_size, compiled = ctx.args
         n = hidden_nh.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -315,17 +324,19 @@ class _FusedHead(torch.autograd.Function):
         if g_logp_n is None:
             g_logp_n = hidden_nh.new_zeros(n)
         elementwise = _compiled("backward") if compiled else _chunk_grad_logits
-        starts = list(range(0, n, chunk_size))
         with torch.autocast(hidden_nh.device.type, enabled=False):
-            for i, start in enumerate(reversed(starts)):  # the last chunk first: its logits are still here
+            for i, start in enumerate(reversed(range(0, n, chunk_size))):  # the last chunk first: it is kept
                 rows = slice(start, start + chunk_size)
                 h_ch = hidden_nh[rows]
-                z_cv = z_last if i == 0 else _scaled_logits(h_ch, weight_vh, bias_v, temperature, tf32)
-                z_last = None
-                g_cv = elementwise(z_cv, targets_n[rows], g_logp_n[rows],
-                                   None if g_ent_n is None else g_ent_n[rows],
+                if i == 0 and kept_cv is not None:
+                    x_cv, kept_cv = kept_cv, None
+                else:
+                    x_cv = _scaled_logits(h_ch, weight_vh, bias_v, temperature, tf32)
+                    if not compiled:
+                        x_cv = torch.log_softmax(x_cv, dim=-1)
+                g_cv = elementwise(x_cv, targets_n[rows], g_logp_n[rows], None if g_ent_n is None else g_ent_n[rows],
                                    None if ent_n is None else ent_n[rows], temperature)
-                del z_cv
+                x_cv = None
                 with tf32_matmul(tf32 and hidden_nh.device.type == "cuda"):
                     if need_h:
                         torch.mm(g_cv, weight_vh, out=grad_h[rows])
@@ -333,7 +344,7 @@ class _FusedHead(torch.autograd.Function):
                         torch.addmm(grad_w, g_cv.t(), h_ch, out=grad_w)  # (not addmm_: FLOP counters skip it)
                 if need_b:
                     grad_b += g_cv.sum(0)
-                del g_cv
+                g_cv = None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
@@ -344,24 +355,23 @@ def _scaled_logits(hidden_ch, weight_vh, bias_v, temperature, tf32):
     return z_cv.div_(temperature) if temperature not in (0.0, 1.0) else z_cv
 
 
-def _chunk_logp_entropy(z_cv, targets_c, with_entropy):
-    """The fused head's forward elementwise work, as ``_logp_and_entropy`` does it (the same values)."""
-    logp_all = torch.log_softmax(z_cv, dim=-1)
-    logp_c = logp_all.gather(-1, targets_c.unsqueeze(-1)).squeeze(-1)
-    ent_c = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+def _chunk_logp_entropy(logp_cv, targets_c, with_entropy):
+    """The fused head's forward elementwise work from the chunk's log-softmax, as ``_logp_and_entropy`` does it
+    (the same values, bit for bit), with one [C x vocab] temporary."""
+    logp_c = logp_cv.gather(-1, targets_c.unsqueeze(-1)).squeeze(-1)
+    ent_c = -(logp_cv.exp().mul_(logp_cv)).sum(-1) if with_entropy else None
     return logp_c, ent_c
 
 
-def _chunk_grad_logits(z_cv, targets_c, g_logp_c, g_ent_c, ent_c, temperature):
-    """d loss / d logits of one chunk from the loss's per-token d/d logp (a) and d/d entropy (b):
-    (a (onehot(y) - p) - b p (log p + H)) / T, with p = softmax(z); in place on [C x vocab] buffers."""
-    logp_cv = torch.log_softmax(z_cv, dim=-1)
+def _chunk_grad_logits(logp_cv, targets_c, g_logp_c, g_ent_c, ent_c, temperature):
+    """d loss / d logits of one chunk from its log-softmax and the loss's per-token d/d logp (a) and d/d entropy
+    (b): (a (onehot(y) - p) - b p (log p + H)) / T, p = softmax(z); in place (``logp_cv`` is overwritten)."""
     p_cv = logp_cv.exp()
-    if g_ent_c is not None:  # coefficient a + b (log p + H), in the log-softmax's buffer
+    if g_ent_c is not None:  # the coefficient a + b (log p + H), in the log-softmax's block
         coef = logp_cv.add_(ent_c[:, None]).mul_(g_ent_c[:, None]).add_(g_logp_c[:, None])
     else:
-        del logp_cv
         coef = g_logp_c[:, None]
+    del logp_cv
     g_cv = p_cv.mul_(coef).neg_()
     del coef
     g_cv.scatter_add_(1, targets_c[:, None], g_logp_c[:, None].to(g_cv.dtype))
@@ -379,7 +389,8 @@ def _compiled_logp_entropy(z_cv, targets_c, with_entropy):
 
 
 def _compiled_grad_logits(z_cv, targets_c, g_logp_c, g_ent_c, ent_c, temperature):
-    """``_chunk_grad_logits`` for ``torch.compile``: one elementwise expression (the one-hot as a compare)."""
+    """``_chunk_grad_logits`` for ``torch.compile``, from the logits: one elementwise expression after the
+    log-softmax's reductions (the one-hot as a compare)."""
     logp_cv = torch.log_softmax(z_cv, dim=-1)
     coef = g_logp_c[:, None] if g_ent_c is None else g_logp_c[:, None] + g_ent_c[:, None] * (logp_cv + ent_c[:, None])
     onehot = torch.arange(z_cv.shape[-1], device=z_cv.device)[None] == targets_c[:, None]
