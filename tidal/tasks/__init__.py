@@ -8,3 +8,4 @@ from tidal.tasks import arithmetic as _arithmetic  # noqa: E402,F401  (registers
 from tidal.tasks import files as _files  # noqa: E402,F401
 from tidal.tasks import reasoning_gym as _reasoning_gym  # noqa: E402,F401
 from tidal.tasks import think as _think  # noqa: E402,F401
+from tidal.tasks import visual as _visual  # noqa: E402,F401
