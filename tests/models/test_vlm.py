@@ -221,3 +221,37 @@ def test_logprobs_batch_miscounted_images_is_an_error(model, processor):
     pixel_values, grids = vlm.image_batch(processor, [picture(112)])  # 16 features for 4 image tokens
     with pytest.raises(ValueError, match="4 image tokens in the batch but its rows' images have 16 features"):
         vlm.vlm_token_logprobs(model, vlm.VisionBatch(ids, mask, pixel_values, grids, [[0]]))
+
+
+def test_logprobs_equal_hf_generate_scores(model, processor):
+    """The decode side: HF ``generate`` (prefill with pixels, then cached steps at i + delta) on two left-padded
+    prompts (one image; two images of two sizes) scores its sampled tokens as ``vlm_token_logprobs`` does on the
+    same rows right-padded, which is what engine/trainer parity will rest on. Sampled (raw logits kept), so the
+    tokens vary."""
+    model.eval()
+    images = [[picture(56)], [picture(112, "blue"), picture(56, "green", at=30)]]
+    texts = [processor.apply_chat_template(vlm.user_message(TEXT, len(im)), add_generation_prompt=True,
+                                           tokenize=False) for im in images]
+    enc = processor(text=texts, images=[im for row in images for im in row], padding=True, return_tensors="pt")
+    assert (enc["attention_mask"][:, 0] == 0).any()  # left-padded
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        out = model.generate(**enc, max_new_tokens=6, do_sample=True, top_k=0, top_p=1.0, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=processor.tokenizer.pad_token_id)
+    width = enc["input_ids"].shape[1]
+    new = out.sequences[:, width:]
+    assert len(set(new.flatten().tolist())) > 3
+    gen_logp = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)
+    rows = [torch.cat([enc["input_ids"][b][enc["attention_mask"][b].bool()], new[b]]) for b in range(2)]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+    pixel_values, grids = vlm.image_batch(processor, [im for row in images for im in row])
+    batch = vlm.VisionBatch(ids, mask, pixel_values, grids, [[0], [1, 2]])
+    with torch.no_grad():
+        ours = vlm.vlm_token_logprobs(model, batch)
+    eos = processor.tokenizer.eos_token_id
+    for b, row in enumerate(rows):
+        prompt_len = len(row) - new.shape[1]
+        stop = (new[b] == eos).nonzero()
+        keep = int(stop[0]) + 1 if len(stop) else new.shape[1]  # after EOS generate pads; nothing is sampled
+        torch.testing.assert_close(ours[b, prompt_len:prompt_len + keep], gen_logp[b, :keep], rtol=0, atol=1e-5)
