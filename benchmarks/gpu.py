@@ -140,6 +140,7 @@ MODEL_NOTES = {"qwen2.5-0.5b": "Qwen2.5-0.5B's shapes, random weights",
                "stand-in": "a small stand-in for CPU runs, random weights: not Qwen2.5-0.5B's shapes"}
 
 roofline = load("_roofline")  # benchmarks/_roofline.py: the FLOP, byte and peak accounting
+gpu_head = load("_gpu_head")  # benchmarks/_gpu_head.py: the head_kernel part (trainer.head_kernel arms)
 
 
 @dataclass
@@ -623,9 +624,10 @@ def part_train_bf16_master(s: Settings, base: torch.nn.Module, device: torch.dev
 
 
 PARTS = {"train": part_train, "train_tf32": part_train_tf32, "train_bf16_master": part_train_bf16_master,
-         "generate": part_generate, "rl_step": part_rl_step, "decode_attention": part_decode_attention}
+         "generate": part_generate, "rl_step": part_rl_step, "decode_attention": part_decode_attention,
+         "head_kernel": gpu_head.part_head_kernel}
 HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split",
-            "decode_attention": "decode_kernels"}
+            "decode_attention": "decode_kernels", "head_kernel": "head_kernel_speedup"}
 TOP_LEVEL = {"train": ["trainer_phase_ms"], "generate": ["decode_step_ms"],
              "rl_step": ["rl_samples_per_s", "rl_response_lengths", "rl_prepare_s", "rl_first_generate_s",
                          "rl_second_generate_s", "rl_engine_counters"],

@@ -12,8 +12,9 @@
 #                                                # GGUF comes in two calls: scripts/device_model_parts.sh),
 #                                                # moe (tidal bench moe: a CUDA bf16 engine, its CUDA graphs
 #                                                # recording routes, against an fp32 trainer; off vs r3),
-#                                                # arms (rollout.decode_attention repeat/gqa/fold and
-#                                                # trainer.weights fp32/bf16_master, side by side)
+#                                                # arms (rollout.decode_attention repeat/gqa/fold,
+#                                                # trainer.weights fp32/bf16_master and trainer.head_kernel
+#                                                # chunked/fused/compiled, side by side)
 #
 # Fill .whl/ first, on a machine with pip access: bash scripts/device_wheels.sh (reads scripts/device_wheels.txt).
 # Each stage has its own time limit (<STAGE>_LIMIT overrides it, in seconds: ENV_LIMIT, TESTS_LIMIT, CPU_LIMIT,
@@ -120,8 +121,10 @@ EOF
     arms)  # issue 51's keys, each against today's path on the same model and rows (docs/gpu.md)
       tiny=()
       ((DRY)) && tiny=(--set device=cpu --set tiny=true)
-      run_stage arms "$(limit arms 150)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR/arms" \
-        --set 'parts=[decode_attention,train,train_bf16_master]' "${tiny[@]}" ;;
+      # head_kernel last (trainer.head_kernel chunked/fused/compiled, fp32 and tf32; its torch.compile ~30 s): each
+      # part's JSON is written when it ends (gpu_partial.json), so a time-out there loses only that part
+      run_stage arms "$(limit arms 210)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR/arms" \
+        --set 'parts=[decode_attention,train,train_bf16_master,head_kernel]' "${tiny[@]}" ;;
     trl|smollm2)
       if ((DRY)); then  # no TRL wheels, no model parts on a CPU runner: the stage's commands' settings resolve
         run_stage "$stage" "$(limit "$stage" 60)" "$PY" - "$stage" <<'EOF'

@@ -204,3 +204,18 @@ def test_a_retained_graph_gives_the_same_gradient_twice():
     second = torch.autograd.grad(loss, (hidden, weight, bias))
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_the_bench_parts_flop_formula_is_what_runs():
+    """``benchmarks/_gpu_head.py``'s ``matmul_flops`` (the ``head_kernel`` part of ``tidal bench gpu``) against the
+    FLOP counter, and the part's measurement on toy shapes: every arm ran, and matches ``chunked``."""
+    from tidal.bench import load
+
+    gpu_head = load("_gpu_head")
+    for kernel in ("chunked", "fused"):
+        for n, chunk in [(40, 16), (64, 16), (5, 1024)]:
+            assert gpu_head.matmul_flops(kernel, n, 16, 50, chunk) == _matmul_flops(kernel, n, 16, 50, chunk)
+    out = gpu_head.measure(64, 8, 24, 8, torch.device("cpu"), kernels=("chunked", "fused"), reps=1)
+    fused = out["head_kernel_arms"]["fused fp32"]
+    assert fused["max_abs_logp_diff"] == 0.0 and fused["max_rel_grad_weight_diff"] < 1e-5
+    assert set(out["head_kernel_speedup"]) == {"chunked fp32", "fused fp32"}

@@ -87,6 +87,19 @@ class TrainerConfig:
     outside the loss mask then carry the sampler's log-prob (``behav_logp_bt``, so every ratio there is 1)
     and entropy 0, in the step's log-probs the sample recorder keeps too. The default stays ``all`` until
     the device check (``tests/gpu/test_cuda.py``) confirms the equality in bf16 on CUDA."""
+    head_kernel: str = "chunked"
+    """How the trainer's LM head (float32 matmul, log-softmax, log-prob, entropy) runs (``models/logprobs.py``):
+    ``chunked`` (``logprob_chunk_size`` tokens at a time under ``torch.utils.checkpoint``: 4 head matmuls per
+    chunk, the checkpoint's recompute included), ``fused`` (one autograd Function with a hand-written backward:
+    the same values bit for bit and the same gradients within float rounding, 3 matmuls on the last chunk and 4
+    on the others, at most two [chunk x vocab] blocks at a time: 511 against 862 MiB peak RSS for 2,048 tokens
+    at SmolLM2's 576 x 49,152 on a CPU) or ``compiled`` (``fused`` with its elementwise work compiled by
+    ``torch.compile``: the first step compiles, ~15-35 s on a 2-core CPU, and each new temperature or entropy
+    setting compiles again). Fewer than 4 matmuls per chunk would need the loss's gradient during the forward
+    (Liger Kernel's fused linear cross-entropy, arXiv 2410.10989, does that only for a scalar cross-entropy
+    loss) or [tokens x vocab] logits kept; neither Liger's nor Cut Cross-Entropy's (arXiv 2411.09009) kernel
+    returns the entropy, so neither is an option here. ``chunked`` stays the default until ``tidal bench gpu``'s
+    ``head_kernel`` part measures the others on a GPU (tests/models/test_head_kernel.py for the equality)."""
     data_parallel: str = "fsdp"
     """How ranks under torchrun share the training: ``fsdp`` (one update from every rank's gradients,
     ``parallel/fsdp.py``) or ``diloco`` (each rank a full replica training on its own groups, synced
@@ -116,6 +129,8 @@ def validate(cfg: TrainerConfig) -> None:
         raise ConfigError(f"trainer.head_matmul must be fp32 or tf32, got {cfg.head_matmul!r}")
     if cfg.head_tokens not in ("all", "loss"):
         raise ConfigError(f"trainer.head_tokens must be all or loss, got {cfg.head_tokens!r}")
+    if cfg.head_kernel not in ("chunked", "fused", "compiled"):
+        raise ConfigError(f"trainer.head_kernel must be chunked, fused or compiled, got {cfg.head_kernel!r}")
     if cfg.data_parallel not in ("fsdp", "diloco", "elastic"):
         raise ConfigError(f"trainer.data_parallel must be fsdp, diloco or elastic, got {cfg.data_parallel!r}")
     if cfg.packed_attention not in PACKED_ATTENTION:
