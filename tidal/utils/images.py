@@ -47,7 +47,9 @@ def load_image(value: Any, where: str = "image") -> Image.Image:
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
-        except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        except UnidentifiedImageError:
+            raise ImageError(f"{where}: unreadable image ({len(data)} bytes): not an image format PIL reads") from None
+        except (OSError, SyntaxError) as e:  # a known format, damaged or truncated
             raise ImageError(f"{where}: unreadable image ({len(data)} bytes): {e}") from None
     if image.width == 0 or image.height == 0:
         raise ImageError(f"{where}: zero-size image ({image.width}x{image.height})")
