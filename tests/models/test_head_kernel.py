@@ -226,16 +226,17 @@ def test_the_bench_parts_flop_formula_is_what_runs():
 @pytest.mark.parametrize("tf32", [False, True])
 def test_the_kernels_agree_on_cuda_at_a_real_head_shape(tf32):
     """On the device (the device check's ``tests`` stage runs ``-m gpu tests/models``): 2,048 tokens through a
-    Qwen2.5-0.5B-sized head (hidden 896, vocabulary 151,936) in chunks of 1,024, ``fused`` and ``compiled``
-    against ``chunked``, float32 or TF32 matmuls: log-probs within 1e-4 (TF32: 1e-2), gradients within 1e-4
-    (TF32: 1e-2) of the largest."""
+    Qwen2.5-0.5B-sized head (hidden 896, vocabulary 151,936) in chunks of 1,024, ``fused`` against ``chunked``,
+    float32 or TF32 matmuls: log-probs within 1e-4 (TF32: 1e-2), gradients within 1e-4 (TF32: 1e-2) of the
+    largest. ``compiled`` is left to the bench's ``head_kernel`` part (its differences from ``chunked`` are in
+    ``head_kernel_arms``), so this stage pays no ``torch.compile``."""
     from tidal.bench import load
 
     gpu_head = load("_gpu_head")
     inputs = gpu_head.head_inputs(151936, 896, 2048, torch.device("cuda"))
     ref = [x.clone() for x in gpu_head.head_step("chunked", tf32, inputs, 1024, temperature=0.7)]
     tol = 1e-2 if tf32 else 1e-4
-    for kernel in ("fused", "compiled"):
+    for kernel in ("fused",):
         got = gpu_head.head_step(kernel, tf32, inputs, 1024, temperature=0.7)
         assert (got[0] - ref[0]).abs().max().item() <= tol, kernel
         for mine, theirs in zip(got[1:], ref[1:]):
