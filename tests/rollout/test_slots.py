@@ -97,6 +97,7 @@ def test_remove_moves_rows_like_the_per_layer_copies(small_model):
     cache.kv.copy_(torch.randn_like(cache.kv))
     cache.n, cache.lo, cache.t = 6, 1, 7
     cache.start[:6] = torch.tensor([1, 2, 1, 3, 4, 1])
+    cache.start_host[:6] = cache.start[:6]  # its host copy, which finds ``lo`` without a read
     cache.last_pos[:6] = torch.arange(6)
     cache.logits[:6] = torch.randn(6, cache.logits.shape[1])
     keys, values = [k.clone() for k in cache.keys], [v.clone() for v in cache.values]

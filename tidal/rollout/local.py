@@ -40,75 +40,18 @@ from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
 from tidal.rollout.decode_attention import use_engine_attention
 from tidal.rollout.head import HEAD_DTYPES, fill_head, keep_head_fp32
+from tidal.rollout.late_reads import late_reads
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
 from tidal.rollout.routes import ForwardRoutes, recording, unfed_last
 from tidal.rollout.sampling import sample_tokens
+from tidal.rollout.sampling_config import SamplingConfig  # defined there, imported from here as before
 from tidal.rollout.sizing import slot_shape
 from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
-from tidal.rollout.speculative import SpeculativeConfig, build_speculator
+from tidal.rollout.speculative import build_speculator
 from tidal.rollout.thinking import open_close_prefix
 from tidal.rollout.turns import TurnKV, TurnStore
 from tidal.types import Trajectory
 from tidal.utils.device import model_device, resolve_dtype
-
-
-@dataclass
-class SamplingConfig:
-    """How responses are sampled."""
-
-    temperature: float = 1.0
-    """1.0 samples from the policy itself (DAPO/GRPO setups); 0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling; 1.0 keeps the full distribution (on-policy log-probs)."""
-    max_new_tokens: int = 8
-    """Generation length cap; a sample that hits it has finish_reason 'length'."""
-    stop: list[str] = field(default_factory=list)
-    """Extra stop strings (EOS always stops)."""
-    max_batch_size: int = 512
-    """Most sequences decoded in one forward pass."""
-    cuda_graphs: str = "auto"
-    """Decode steps with static shapes, replayed from CUDA graphs (``rollout/graphs.py``): a small model's
-    decode step is launch-bound, and a graph issues it in one launch. ``auto``: on CUDA, not on CPU;
-    ``on``: static shapes everywhere (run eagerly off CUDA: for tests); ``off``: dynamic shapes. With
-    graphs every row is decoded (``share_identical_rows`` applies to prefills only)."""
-    dtype: str = "auto"
-    """The local engine's weights and KV cache: ``fp32`` or ``bf16`` (as vLLM serves); ``auto`` is bf16 on
-    CUDA, fp32 on CPU (``utils/device.py``). The engine lives on the device of the model it copies
-    (``system.device``). A bf16 engine samples from slightly different log-probs than the trainer computes:
-    ``train/logp_mismatch_mean`` shows the gap and ``algo.correction`` (TIS/MIS) corrects for it."""
-    head_dtype: str = "auto"
-    """The engine's LM head: ``auto`` in ``dtype`` like the rest of the copy; ``fp32`` keeps its weights in fp32
-    (an untied copy where the head is tied) and upcasts its input, so a bf16 engine's log-probs lose the head's
-    rounding, its largest share of the gap to the trainer's fp32 head (``rollout/head.py``)."""
-    decode_attention: str = "repeat"
-    """How the engine's attention reads grouped KV heads (GQA) under its boolean masks
-    (``rollout/decode_attention.py``): ``repeat`` is transformers' SDPA, which copies each layer's keys and values
-    out to every query head (``repeat_kv``) whenever a mask is passed; ``gqa`` calls SDPA with ``enable_gqa=True``
-    (torch >= 2.5); ``fold`` folds each group's query heads into query rows of its KV head. Same samples and
-    log-probs (up to summation order); which is faster depends on the SDPA kernel the device picks: unmeasured
-    on a GPU (docs/gpu.md)."""
-    early_stop_run: int | None = None
-    """MiniMax-M1's early truncation (arXiv 2506.13585, sec. 4): stop a sample once this many
-    consecutive sampled tokens each had probability > ``early_stop_prob`` (finish_reason
-    'repetition'); the paper uses 3,000 tokens at 0.99 to cut degenerate repetition loops short.
-    None disables it."""
-    early_stop_prob: float = 0.99
-    """The per-token probability above which a token counts toward ``early_stop_run``."""
-    reuse_turn_kv: bool = True
-    """Agent episodes: keep the keys and values of a finished turn (a request with ``episode`` set, not
-    ended by EOS), and when the episode's next turn arrives (its context = that turn + the observation)
-    compute only the new tokens instead of re-reading the whole context. A weight update drops what is
-    kept; at most ``max_batch_size`` turns, and no more positions than the running batch's cache holds,
-    are kept (oldest dropped first)."""
-    share_identical_rows: bool = True
-    """Compute rows whose whole context is identical once: a group's samples share their prompt and
-    often their first tokens (all of them, once a policy is confident), so each prefill runs every
-    distinct sequence once and each decode step only the distinct (context, token) pairs, copying the
-    new keys, values and logits to the duplicates. Sampling stays per row (its own noise key), so the
-    tokens drawn are the same as without sharing; only work is saved. False decodes every row."""
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    """Speculative decoding (``speculative.py``): drafted tokens verified in one forward, accepted only where
-    they equal what the policy samples, so samples, log-probs and versions are unchanged. Off by default."""
 
 
 @dataclass
@@ -190,6 +133,7 @@ class LocalEngine:
         # Speculative decoding (off: None). Its verify forward has a dynamic width and runs eagerly; a step where no
         # row drafted is a plain decode step, replayed from a CUDA graph where plain decoding would be
         self._spec = build_speculator(cfg.speculative, self, draft_model)
+        self._late = late_reads(self)  # ``rollout.host_reads=late`` (``late_reads.py``); None: synchronous reads
 
     # ---- weights ---------------------------------------------------------------------------
     def request_weight_update(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -233,6 +177,7 @@ class LocalEngine:
             "rollout/shared_decode_frac": self.num_shared_decodes / max(self.num_generated_tokens, 1),
             **self._step_counters(),
             **(self._spec.stats() if self._spec is not None else {}),
+            **(self._late.stats() if self._late is not None else {}),
         }
 
     def _step_counters(self) -> dict[str, float]:
@@ -290,11 +235,12 @@ class LocalEngine:
         rows: list[_Row] = []  # the running batch, row i in slot i of ``slots``
         slots = self._slot_cache()
         exhausted = False
+        late = self._late  # None: each step's tokens are read before the next decode (``late_reads.py``)
         try:
             self._reserve(slots, size_for, joins_later=False)
             while True:
                 if self._apply_pending_update() and rows:  # interruption point: re-read under new weights
-                    self._reprefill(slots, rows)
+                    rows = self._reprefill(slots, rows, late, on_done)
                 free = self.cfg.max_batch_size - len(rows)
                 if free > 0 and not exhausted:
                     self.generate_seconds += time.perf_counter() - start
@@ -304,7 +250,10 @@ class LocalEngine:
                         exhausted = True
                     elif new:
                         if self._apply_pending_update() and rows:  # arrived while we waited
-                            self._reprefill(slots, rows)
+                            rows = self._reprefill(slots, rows, late, on_done)
+                        if late is not None:  # rows join a batch whose tokens are exact
+                            rows = late.drain(rows, slots, on_done)
+                            late = late if late.admits(new) else None
                         if not size_for:
                             self._reserve(slots, new, joins_later=True, running=len(rows))
                         new_rows = [_Row(r, sampling_key(self.seed, r)) for r in new]
@@ -321,11 +270,14 @@ class LocalEngine:
                         return
                     continue
                 step = self._sample_step if self._spec is None else self._spec.step
+                step = late.step if late is not None else step
                 began = time.perf_counter()
                 rows = step(rows, slots, temperature, on_done)
                 self.decode_host_seconds += time.perf_counter() - began
                 self.num_decode_steps += 1
         finally:
+            if self._late is not None:
+                self._late.forget()
             self.generate_seconds += time.perf_counter() - start
             if slots is self._slots:
                 self._slots_in_use = False
@@ -347,11 +299,15 @@ class LocalEngine:
         self._slots.clear()
         return self._slots
 
-    def _reprefill(self, slots: SlotCache, rows: list[_Row]) -> None:
-        """After a weight update: recompute every running row's cache (prompt + tokens so far)."""
-        self.num_interruptions += 1
-        slots.clear()
-        self._prefill(slots, rows)
+    def _reprefill(self, slots: SlotCache, rows: list[_Row], late=None, on_done=None) -> list[_Row]:
+        """After a weight update: recompute every running row's cache (prompt + tokens so far, the pending late
+        step's included: drained first); return the rows still running."""
+        rows = late.drain(rows, slots, on_done) if late is not None else rows
+        if rows:
+            self.num_interruptions += 1
+            slots.clear()
+            self._prefill(slots, rows)
+        return rows
 
     def _sample_step(self, rows: list[_Row], slots: SlotCache, temperature: float, on_done) -> list[_Row]:
         """Sample one token for every running row, hand finished rows out, decode the rest one step."""
@@ -363,7 +319,7 @@ class LocalEngine:
     def _decode(self, rows: list[_Row], slots: SlotCache, tokens: torch.Tensor) -> int:
         """Feed each running row its newest token (one column; identical rows once); return the rows run. A
         speculative step where no row drafted runs exactly this (``speculative.py``)."""
-        shared = self._distinct_contexts(rows, tokens.tolist())
+        shared = self._distinct_contexts(rows, tokens)
         if shared is not None:
             self.num_shared_decodes += len(rows) - len(shared[0])
         slots.decode(self.model, tokens, shared)
@@ -384,12 +340,13 @@ class LocalEngine:
         self.num_generated_tokens += n
         return self._retire(rows, keep, slots, on_done, tokens)
 
-    def _append(self, row: _Row, tok: int, lp: float) -> bool:
-        """Append one sampled token to ``row`` (with its log-prob and the engine's version); True when the
-        row has finished (EOS or a stop string, its length budget, or an early-truncation run)."""
+    def _append(self, row: _Row, tok: int, lp: float, version: int | None = None) -> bool:
+        """Append one sampled token to ``row`` (with its log-prob and the version it was sampled with, the
+        engine's unless given); True when the row has finished (EOS or a stop string, its length budget, or an
+        early-truncation run)."""
         row.tokens.append(tok)
         row.logprobs.append(lp)
-        row.versions.append(self.version)
+        row.versions.append(self.version if version is None else version)
         row.confident_run = row.confident_run + 1 if lp > self._early_stop_logp else 0
         if tok in self.end_ids or self._hit_stop(row):
             row.finish_reason = "stop"
@@ -402,17 +359,20 @@ class LocalEngine:
         return True
 
     def _retire(self, rows: list[_Row], keep: torch.Tensor, slots: SlotCache, on_done,
-                tokens: torch.Tensor | None = None) -> tuple[list[_Row], torch.Tensor | None]:
-        """Hand out the rows where ``keep`` is False (keeping an episode turn's keys and values) and drop
-        them from ``slots``; ``rows`` (and ``tokens``, per row) follow the slots' moves."""
+                tokens: torch.Tensor | None = None, fed_last: bool = False) -> tuple[list[_Row], torch.Tensor | None]:
+        """Hand out the rows where ``keep`` (on the host) is False (keeping an episode turn's keys and values) and
+        drop them from ``slots``; ``rows`` (and ``tokens``, per row on the device) follow the slots' moves.
+        ``fed_last``: the rows' last tokens were fed (found finished one step late, ``late_reads.py``): that column
+        is not theirs in the synchronous path, so it is left out of their routes and kept turns."""
         done = (~keep).nonzero().squeeze(1).tolist()
         routes: list[torch.Tensor | None] = [None] * len(done)
-        if done and slots.routing is not None:  # every token but the last sampled one was fed
-            routes = slots.rows_routes(done, [len(rows[i].request.prompt_ids) + len(rows[i].tokens) - 1 for i in done])
+        if done and slots.routing is not None:  # every token but the last sampled one was fed (or all of them)
+            lengths = [len(rows[i].request.prompt_ids) + len(rows[i].tokens) - 1 + fed_last for i in done]
+            routes = [r[: len(r) - fed_last] for r in slots.rows_routes(done, lengths)]
         for slot, row_routes in zip(done, routes):
             row = rows[slot]
             if self.cfg.reuse_turn_kv and row.request.episode and row.tokens[-1] not in self.end_ids:
-                self._save_turn(row, slots, slot, row_routes)  # the episode's next turn will extend this context
+                self._save_turn(row, slots, slot, row_routes, fed_last)  # the episode's next turn extends it
             on_done(row.request, self._to_trajectory(row, row_routes))
         if not keep.all():
             self.num_removed_rows += len(keep) - int(keep.sum())
@@ -420,12 +380,12 @@ class LocalEngine:
             for hole, mover in zip(holes, movers):
                 rows[hole] = rows[mover]
             rows = rows[: slots.n]
-            if tokens is not None:
-                tokens[holes] = tokens[movers]
-                tokens = tokens[: slots.n]
+            if tokens is not None and slots.moved is not None:  # device indices: no upload that waits
+                tokens[slots.moved[0]] = tokens[slots.moved[1]]
+            tokens = tokens[: slots.n] if tokens is not None else None
         return rows, tokens
 
-    def _distinct_contexts(self, rows: list[_Row], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _distinct_contexts(self, rows: list[_Row], tokens_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Give each row the node of its context after feeding its newest token; return (one slot per
         distinct node, each row's index into those), or None when every row is distinct (or sharing
         is off). Rows sharing a node before the token and sampling the same token share one after."""
@@ -434,7 +394,7 @@ class LocalEngine:
         after: dict[tuple[int, int], int] = {}
         first_slot: list[int] = []
         inverse: list[int] = []
-        for slot, (row, tok) in enumerate(zip(rows, tokens)):
+        for slot, (row, tok) in enumerate(zip(rows, tokens_n.tolist())):  # only here: the host needs the tokens
             j = after.get((row.node, tok))
             if j is None:
                 j = after[(row.node, tok)] = len(first_slot)
@@ -499,13 +459,14 @@ class LocalEngine:
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                 **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
         slots.admit(cache, mask, positions[:, -1], logits, torch.tensor(source),
-                    routes.stacked(len(seqs), width) if routes is not None else None)
+                    routes.stacked(len(seqs), width) if routes is not None else None, self._row_state(rows))
 
-    def _save_turn(self, row: _Row, slots: SlotCache, slot: int, routes: torch.Tensor | None) -> None:
-        """Keep the keys and values of ``row``'s sequence (its last sampled token was never fed), and its
-        routes (MoE: the next turn's reused prefix keeps the experts it was computed with)."""
+    def _save_turn(self, row: _Row, slots: SlotCache, slot: int, routes: torch.Tensor | None,
+                   fed_last: bool = False) -> None:
+        """Keep the keys and values of ``row``'s sequence (its last sampled token not fed, or fed but left out:
+        ``fed_last``), and its routes (MoE: the next turn's reused prefix keeps the experts it was computed with)."""
         tokens = (*row.request.prompt_ids, *row.tokens[:-1])
-        keys, values = slots.row_kv(slot)
+        keys, values = slots.row_kv(slot, drop_last=int(fed_last))
         assert keys[0].shape[1] == len(tokens), "slot span and sequence disagree"
         kv = TurnKV(tokens, keys, values, self.version, routes)
         cache_positions = len(slots.start) * slots.columns  # what the running batch's cache holds now
@@ -557,7 +518,8 @@ class LocalEngine:
         for row, _ in resumed:  # each its own context
             row.node, self._next_node = self._next_node, self._next_node + 1
         slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n),
-                    self._routes_after(routes, resumed, past, window) if routes is not None else None)
+                    self._routes_after(routes, resumed, past, window) if routes is not None else None,
+                    self._row_state([row for row, _ in resumed]))
 
     def _routes_after(self, recorded: ForwardRoutes, resumed: list[tuple[_Row, TurnKV]], past: int,
                       window: int) -> torch.Tensor:
@@ -570,6 +532,11 @@ class LocalEngine:
             if kept > 0:
                 kept_routes[:, i, past - kept :] = kv.routes[:kept].permute(1, 0, 2)
         return torch.cat([kept_routes.to(self.device), recorded.stacked(n, window)], dim=2)
+
+    @staticmethod
+    def _row_state(rows: list[_Row]) -> tuple[list[int], list[int]]:
+        """The rows' sampling keys and tokens so far: their device state in the slot cache (``late_reads.py``)."""
+        return [row.key for row in rows], [len(row.tokens) for row in rows]
 
     def _hit_stop(self, row: _Row) -> bool:
         if not self._stop_max_tokens:

@@ -20,6 +20,11 @@ stacking every layer's (so a row move is one indexed copy, not two per layer).
   budget: ``sizing.py``), so a call grows nothing; growth stays the fallback for what the sizing could not know
   (a longer context arriving later), and ``num_growths`` counts it. With no row running the span is empty, so
   a call starts at the left edge: kept buffers are reused from column 0, not from where the last call ended.
+- ``start`` has a host copy (``start_host``) kept alike, so ``lo`` is found without reading the device: removing
+  rows then queues its copies and returns without waiting for the step in flight (issue 51).
+- Each row's sampling key and generated-token count (``sample_keys``, ``gen_pos``) live here too, set on admission
+  and moved with the row, so a step can sample without uploading them (``rollout.host_reads=late``,
+  ``late_reads.py``).
 - Speculative decoding writes k + 1 columns per row and step and marks the rejected ones (``rejected``); they
   are compacted out when the span must move anyway or when they are over half of it (``_compact``).
 - An MoE model's expert choices per token (``routes``, uint8 [layers, slots, columns, k]; ``routes.py``) are
@@ -99,6 +104,9 @@ class SlotCache(Cache):
         self.keys: list[torch.Tensor] = []  # views of ``kv``, one per layer
         self.values: list[torch.Tensor] = []
         self.start = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.start_host = torch.zeros(0, dtype=torch.long)  # ``start`` on the host, kept alike (no read to find lo)
+        self.sample_keys = torch.zeros(0, dtype=torch.long, device=self.device)  # each row's sampling key
+        self.gen_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # each row's sampled tokens so far
         self.last_pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self.logits = torch.zeros(0, config.vocab_size, device=self.device)
         self.rejected = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
@@ -108,6 +116,7 @@ class SlotCache(Cache):
         self.num_compactions = 0  # times the rejected columns were compacted out (``_compact``)
         self._width = 1  # columns each row writes in this forward (k + 1 while verifying k drafted tokens)
         self._fed: torch.Tensor | None = None  # during a shared decode: the slots the model runs on
+        self.moved: tuple[torch.Tensor, torch.Tensor] | None = None  # the last ``remove``'s (dst, src) slots, on device
         self.generation = 0  # bumped whenever the buffers are reallocated
         self.num_sizings = 0  # reallocations with no row running (``reserve`` at a call's start: no copy)
         self.num_growths = 0  # reallocations while rows ran (each copies the live span and drops recorded graphs)
@@ -251,10 +260,12 @@ class SlotCache(Cache):
 
     # ---- joining and leaving -----------------------------------------------------------------
     def admit(self, cache: DynamicCache, mask_dw: torch.Tensor, last_pos_d: torch.Tensor, logits_dv: torch.Tensor,
-              source_k: torch.Tensor, routes_ldwk: torch.Tensor | None = None) -> None:
+              source_k: torch.Tensor, routes_ldwk: torch.Tensor | None = None,
+              row_state: tuple[list[int], list[int]] | None = None) -> None:
         """Append k rows after the running ones from a left-padded prefill of d distinct sequences;
         new row i copies prefill row ``source_k[i]`` (a group's samples share one prompt forward), its keys and
-        values and, for an MoE model, its routes (``routes_ldwk``: uint8 [layers, d, width, k], ``routes.py``)."""
+        values and, for an MoE model, its routes (``routes_ldwk``: uint8 [layers, d, width, k], ``routes.py``).
+        ``row_state``: the new rows' sampling keys and generated-token counts, uploaded in one copy."""
         k, width = len(source_k), mask_dw.shape[1]
         assert self.n + k <= self.max_slots, f"{self.n} running + {k} new rows exceed {self.max_slots} slots"
         assert (routes_ldwk is None) == (self.routing is None), "an MoE model's prefill comes with its routes"
@@ -262,7 +273,8 @@ class SlotCache(Cache):
             self._resize(min(self.max_slots, max(2 * len(self.start), self.n + k)), self.columns)
         self._place(width, extra=1)
         rows = slice(self.n, self.n + k)
-        self._clear_stale(rows, lo=int(self.t - mask_dw.sum(dim=1).max()))
+        lengths_d = mask_dw.sum(dim=1).cpu()  # one read per admission: the new rows' spans, on the host
+        self._clear_stale(rows, lo=int(self.t - lengths_d.max()))
         for layer, kv in enumerate(cache.layers):
             self.keys[layer][rows, :, self.t - width : self.t] = kv.keys[source_k]
             self.values[layer][rows, :, self.t - width : self.t] = kv.values[source_k]
@@ -273,7 +285,11 @@ class SlotCache(Cache):
         self.start[rows] = self.t - lengths
         self.last_pos[rows] = last_pos_d[source_k]
         self.logits[rows] = logits_dv[source_k].to(self.logits.dtype)
-        self.lo = int(self.start[: self.n + k].min())
+        self.start_host[rows] = self.t - lengths_d[source_k.cpu()]
+        if row_state is not None:
+            state = torch.tensor(row_state, dtype=torch.long).to(self.device, non_blocking=True)
+            self.sample_keys[rows], self.gen_pos[rows] = state[0], state[1]
+        self.lo = int(self.start_host[: self.n + k].min())
         self.n += k
 
     def _clear_stale(self, rows: slice, lo: int) -> None:
@@ -286,9 +302,12 @@ class SlotCache(Cache):
             self.kv[:, : self.n, :, lo : self.lo].zero_()
 
     def remove(self, keep_n: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Drop the running rows where ``keep_n`` is False: kept rows from the end move into the
-        freed slots. Returns (destination slots, source slots) so the caller moves its rows alike."""
+        """Drop the running rows where ``keep_n`` (on the host) is False: kept rows from the end move into the
+        freed slots. Returns (destination slots, source slots) so the caller moves its rows alike; ``moved`` holds
+        them on the device (None when nothing moved), for the caller's per-row device tensors. Nothing here waits
+        for the device."""
         m = int(keep_n.sum())
+        self.moved = None
         holes = (~keep_n[:m]).nonzero().squeeze(1)
         movers = keep_n[m:].nonzero().squeeze(1) + m
         if len(holes):
@@ -300,16 +319,21 @@ class SlotCache(Cache):
             self.kv[:, dst, :, cols] = self.kv[:, src, :, cols]
             if self.routing is not None:
                 self.routes[:, dst, cols] = self.routes[:, src, cols]
-            for per_row in (self.start, self.last_pos, self.logits, self.rejected):
+            for per_row in (self.start, self.last_pos, self.logits, self.rejected, self.sample_keys, self.gen_pos):
                 per_row[dst] = per_row[src]
+            self.start_host[holes] = self.start_host[movers]
+            self.moved = (dst, src)
         self.n = m
-        self.lo = int(self.start[:m].min()) if m else self.t
+        self.lo = int(self.start_host[:m].min()) if m else self.t
         return holes.tolist(), movers.tolist()
 
-    def row_kv(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of running row ``slot``'s keys and values, per layer [heads, len, head_dim]."""
-        span = slice(int(self.start[slot]), self.t)
+    def row_kv(self, slot: int, drop_last: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of running row ``slot``'s keys and values, per layer [heads, len, head_dim], less its last
+        ``drop_last`` live columns (a token fed only because the row was found finished one step late)."""
+        span = slice(int(self.start_host[slot]), self.t)
         live = ~self.rejected[slot, span]  # without the columns of rejected drafts
+        if drop_last:
+            live[live.nonzero()[-drop_last:]] = False
         return ([k[slot, :, span][:, live].clone() for k in self.keys],
                 [v[slot, :, span][:, live].clone() for v in self.values])
 
@@ -380,6 +404,7 @@ class SlotCache(Cache):
                 self.routes[:, : self.n, dst : dst + span] = self.routes[:, : self.n, self.lo : self.t].clone()
             self.rejected[: self.n, dst : dst + span] = self.rejected[: self.n, self.lo : self.t].clone()
         self.start[: self.n] += dst - self.lo
+        self.start_host[: self.n] += dst - self.lo
         self.lo, self.t = dst, dst + span
 
     def _compact(self, min_t: int) -> None:
@@ -403,9 +428,10 @@ class SlotCache(Cache):
             index = order[None, :, :, None].expand(self.routes.shape[0], n, width, self.routes.shape[3])
             self.routes[:, :n, dst : dst + width] = self.routes[:, :n, lo:t].gather(2, index)
         self.start[:n] = dst + width - lengths
+        self.start_host[:n] = self.start[:n].cpu()
         self.rejected[:n] = False
         self.has_rejected = False
-        self.lo, self.t = int(self.start[:n].min()), dst + width
+        self.lo, self.t = int(self.start_host[:n].min()), dst + width
         self.num_compactions += 1
 
     def _resize(self, slots: int, columns: int, dst: int | None = None) -> None:
@@ -435,7 +461,7 @@ class SlotCache(Cache):
             holes[:n, dst : dst + span] = self.rejected[:n, self.lo : self.t]
         self.rejected = holes
         self.generation += 1
-        for name in ("start", "last_pos", "logits"):
+        for name in ("start", "start_host", "sample_keys", "gen_pos", "last_pos", "logits"):
             old = getattr(self, name)
             new = old.new_zeros((slots, *old.shape[1:]))
             new[:n] = old[:n]
