@@ -168,6 +168,27 @@ def test_episode_turns_kept_without_the_column_fed_late(moe_model, tokenizer):  
         assert torch.equal(t.routes[:-1], model_routes(moe_model, full[:-1]))
 
 
+def test_a_call_inside_another_has_its_own_pending_step(small_model, tokenizer):
+    """Two ``stream`` calls on one engine at once (here one started from the other's ``on_done``) each read their
+    own pending step through their own buffers, as each decodes in its own slot cache."""
+    outer, inner = _requests(tokenizer, 3, 2), _requests(tokenizer, 3, 2, first=20)
+    sync = _engine(small_model, tokenizer, "sync")
+    want_outer, want_inner = sync.generate(outer), sync.generate(inner)
+    engine = _engine(small_model, tokenizer, "late")
+    got, nested = {}, []
+
+    def on_done(req, traj):
+        got[(req.prompt.uid, req.sample_index)] = traj
+        if not nested:
+            nested.append(engine.generate(inner))
+
+    queue = [outer]
+    engine.stream(lambda n, block: queue.pop() if queue else None, on_done)
+    assert_same([got[(r.prompt.uid, r.sample_index)] for r in outer], want_outer)
+    assert_same(nested[0], want_inner)
+    assert len(engine._late._free) == 2, "each call's buffers are given back"
+
+
 def test_the_cases_that_need_tokens_on_the_host_read_synchronously(small_model, tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger=late_module.__name__):
         shared = _engine(small_model, tokenizer, "late", share_identical_rows=True)
@@ -209,26 +230,24 @@ def _reads_in_steady_steps(model, tokenizer, reads: str, monkeypatch) -> list[st
     inside the first 8 decode steps of a run where no row finishes before its 12th token."""
     engine = _engine(model, tokenizer, reads, cuda_graphs="on", max_new_tokens=12)
     engine.end_ids = set()  # no EOS: every row runs its whole budget, so the steps before the last are steady
-    late, seen, counting = engine._late, [], [False]
+    seen, counting, ptrs = [], [False], set()
 
-    def host_buffer(t) -> bool:
-        ptrs = {b.untyped_storage().data_ptr() for bufs in (late._buffers if late else []) for b in bufs[:2]}
-        return t.untyped_storage().data_ptr() in ptrs
-
-    step = late.step if late is not None else engine._sample_step
-
-    def counted(*args):
-        counting[0] = engine.num_decode_steps < 8
-        try:
-            return step(*args)
-        finally:
-            counting[0] = False
+    def counting_step(step):
+        def counted(*args):
+            if len(args) == 5:  # a LateCall's step: its host buffers are what it may read
+                ptrs.update(b.untyped_storage().data_ptr() for bufs in args[0].buffers for b in bufs[:2])
+            counting[0] = engine.num_decode_steps < 8
+            try:
+                return step(*args)
+            finally:
+                counting[0] = False
+        return counted
 
     def wrap(name):
         original = getattr(torch.Tensor, name)
 
         def wrapped(t, *a, **kw):
-            if counting[0] and not host_buffer(t):
+            if counting[0] and t.untyped_storage().data_ptr() not in ptrs:
                 seen.append(name)
             return original(t, *a, **kw)
 
@@ -244,7 +263,10 @@ def _reads_in_steady_steps(model, tokenizer, reads: str, monkeypatch) -> list[st
         return tensor(*a, **kw)
 
     monkeypatch.setattr(torch, "tensor", upload)
-    monkeypatch.setattr(*((late, "step") if late is not None else (engine, "_sample_step")), counted)
+    if engine._late is not None:
+        monkeypatch.setattr(late_module.LateCall, "step", counting_step(late_module.LateCall.step))
+    else:
+        monkeypatch.setattr(engine, "_sample_step", counting_step(engine._sample_step))
     try:
         engine.generate(_requests(tokenizer, 2, 3, budgets=(12,)))
     finally:
@@ -293,7 +315,7 @@ def test_no_sync_in_late_steps(small_model, tokenizer, monkeypatch):
 
     engine = _engine(copy.deepcopy(small_model).cuda(), tokenizer, "late", max_new_tokens=12)
     engine.end_ids = set()
-    step = engine._late.step
+    step = late_module.LateCall.step
 
     def strict(*args):
         if engine.num_decode_steps < 8:
@@ -303,7 +325,7 @@ def test_no_sync_in_late_steps(small_model, tokenizer, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(engine._late, "step", strict)
+    monkeypatch.setattr(late_module.LateCall, "step", strict)
     late = engine.generate(_requests(tokenizer, 2, 3, budgets=(12,)))
     sync = _engine(copy.deepcopy(small_model).cuda(), tokenizer, "sync", max_new_tokens=12)
     sync.end_ids = set()

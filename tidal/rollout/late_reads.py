@@ -78,28 +78,47 @@ def late_reads(engine) -> LateReads | None:
 
 
 class LateReads:
-    """The late step of one engine (see module docstring); ``step`` replaces ``LocalEngine._sample_step``."""
+    """An engine's late reads: its counters and its host buffers; each ``stream`` call reads through its own
+    ``begin()`` (two calls may run at once on one engine, each with its own slot cache and pending step)."""
 
     def __init__(self, engine):
         self.engine = engine
-        self._cuda = engine.device.type == "cuda"
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
-        self._parity = 0
-        self._pending: _Pending | None = None
+        self.cuda = engine.device.type == "cuda"
+        self._free: list[list] = []  # host buffer pairs of ended calls, reused (pinned allocations are slow)
         self.num_steps = 0  # late steps run
         self.wait_seconds = 0.0  # host time blocked on the previous step's tokens
-        self._said_budget = False
+        self.said_budget = False
 
     def stats(self) -> dict[str, float]:
         return {"rollout/late_steps": float(self.num_steps),
                 "rollout/decode_step_wait_ms": 1e3 * self.wait_seconds / max(self.num_steps, 1)}
 
+    def begin(self) -> LateCall:
+        """The late reads of one ``stream`` call; ``end`` it when the call ends."""
+        return LateCall(self, self._free.pop() if self._free else self._buffers())
+
+    def _buffers(self) -> list:
+        """Two (tokens, log-probs, event) host buffers, used in turn: one read while the next is written."""
+        size = self.engine.cfg.max_batch_size
+        return [(torch.empty(size, dtype=torch.long, pin_memory=self.cuda),
+                 torch.empty(size, dtype=torch.float32, pin_memory=self.cuda),
+                 torch.cuda.Event() if self.cuda else None) for _ in range(2)]
+
+
+class LateCall:
+    """One call's late step (see module docstring); ``step`` replaces ``LocalEngine._sample_step``."""
+
+    def __init__(self, reads: LateReads, buffers: list):
+        self.reads, self.engine, self.buffers = reads, reads.engine, buffers
+        self._parity = 0
+        self._pending: _Pending | None = None
+
     def admits(self, requests) -> bool:
         """Whether the late step can run with ``requests`` joining: not with a thinking budget (drain first)."""
         if all(r.thinking_budget is None for r in requests):
             return True
-        if not self._said_budget:
-            self._said_budget = True
+        if not self.reads.said_budget:
+            self.reads.said_budget = True
             log.info("rollout.host_reads=late: a request with a thinking budget joined; budget forcing rewrites "
                      "tokens before they are fed, so the rest of this call reads each step synchronously")
         return False
@@ -117,7 +136,7 @@ class LateReads:
             rows, tokens = self._process(previous, rows, slots, on_done, tokens)
         if rows:
             e._decode(rows, slots, tokens)
-        self.num_steps += 1
+        self.reads.num_steps += 1
         return rows
 
     def drain(self, rows: list, slots, on_done) -> list:
@@ -128,24 +147,20 @@ class LateReads:
             return rows
         return self._process(previous, rows, slots, on_done, None)[0]
 
-    def forget(self) -> None:
-        """Drop the pending step (a call ended: its rows have all finished, or it raised)."""
+    def end(self) -> None:
+        """The call ended (its rows all finished, or it raised): drop the pending step, give the buffers back."""
+        if self._pending is not None and self._pending.event is not None:
+            self._pending.event.synchronize()  # its copy must land before another call writes the buffer
         self._pending = None
+        self.reads._free.append(self.buffers)
 
     def _send(self, rows: list, tokens: torch.Tensor, logps: torch.Tensor) -> _Pending:
-        """Copy a step's tokens and log-probs to a host buffer (two, used in turn: one being read while the next is
-        written), without waiting for the device on CUDA."""
-        if not self._buffers:
-            size = self.engine.cfg.max_batch_size
-            for _ in range(2):
-                self._buffers.append((torch.empty(size, dtype=torch.long, pin_memory=self._cuda),
-                                      torch.empty(size, dtype=torch.float32, pin_memory=self._cuda),
-                                      torch.cuda.Event() if self._cuda else None))
-        host_tokens, host_logps, event = self._buffers[self._parity]
+        """Copy a step's tokens and log-probs to a host buffer, without waiting for the device on CUDA."""
+        host_tokens, host_logps, event = self.buffers[self._parity]
         self._parity ^= 1
-        n = len(rows)
-        host_tokens[:n].copy_(tokens, non_blocking=self._cuda)
-        host_logps[:n].copy_(logps, non_blocking=self._cuda)
+        n, cuda = len(rows), self.reads.cuda
+        host_tokens[:n].copy_(tokens, non_blocking=cuda)
+        host_logps[:n].copy_(logps, non_blocking=cuda)
         if event is not None:
             event.record()
         return _Pending(list(rows), host_tokens, host_logps, event, self.engine.version)
@@ -158,7 +173,7 @@ class LateReads:
         if pending.event is not None:
             began = time.perf_counter()
             pending.event.synchronize()
-            self.wait_seconds += time.perf_counter() - began
+            self.reads.wait_seconds += time.perf_counter() - began
         n = len(pending.rows)
         finished = appended = 0
         for row, tok, lp in zip(pending.rows, pending.tokens[:n].tolist(), pending.logps[:n].tolist()):

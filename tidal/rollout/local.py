@@ -235,7 +235,7 @@ class LocalEngine:
         rows: list[_Row] = []  # the running batch, row i in slot i of ``slots``
         slots = self._slot_cache()
         exhausted = False
-        late = self._late  # None: each step's tokens are read before the next decode (``late_reads.py``)
+        late = self._late.begin() if self._late is not None else None  # None: read before the next decode
         try:
             self._reserve(slots, size_for, joins_later=False)
             while True:
@@ -253,7 +253,9 @@ class LocalEngine:
                             rows = self._reprefill(slots, rows, late, on_done)
                         if late is not None:  # rows join a batch whose tokens are exact
                             rows = late.drain(rows, slots, on_done)
-                            late = late if late.admits(new) else None
+                            if not late.admits(new):
+                                late.end()
+                                late = None
                         if not size_for:
                             self._reserve(slots, new, joins_later=True, running=len(rows))
                         new_rows = [_Row(r, sampling_key(self.seed, r)) for r in new]
@@ -276,8 +278,8 @@ class LocalEngine:
                 self.decode_host_seconds += time.perf_counter() - began
                 self.num_decode_steps += 1
         finally:
-            if self._late is not None:
-                self._late.forget()
+            if late is not None:
+                late.end()
             self.generate_seconds += time.perf_counter() - start
             if slots is self._slots:
                 self._slots_in_use = False
