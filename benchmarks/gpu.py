@@ -87,6 +87,10 @@ seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (
    one such call's time (``repeat``'s K/V copy included). ``--set
    decode_attention=gqa`` instead runs the ``generate`` and ``rl_step`` engines under one arm.
 
+5. ``host_reads`` (not a default part; ``benchmarks/_gpu_engine.py``): the engine's decode step with
+   ``rollout.host_reads=sync`` against ``late`` on ``generate``'s requests: ``decode_step_ms_by_host_reads``, the
+   host ms and (CUDA) synchronizations per step of each, and ``host_reads_same_tokens``.
+
 Issue 51's keys, at the top level of the JSON: ``trainer_phase_ms`` (``train``'s last step, ``{forward, head,
 backward, optimizer}`` from its ``perf/trainer_<phase>_ms`` metrics; the head's ms lie inside the forward's),
 ``decode_step_ms`` (``generate``: the engine's timed seconds over the decode steps of its schedule, prefill
@@ -141,6 +145,7 @@ MODEL_NOTES = {"qwen2.5-0.5b": "Qwen2.5-0.5B's shapes, random weights",
 
 roofline = load("_roofline")  # benchmarks/_roofline.py: the FLOP, byte and peak accounting
 gpu_head = load("_gpu_head")  # benchmarks/_gpu_head.py: the head_kernel part (trainer.head_kernel arms)
+gpu_engine = load("_gpu_engine")  # benchmarks/_gpu_engine.py: the host_reads part (rollout.host_reads sync/late)
 
 
 @dataclass
@@ -625,14 +630,17 @@ def part_train_bf16_master(s: Settings, base: torch.nn.Module, device: torch.dev
 
 PARTS = {"train": part_train, "train_tf32": part_train_tf32, "train_bf16_master": part_train_bf16_master,
          "generate": part_generate, "rl_step": part_rl_step, "decode_attention": part_decode_attention,
-         "head_kernel": gpu_head.part_head_kernel}
+         "head_kernel": gpu_head.part_head_kernel,
+         "host_reads": functools.partial(gpu_engine.part_host_reads, gen_requests=gen_requests, timed=roofline.timed)}
 HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split",
-            "decode_attention": "decode_kernels", "head_kernel": "head_kernel_speedup"}
+            "decode_attention": "decode_kernels", "head_kernel": "head_kernel_speedup",
+            "host_reads": "decode_step_ms_by_host_reads"}
 TOP_LEVEL = {"train": ["trainer_phase_ms"], "generate": ["decode_step_ms"],
              "rl_step": ["rl_samples_per_s", "rl_response_lengths", "rl_prepare_s", "rl_first_generate_s",
                          "rl_second_generate_s", "rl_engine_counters"],
              "decode_attention": ["decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold",
-                                  "decode_kernels", "decode_call_ms"]}
+                                  "decode_kernels", "decode_call_ms"],
+             "host_reads": ["host_reads_same_tokens"]}
 """Issue 51's keys, copied to the top level of the JSON (None when their part did not run or failed)."""
 
 
@@ -707,6 +715,10 @@ def table(result: dict) -> list[dict]:
                 calls = arms.get("decode_call_ms") or {}
                 row("decode_attention", f"one attention call ms, {mode}", calls.get(f"{mode} q=1"),
                     f"q=5: {calls.get(f'{mode} q=5')}")
+    for mode in ("sync", "late") if "host_reads" in result else ():
+        arm = result["host_reads"].get(mode) or {}
+        row("host_reads", f"decode step ms, {mode}", arm.get("decode_step_ms"), result["host_reads"].get(
+            "error", f"host ms {arm.get('decode_step_host_ms')}, syncs/step {arm.get('syncs_per_step')}"))
     return rows
 
 

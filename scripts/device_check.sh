@@ -13,8 +13,9 @@
 #                                                # moe (tidal bench moe: a CUDA bf16 engine, its CUDA graphs
 #                                                # recording routes, against an fp32 trainer; off vs r3),
 #                                                # arms (rollout.decode_attention repeat/gqa/fold,
-#                                                # trainer.weights fp32/bf16_master and trainer.head_kernel
-#                                                # chunked/fused/compiled, side by side)
+#                                                # trainer.weights fp32/bf16_master, rollout.host_reads
+#                                                # sync/late and trainer.head_kernel chunked/fused/compiled,
+#                                                # side by side)
 #
 # Fill .whl/ first, on a machine with pip access: bash scripts/device_wheels.sh (reads scripts/device_wheels.txt).
 # Each stage has its own time limit (<STAGE>_LIMIT overrides it, in seconds: ENV_LIMIT, TESTS_LIMIT, CPU_LIMIT,
@@ -123,8 +124,8 @@ EOF
       ((DRY)) && tiny=(--set device=cpu --set tiny=true)
       # head_kernel last (trainer.head_kernel chunked/fused/compiled, fp32 and tf32; its torch.compile ~30 s): each
       # part's JSON is written when it ends (gpu_partial.json), so a time-out there loses only that part
-      run_stage arms "$(limit arms 210)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR/arms" \
-        --set 'parts=[decode_attention,train,train_bf16_master,head_kernel]' "${tiny[@]}" ;;
+      run_stage arms "$(limit arms 240)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR/arms" \
+        --set 'parts=[decode_attention,train,train_bf16_master,host_reads,head_kernel]' "${tiny[@]}" ;;
     trl|smollm2)
       if ((DRY)); then  # no TRL wheels, no model parts on a CPU runner: the stage's commands' settings resolve
         run_stage "$stage" "$(limit "$stage" 60)" "$PY" - "$stage" <<'EOF'

@@ -331,3 +331,16 @@ def test_no_sync_in_late_steps(small_model, tokenizer, monkeypatch):
     sync.end_ids = set()
     assert [t.token_ids for t in late] == [t.token_ids for t in sync.generate(_requests(tokenizer, 2, 3,
                                                                                          budgets=(12,)))]
+
+
+def test_the_bench_arm_runs_both_reads_on_a_toy_size(tmp_path):
+    """``tidal bench gpu``'s ``host_reads`` part (``benchmarks/_gpu_engine.py``; the device check's ``arms`` stage):
+    both arms decode the same rows to the same tokens, the late one through late steps."""
+    from tidal import bench
+
+    result = bench.load("gpu").run(["device=cpu", "tiny=true", "parts=[host_reads]"], tmp_path / "gpu")
+    arms = result["host_reads"]
+    assert "error" not in arms, arms
+    assert result["host_reads_same_tokens"] is True and arms["late"]["late_steps"] > 0 == arms["sync"]["late_steps"]
+    assert set(result["decode_step_ms_by_host_reads"]) == {"sync", "late"}
+    assert [r["part"] for r in result["table"]].count("host_reads") == 2
