@@ -404,7 +404,7 @@ _COMPILED: dict[str, object] = {}
 def _compiled(which: str):
     """The ``compiled`` kernel's elementwise parts, compiled once per process on first use (``torch.compile``
     caches per shape family: the chunk's row count is marked dynamic, so a last, shorter chunk does not
-    recompile)."""
+    recompile; the backward compiles twice, as dynamo specializes the first chunk's slices at offset 0)."""
     if which not in _COMPILED:
         fn = _compiled_logp_entropy if which == "forward" else _compiled_grad_logits
         compiled = torch.compile(fn)

@@ -94,8 +94,8 @@ class TrainerConfig:
     the same values bit for bit and the same gradients within float rounding, 3 matmuls on the last chunk and 4
     on the others, at most two [chunk x vocab] blocks at a time: 511 against 862 MiB peak RSS for 2,048 tokens
     at SmolLM2's 576 x 49,152 on a CPU) or ``compiled`` (``fused`` with its elementwise work compiled by
-    ``torch.compile``: the first step compiles, ~15-35 s on a 2-core CPU, and each new temperature or entropy
-    setting compiles again). Fewer than 4 matmuls per chunk would need the loss's gradient during the forward
+    ``torch.compile``: the first step compiles, 8-18 s measured on a 2-core CPU, and each new temperature or
+    entropy setting compiles again). Fewer than 4 matmuls per chunk would need the loss's gradient during the forward
     (Liger Kernel's fused linear cross-entropy, arXiv 2410.10989, does that only for a scalar cross-entropy
     loss) or [tokens x vocab] logits kept; neither Liger's nor Cut Cross-Entropy's (arXiv 2411.09009) kernel
     returns the entropy, so neither is an option here. ``chunked`` stays the default until ``tidal bench gpu``'s
