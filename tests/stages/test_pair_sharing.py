@@ -9,7 +9,7 @@ from tidal.models import tiny
 from tidal.models.reward_model import from_policy
 from tidal.stages import dpo, reward_model
 from tidal.stages.chat_data import PairExample, encode_pair
-from tidal.stages.pair_tree import pack_pairs
+from tidal.stages.pair_tree import pack_pairs, row_width
 
 from .conftest import SMALL
 
@@ -116,3 +116,13 @@ def test_a_pair_sharing_n_tokens_feeds_n_fewer(setup):
     assert _fed_tokens(rm, lambda: reward_model.pair_rewards(rm, [pair], 64, share_prefix=True)) == total - n
     layout, _ = pack_pairs([pair.chosen_ids], [pair.rejected_ids], 64)
     assert layout.num_tokens == total - n and layout.input_ids_rl.shape == (1, total - n)
+
+
+def test_row_width_never_splits_a_pair_and_weighs_attention():
+    """Capacity is never under the largest trie (a split pair would compute its prefix twice); short tries get
+    narrow rows (attention's W^2 outweighs the padding), and a large hidden size (attention cheap per token)
+    takes the widest, least padded rows."""
+    sizes = [20] * 5 + [10]  # one row of 110 columns holds all; rows of 20, 40 or 60 pad 10 more slots
+    assert row_width(sizes, 110, hidden_size=32) == 20
+    assert row_width(sizes, 110, hidden_size=10**6) == 110
+    assert row_width([30, 90], 64, hidden_size=128) == 90  # one trie wider than the limit: the trie's width

@@ -15,6 +15,10 @@ What the loss counts is unchanged: the log-probs come back in the right-padded [
 sequence (``unpack_trees``), and the caller applies the same completion masks as before. The LM head runs
 only on the nodes some sequence's mask scores (``token_logprobs``'s ``score_mask_bt``), the prompt's never.
 
+Rows are as wide as costs least (``row_width``), at most ``pack_length``: attention costs each row its width
+squared, so short pairs run faster in several narrow rows than in one ``max_length``-wide one (the synthetic
+domain's DPO step: ~17% less CPU time at ~46 columns than at 128), while long ones fill wide rows.
+
 A trie is not a varlen flash-attention segment: a model loaded with flash attention (no explicit mask) takes
 the two-row packing (``shares_prefixes``), with the same results.
 """
@@ -25,6 +29,7 @@ import torch
 
 from tidal.models.logprobs import token_logprobs
 from tidal.stages.sft import padded
+from tidal.train.microbatch import pack_sequences
 from tidal.train.packing import packed_attention_mask
 from tidal.train.prefix_tree import PackedTrees, pack_prefix_trees, unpack_trees
 
@@ -34,12 +39,39 @@ def shares_prefixes(model: torch.nn.Module) -> bool:
     return not str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("flash")
 
 
-def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], pack_length: int) -> tuple[PackedTrees, list[int]]:
+def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], pack_length: int,
+               hidden_size: int = 1024) -> tuple[PackedTrees, list[int]]:
     """One trie per pair (sequences numbered chosen 0..B-1, then rejected 0..B-1, as the two-row path numbers
-    them), tries packed into rows of ``pack_length`` nodes (wider when one sequence is); and the lengths."""
+    them), tries packed into rows of at most ``pack_length`` nodes (or the longest sequence), as wide as costs
+    least for a model of ``hidden_size`` (``row_width``); and the sequences' lengths."""
     ids_bt, lengths = padded(chosen + rejected)
-    pairs = list(range(len(chosen)))
-    return pack_prefix_trees(ids_bt, lengths, pairs + pairs, max(pack_length, ids_bt.shape[1])), lengths
+    n, width = len(chosen), ids_bt.shape[1]
+    length_b = torch.tensor(lengths)
+    within = torch.arange(width)[None] < torch.minimum(length_b[:n], length_b[n:])[:, None]
+    common = ((ids_bt[:n] == ids_bt[n:]) & within).cumprod(1).sum(1)  # each pair's longest common prefix
+    sizes = (length_b[:n] + length_b[n:] - common).tolist()  # a two-sequence trie's nodes
+    capacity = row_width(sizes, max(pack_length, width), hidden_size)
+    pairs = list(range(n))
+    return pack_prefix_trees(ids_bt, lengths, pairs + pairs, capacity), lengths
+
+
+def row_width(sizes: list[int], limit: int, hidden_size: int) -> int:
+    """The row capacity, between the largest trie and ``limit``, whose first-fit packing of tries of ``sizes``
+    nodes costs least. R rows of W columns cost R * W token slots in every linear layer and R * W * W in
+    attention; per token, attention's scores and values are ~2 W h multiply-adds against ~16 h^2 for the
+    projections and an MLP 4h wide, so a row's cost is taken as R * W * (1 + W / (8 h)). Candidates are the
+    multiples of the largest trie (one, two, ... tries a row) and ``limit``."""
+    largest = max(sizes)
+    best = (float("inf"), limit)
+    for capacity in sorted({*range(largest, limit + 1, largest), max(limit, largest)}):
+        rows = pack_sequences(sizes, capacity)
+        width = max(sum(sizes[i] for i in row) for row in rows)
+        best = min(best, (len(rows) * width * (1 + width / (8 * hidden_size)), capacity))
+    return best[1]
+
+
+def _hidden_size(model: torch.nn.Module) -> int:
+    return int(getattr(getattr(model, "config", None), "hidden_size", 0) or 1024)
 
 
 def node_mask(layout: PackedTrees, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -55,7 +87,7 @@ def pair_logprobs(model: torch.nn.Module, chosen: list[list[int]], rejected: lis
                   mask_bt: torch.Tensor, attention: str = "auto") -> tuple[torch.Tensor, int]:
     """(log p(x_t | x_<t) right-padded [2B, T], chosen rows then rejected, nonzero where ``mask_bt`` [2B, T]
     scores; the tokens the forward computed). One packed forward of the pairs' tries."""
-    layout, _ = pack_pairs(chosen, rejected, pack_length)
+    layout, _ = pack_pairs(chosen, rejected, pack_length, _hidden_size(model))
     mask = packed_attention_mask(layout, model, attention)
     logp_rl, _ = token_logprobs(model, layout.input_ids_rl, mask, position_ids=layout.position_ids_rl,
                                 parents_bt=layout.parents_rl, score_mask_bt=node_mask(layout, mask_bt))
@@ -77,7 +109,7 @@ def pair_last_hidden(model: torch.nn.Module, backbone: torch.nn.Module, chosen: 
                      rejected: list[list[int]], pack_length: int) -> tuple[torch.Tensor, int]:
     """(the backbone's last hidden state at each sequence's last token [2B, H], chosen then rejected; the tokens
     the forward computed): what a reward model's head reads, with each pair's common prefix computed once."""
-    layout, lengths = pack_pairs(chosen, rejected, pack_length)
+    layout, lengths = pack_pairs(chosen, rejected, pack_length, _hidden_size(model))
     device = next(model.parameters()).device
     hidden_rlh = backbone(input_ids=layout.input_ids_rl.to(device),
                           attention_mask=packed_attention_mask(layout, model, "auto"),
