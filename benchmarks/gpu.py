@@ -167,6 +167,9 @@ class Settings:
     head_tokens: str = "all"
     """``trainer.head_tokens`` of the ``train`` part (and the RL step): ``loss`` runs the LM head on the response
     tokens only, and the MFU then counts the head's FLOPs on those tokens only (``head_tokens_per_step``)."""
+    head_kernel: str = "chunked"
+    """``trainer.head_kernel`` of the ``train`` part (and the RL step): ``--set head_kernel=fused`` gives the trainer's
+    MFU with the fused head (the ``head_kernel`` part times the head alone, every kernel side by side)."""
     precision: str = "auto"
     """``trainer.precision``: bf16 autocast on CUDA with ``auto``, fp32 on CPU."""
     weights: str = "fp32"
@@ -282,7 +285,7 @@ def make_trainer(model: torch.nn.Module, s: Settings, device: torch.device):
 
     cfg = TrainerConfig(precision=s.precision, packing=True, pack_tokens=s.pack_tokens,
                         micro_batch_tokens=s.micro_batch_tokens, head_matmul=s.head_matmul, head_tokens=s.head_tokens,
-                        weights=s.weights)
+                        weights=s.weights, head_kernel=s.head_kernel)
     return Trainer(model, AlgoConfig(), OptimConfig(lr=1e-6), cfg, device=device)
 
 

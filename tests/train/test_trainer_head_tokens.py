@@ -123,3 +123,31 @@ def test_a_step_leaves_the_global_tf32_setting_as_it_was(small_model, batch, bef
         assert torch.backends.cuda.matmul.allow_tf32 is before
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[:1] + LAYOUTS[2:4])
+@pytest.mark.parametrize("head_tokens", ["all", "loss"])
+@pytest.mark.parametrize("algo", [AlgoConfig(), AlgoConfig(policy_loss="sapo", entropy_coef=0.05, kl_coef=0.1)],
+                         ids=["grpo", "sapo_entropy_kl"])
+def test_a_step_with_the_fused_head_equals_the_chunked_one(small_model, batch, layout, head_tokens, algo,
+                                                           monkeypatch):
+    """``trainer.head_kernel=fused`` (``models/logprobs.py``: the closed-form backward) reaches the trainer's step
+    (its backward runs: counted) with the same gradients, metrics and log-probs as ``chunked``, entropy's gradient
+    included (issue 51)."""
+    from tidal.models import logprobs
+
+    backward = logprobs._FusedHead.backward
+    calls = []
+    monkeypatch.setattr(logprobs._FusedHead, "backward", staticmethod(lambda *a: calls.append(1) or backward(*a)))
+    ref = copy.deepcopy(small_model) if algo.kl_coef > 0 else None
+    want = _step(small_model, batch, algo, TrainerConfig(head_tokens=head_tokens, **layout), ref)
+    assert not calls
+    got = _step(small_model, batch, algo, TrainerConfig(head_tokens=head_tokens, head_kernel="fused", **layout), ref)
+    assert calls, "the fused head's backward never ran: trainer.head_kernel did not reach the step"
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-5)
+    for n in want[0]:
+        scale = want[0][n].abs().max().item()
+        torch.testing.assert_close(got[0][n], want[0][n], rtol=0, atol=1e-5 * scale + 1e-12, msg=n)
+    for k, v in want[1].items():
+        if not k.startswith("perf/"):
+            assert got[1][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k

@@ -112,10 +112,11 @@ class LogprobModule(torch.nn.Module):
 
     def forward(self, input_ids_bt, attention_mask_bt, temperature=1.0, with_entropy=False, *,
                 position_ids=None, parents_bt=None, chunk_size=1024, entropy_grad=False, score_mask_bt=None,
-                tf32=False):
+                tf32=False, head_kernel="chunked"):
         return token_logprobs(self.lm, input_ids_bt, attention_mask_bt, temperature, with_entropy,
                               position_ids=position_ids, parents_bt=parents_bt, chunk_size=chunk_size,
-                              entropy_grad=entropy_grad, score_mask_bt=score_mask_bt, tf32=tf32)
+                              entropy_grad=entropy_grad, score_mask_bt=score_mask_bt, tf32=tf32,
+                              head_kernel=head_kernel)
 
     # what the trainer and checkpoint.py ask of a sharded model's root (train/data_parallel.py)
     def full_state_dict(self) -> dict[str, torch.Tensor]:

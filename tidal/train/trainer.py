@@ -209,6 +209,7 @@ class Trainer:
         sharded (which unshards its weights)."""
         root = root_of(model)
         kwargs["tf32"] = self._head_tf32  # the head's matmuls only (``models/logprobs.py``'s ``tf32_matmul``)
+        kwargs["head_kernel"] = self.cfg.head_kernel  # chunked | fused | compiled (``models/logprobs.py``)
         with self.autocast():
             return root(*args, **kwargs) if root is not None else token_logprobs(model, *args, **kwargs)
 
