@@ -8,8 +8,10 @@ from tidal.config import apply_overrides
 from tidal.models import tiny
 from tidal.models.reward_model import from_policy
 from tidal.stages import dpo, reward_model
-from tidal.stages.chat_data import PairExample, encode_pair
-from tidal.stages.pair_tree import pack_pairs, row_width
+from tidal.stages.chat_data import PairExample, SFTExample, encode_pair
+from tidal.stages.pair_tree import pack_pairs, right_padded, row_width
+from tidal.stages.sft import masks, padded
+from tidal.train.prefix_tree import pack_prefix_trees, trie, unpack_trees
 
 from .conftest import SMALL
 
@@ -116,6 +118,36 @@ def test_a_pair_sharing_n_tokens_feeds_n_fewer(setup):
     assert _fed_tokens(rm, lambda: reward_model.pair_rewards(rm, [pair], 64, share_prefix=True)) == total - n
     layout, _ = pack_pairs([pair.chosen_ids], [pair.rejected_ids], 64)
     assert layout.num_tokens == total - n and layout.input_ids_rl.shape == (1, total - n)
+
+
+@pytest.mark.parametrize("pack_length, hidden", [(24, 32), (64, 10**6), (200, 10**6)])
+def test_pair_layout_is_the_prefix_tries(setup, pack_length, hidden):
+    """``pack_pairs`` builds, with tensor ops, the layout ``train/prefix_tree.pack_prefix_trees`` builds by walking
+    each pair's trie: the same ids, positions, parents and subtree ends, and the same values unpacked."""
+    _, _, pairs = setup
+    chosen, rejected = [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs]
+    layout, lengths = pack_pairs(chosen, rejected, pack_length, hidden)
+    ids_bt, _ = padded(chosen + rejected)
+    sizes = [len(trie([c, r])[0]) for c, r in zip(chosen, rejected)]
+    capacity = row_width(sizes, max(pack_length, ids_bt.shape[1]), hidden)
+    want = pack_prefix_trees(ids_bt, lengths, list(range(len(pairs))) * 2, capacity)
+    for name in ("input_ids_rl", "position_ids_rl", "parents_rl", "end_rl"):
+        assert torch.equal(getattr(layout, name), getattr(want, name)), name
+    assert (layout.num_tokens, layout.num_sequences) == (want.num_tokens, want.num_sequences) == (sum(sizes), 16)
+    values = torch.randn(layout.input_ids_rl.shape)
+    width = ids_bt.shape[1]
+    assert torch.equal(unpack_trees(values, layout, width), unpack_trees(values, want, width))
+
+
+def test_right_padded_is_sft_padded(setup):
+    _, _, pairs = setup
+    rows = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+    ids, lengths = right_padded(rows)
+    want, want_lengths = padded(rows)
+    assert torch.equal(ids, want) and lengths == want_lengths
+    mask, _ = right_padded([p.chosen_mask for p in pairs], torch.float)
+    mask[:, 0] = 0
+    assert torch.equal(mask, masks([SFTExample(p.chosen_ids, p.chosen_mask) for p in pairs], mask.shape[1]))
 
 
 def test_row_width_never_splits_a_pair_and_weighs_attention():

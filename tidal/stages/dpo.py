@@ -47,8 +47,8 @@ from tidal.stages.common import (
     with_lora,
 )
 from tidal.stages.dpo_losses import PREFERENCE_LOSSES, REFERENCE_FREE, implicit_margin
-from tidal.stages.pair_tree import pair_logprobs, shares_prefixes
-from tidal.stages.sft import masks, packed_logprobs
+from tidal.stages.pair_tree import pair_logprobs, right_padded, shares_prefixes
+from tidal.stages.sft import packed_logprobs
 
 
 @dataclass
@@ -94,7 +94,8 @@ def _completion_sums(model, pairs: list[PairExample], pack_length: int, share_pr
     """``sequence_logps``'s four, and the tokens the forward computed."""
     seqs = [SFTExample(p.chosen_ids, p.chosen_mask) for p in pairs] + \
            [SFTExample(p.rejected_ids, p.rejected_mask) for p in pairs]
-    mask_bt = masks(seqs, max(len(s.ids) for s in seqs))
+    mask_bt, _ = right_padded([s.mask for s in seqs], torch.float)  # ``sft.masks``, converted once
+    mask_bt[:, 0] = 0  # token 0 is never predicted
     if share_prefix and shares_prefixes(model):
         logp_bt, computed = pair_logprobs(model, [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs],
                                           pack_length, mask_bt)

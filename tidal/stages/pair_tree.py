@@ -25,13 +25,14 @@ the two-row packing (``shares_prefixes``), with the same results.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tidal.models.logprobs import token_logprobs
-from tidal.stages.sft import padded
 from tidal.train.microbatch import pack_sequences
 from tidal.train.packing import packed_attention_mask
-from tidal.train.prefix_tree import PackedTrees, pack_prefix_trees, unpack_trees
+from tidal.train.prefix_tree import PackedTrees, unpack_trees
 
 
 def shares_prefixes(model: torch.nn.Module) -> bool:
@@ -43,16 +44,62 @@ def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], pack_length: 
                hidden_size: int = 1024) -> tuple[PackedTrees, list[int]]:
     """One trie per pair (sequences numbered chosen 0..B-1, then rejected 0..B-1, as the two-row path numbers
     them), tries packed into rows of at most ``pack_length`` nodes (or the longest sequence), as wide as costs
-    least for a model of ``hidden_size`` (``row_width``); and the sequences' lengths."""
-    ids_bt, lengths = padded(chosen + rejected)
+    least for a model of ``hidden_size`` (``row_width``); and the sequences' lengths.
+
+    The layout is ``pack_prefix_trees``'s for these groups, node for node (``tests/stages/test_pair_sharing.py``
+    compares them), built with tensor ops: a two-sequence trie is known without walking it, in pre-order the
+    common prefix (c nodes), the chosen tail, then the rejected tail, so no per-token Python runs each step."""
+    ids_bt, lengths = right_padded(chosen + rejected)
     n, width = len(chosen), ids_bt.shape[1]
     length_b = torch.tensor(lengths)
-    within = torch.arange(width)[None] < torch.minimum(length_b[:n], length_b[n:])[:, None]
-    common = ((ids_bt[:n] == ids_bt[n:]) & within).cumprod(1).sum(1)  # each pair's longest common prefix
-    sizes = (length_b[:n] + length_b[n:] - common).tolist()  # a two-sequence trie's nodes
-    capacity = row_width(sizes, max(pack_length, width), hidden_size)
-    pairs = list(range(n))
-    return pack_prefix_trees(ids_bt, lengths, pairs + pairs, capacity), lengths
+    lc, lr = length_b[:n], length_b[n:]
+    within = torch.arange(width)[None] < torch.minimum(lc, lr)[:, None]
+    c = ((ids_bt[:n] == ids_bt[n:]) & within).cumprod(1).sum(1)  # each pair's longest common prefix
+    size = lc + lr - c  # a two-sequence trie's nodes
+    capacity = row_width(size.tolist(), max(pack_length, width), hidden_size)
+    rows = pack_sequences(size.tolist(), capacity)
+    row_l, offset_l, size_l = [0] * n, [0] * n, size.tolist()
+    for r, members in enumerate(rows):  # per pair, never per token: which row, and where in it
+        start = 0
+        for k in sorted(members):
+            row_l[k], offset_l[k], start = r, start, start + size_l[k]
+    row_p, offset_p = torch.tensor(row_l, dtype=torch.long), torch.tensor(offset_l, dtype=torch.long)
+    # every node: its pair p and index j in the pair's trie; nodes j >= lc[p] are the rejected tail
+    pair_n = torch.repeat_interleave(torch.arange(n), size)
+    j = torch.arange(int(size.sum())) - (torch.cumsum(size, 0) - size)[pair_n]
+    lc_n, c_n, size_n = lc[pair_n], c[pair_n], size[pair_n]
+    tail = j >= lc_n
+    depth = torch.where(tail, j - lc_n + c_n, j)
+    token = torch.where(tail, ids_bt[n + pair_n, depth.clamp(max=width - 1)], ids_bt[pair_n, j.clamp(max=width - 1)])
+    parent = torch.where(j == lc_n, c_n - 1, j - 1)  # the rejected tail hangs off the prefix's last node
+    end = torch.where((j >= c_n) & ~tail, lc_n, size_n)  # the chosen tail's subtree ends where it does
+    row_n, col_n = row_p[pair_n], offset_p[pair_n] + j
+    num_rows, num_cols = len(rows), int((offset_p + size).max())
+    ids_rl = torch.zeros((num_rows, num_cols), dtype=torch.long)
+    pos_rl, parents_rl = torch.zeros_like(ids_rl), torch.full_like(ids_rl, -1)
+    end_rl = torch.arange(1, num_cols + 1).repeat(num_rows, 1)  # padding sees itself only
+    ids_rl[row_n, col_n], pos_rl[row_n, col_n] = token, depth
+    parents_rl[row_n, col_n] = torch.where(parent >= 0, offset_p[pair_n] + parent, -1)
+    end_rl[row_n, col_n] = offset_p[pair_n] + end
+    # unpack: sequence b's position t (1 <= t < length) reads its pair's node t, or for a rejected position
+    # past the prefix, node t - c + lc
+    count_b = length_b - 1
+    dest_b = torch.repeat_interleave(torch.arange(2 * n), count_b)
+    dest_t = torch.arange(int(count_b.sum())) - (torch.cumsum(count_b, 0) - count_b)[dest_b] + 1
+    pair_d = dest_b % n
+    node_d = torch.where((dest_b >= n) & (dest_t >= c[pair_d]), dest_t - c[pair_d] + lc[pair_d], dest_t)
+    layout = PackedTrees(ids_rl, pos_rl, end_rl, parents_rl, row_p[pair_d], offset_p[pair_d] + node_d, dest_b,
+                         dest_t, 2 * n, int(size.sum()))
+    return layout, lengths
+
+
+def right_padded(rows: list[list[int]], dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, list[int]]:
+    """``sft.padded``'s [B, T] and lengths from one flat tensor (one conversion, not one per row)."""
+    lengths = [len(r) for r in rows]
+    out = torch.zeros((len(rows), max(lengths)), dtype=dtype)
+    out[torch.arange(out.shape[1])[None] < torch.tensor(lengths)[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(rows)), dtype=dtype)
+    return out, lengths
 
 
 def row_width(sizes: list[int], limit: int, hidden_size: int) -> int:
