@@ -71,7 +71,8 @@ class DPOStageConfig:
     ref_batch_size: int = 32
     """Pairs per batched reference pass."""
     pack_length: int = 0
-    """Tokens per packed row; 0: ``data.max_length``."""
+    """Tokens per packed row (with ``share_prefix``, the most: rows are as wide as costs least,
+    ``pair_tree.row_width``); 0: ``data.max_length``."""
     share_prefix: bool = True
     """Each pair as one prefix trie, its chosen and rejected's common token prefix computed once
     (``pair_tree.py``); false: 2B packed sequences. Same losses and gradients either way."""

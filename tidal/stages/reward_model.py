@@ -52,7 +52,8 @@ class RMStageConfig:
     center: float = 0.0
     """Weight of mean((r_c + r_r)^2) (TRL's ``center_rewards_coefficient``; Eisenstein et al. 2023 use 0.01)."""
     pack_length: int = 0
-    """Tokens per packed row; 0: ``data.max_length``."""
+    """Tokens per packed row (with ``share_prefix``, the most: rows are as wide as costs least,
+    ``pair_tree.row_width``); 0: ``data.max_length``."""
     share_prefix: bool = True
     """Each pair as one prefix trie, its chosen and rejected's common token prefix computed once
     (``pair_tree.py``); false: 2B packed sequences. Same rewards and gradients either way."""
