@@ -95,7 +95,11 @@ class LateReads:
 
     def begin(self) -> LateCall:
         """The late reads of one ``stream`` call; ``end`` it when the call ends."""
-        return LateCall(self, self._free.pop() if self._free else self._buffers())
+        try:
+            buffers = self._free.pop()  # atomic: calls may begin on several threads
+        except IndexError:
+            buffers = self._buffers()
+        return LateCall(self, buffers)
 
     def _buffers(self) -> list:
         """Two (tokens, log-probs, event) host buffers, used in turn: one read while the next is written."""

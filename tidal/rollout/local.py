@@ -6,7 +6,9 @@ How a batch is generated:
 2. Decode: one forward per step over the running rows, whose keys and values live in a
    preallocated slot cache (``slots.py``: each step writes one column in place). A row that
    finishes leaves at once and a waiting request takes its slot at the next step, so a long-tailed
-   batch pays neither for padding nor for waiting on its longest row.
+   batch pays neither for padding nor for waiting on its longest row. With ``rollout.host_reads=late`` each
+   step's sampled tokens feed the next decode from the device and reach the host one step later, so the host's
+   per-row work overlaps the device's step (``late_reads.py``).
 3. Interruption (AReaL-style): between two decode steps the engine checks for a pending weight
    update. If there is one it loads the weights, bumps its version, re-prefills every unfinished
    sequence (prompt + tokens so far) under the new weights and continues. Tokens sampled after the
