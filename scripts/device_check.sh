@@ -107,7 +107,7 @@ EOF
       ;;
     tests)  # without CUDA (a dry run) every test here skips: the run proves they collect
       TIDAL_GPU_REPORT="$OUT_DIR/gpu_tests.jsonl" run_stage tests "$(limit tests 330)" \
-        "$PY" -m pytest -q -m gpu tests/models tests/gpu -p no:cacheprovider -rfEs \
+        "$PY" -m pytest -q -m gpu tests/models tests/gpu tests/rollout/test_late_reads.py -p no:cacheprovider -rfEs \
         --junitxml="$OUT_DIR/gpu_tests.xml" ;;
     cpu)  # the CPU logic under this machine's torch and transformers versions (a dry run only collects it)
       collect=()

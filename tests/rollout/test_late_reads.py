@@ -309,28 +309,31 @@ def test_the_host_copy_of_row_starts_stays_the_devices(small_model, tokenizer, m
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_sync_in_late_steps(small_model, tokenizer, monkeypatch):
-    """On CUDA, steady late steps (no row finishing) run under ``torch.cuda.set_sync_debug_mode('error')``: no read
-    and no upload in them waits for the device (the event wait of the previous step is not a stream sync)."""
+    """On CUDA (bf16, CUDA graphs), steady late steps (no row finishing) run under
+    ``torch.cuda.set_sync_debug_mode('error')``: no read and no upload in them waits for the device (waiting on the
+    previous step's event is not a stream synchronization), and the tokens are the synchronous path's."""
     import copy
 
-    engine = _engine(copy.deepcopy(small_model).cuda(), tokenizer, "late", max_new_tokens=12)
-    engine.end_ids = set()
-    step = late_module.LateCall.step
+    requests = _requests(tokenizer, 2, 3, budgets=(12,))
+    runs = {}
+    for reads in ("sync", "late"):
+        engine = _engine(copy.deepcopy(small_model).cuda(), tokenizer, reads, max_new_tokens=12)
+        engine.end_ids = set()  # every row runs its 12 tokens: no row finishes before the last steps
+        engine.generate(requests)  # warm-up: graphs recorded, the sampler compiled
+        if reads == "late":
+            first, step = engine.num_decode_steps, late_module.LateCall.step
 
-    def strict(*args):
-        if engine.num_decode_steps < 8:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            return step(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+            def strict(*args, engine=engine, first=first, step=step):
+                if engine.num_decode_steps - first < 8:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return step(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(late_module.LateCall, "step", strict)
-    late = engine.generate(_requests(tokenizer, 2, 3, budgets=(12,)))
-    sync = _engine(copy.deepcopy(small_model).cuda(), tokenizer, "sync", max_new_tokens=12)
-    sync.end_ids = set()
-    assert [t.token_ids for t in late] == [t.token_ids for t in sync.generate(_requests(tokenizer, 2, 3,
-                                                                                         budgets=(12,)))]
+            monkeypatch.setattr(late_module.LateCall, "step", strict)
+        runs[reads] = [t.token_ids for t in engine.generate(requests)]
+    assert runs["late"] == runs["sync"]
 
 
 def test_the_bench_arm_runs_both_reads_on_a_toy_size(tmp_path):
