@@ -152,9 +152,9 @@ class LateCall:
         return self._process(previous, rows, slots, on_done, None)[0]
 
     def end(self) -> None:
-        """The call ended (its rows all finished, or it raised): drop the pending step, give the buffers back."""
-        if self._pending is not None and self._pending.event is not None:
-            self._pending.event.synchronize()  # its copy must land before another call writes the buffer
+        """The call ended (its rows all finished, or it raised): drop the pending step, give the buffers back. A copy
+        still in flight needs no wait: the next call's copies into these buffers queue behind it, and it reads them
+        only after its own events."""
         self._pending = None
         self.reads._free.append(self.buffers)
 
