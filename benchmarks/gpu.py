@@ -110,13 +110,16 @@ row to the longest budget.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import gc
 import json
 import random
+import signal
 import statistics
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field, fields
@@ -157,8 +160,9 @@ class Settings:
     every part's code path in seconds, numbers meaningless (``bash scripts/device_check.sh --dry-run`` uses it)."""
     model: str = "qwen2.5-0.5b"
     """A key of ``MODELS``."""
-    parts: list[str] = field(default_factory=lambda: ["train", "train_tf32", "generate", "rl_step"])
-    """``train_tf32`` is ``train`` again with ``trainer.head_matmul=tf32`` (the LM head on tensor cores)."""
+    parts: list[str] = field(default_factory=lambda: ["train", "generate", "rl_step", "train_tf32"])
+    """``train_tf32`` is ``train`` again with ``trainer.head_matmul=tf32`` (the LM head on tensor cores). In order of
+    what a device check must not miss: ``budget_s`` skips from the end."""
     profile: bool = False
     """Also run one trainer step and one engine ``generate`` under ``torch.profiler`` and keep the 20 costliest
     operations of each (device and host time) under ``profile`` in the part's results: where the time goes."""
@@ -180,6 +184,10 @@ class Settings:
     """``rollout.dtype`` of the engine, and the dtype HF ``generate`` runs in: bf16 on CUDA with ``auto``."""
     decode_attention: str = "repeat"
     """``rollout.decode_attention`` of the ``generate`` and ``rl_step`` engines (``rollout/decode_attention.py``)."""
+    budget_s: float = 0.0
+    """Seconds the whole bench may take (0: no limit). A part still running when they are spent is stopped (an alarm
+    raises inside it: its entry says so) and the parts after it are skipped, so ``gpu.json`` is always written:
+    the device check passes its stage limit less a margin, where an outside kill used to lose every figure."""
     seed: int = 0
     matmul_size: int = 8192
     """Side of the square matmuls timed for the measured peak."""
@@ -725,6 +733,29 @@ def table(result: dict) -> list[dict]:
     return rows
 
 
+class BudgetSpent(Exception):
+    """The bench's ``budget_s`` ran out inside a part (``within``)."""
+
+
+@contextlib.contextmanager
+def within(seconds: float | None):
+    """Raise ``BudgetSpent`` in the main thread once ``seconds`` pass (SIGALRM; None or another thread: no limit)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def spent(signum, frame):
+        raise BudgetSpent(f"stopped after {seconds:.0f} s: the bench's budget_s was spent inside this part")
+
+    previous = signal.signal(signal.SIGALRM, spent)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run(overrides: list[str], out_dir: Path) -> dict:
     s, device = resolve(overrides)
     tiny = ", tiny shapes" if s.tiny else ""
@@ -740,11 +771,18 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     start = time.perf_counter()
     base = build_model(s)
     result["model_build_s"] = time.perf_counter() - start
+    deadline = time.monotonic() + s.budget_s if s.budget_s > 0 else None
     for name in s.parts:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left < 1:
+            result[name] = {"skipped": f"budget_s={s.budget_s:g} spent before this part", "part_s": 0.0}
+            print(f"[bench gpu] part {name} skipped: budget_s={s.budget_s:g} spent", flush=True)
+            continue
         print(f"[bench gpu] part {name} ...", flush=True)
         start = time.perf_counter()
         try:
-            result[name] = PARTS[name](s, base, device, result)
+            with within(left):
+                result[name] = PARTS[name](s, base, device, result)
         except Exception as e:  # one part's failure must not lose the others' numbers
             traceback.print_exc()
             result[name] = {"error": f"{type(e).__name__}: {e}"}

@@ -124,6 +124,28 @@ def test_a_failing_part_keeps_the_others(tmp_path, monkeypatch):
     assert result["matmul_tflops_measured"] > 0 and bench.format_table(result["table"])
 
 
+def test_a_spent_budget_stops_the_part_and_skips_the_rest(tmp_path, monkeypatch):
+    """``budget_s``: a part still running when the budget is spent is stopped inside (its entry says so), the
+    parts after it are skipped, and the result is still written: the device check's stage limit no longer loses
+    every figure (the H200 recheck's bench was killed in its fourth part and wrote no gpu.json)."""
+    import time
+
+    def slow(*_):
+        time.sleep(30)
+        return {"never": True}
+
+    monkeypatch.setitem(gpu.PARTS, "generate", slow)
+    start = time.monotonic()
+    result = gpu.run([*TOY, "parts=[train,generate,rl_step]", "budget_s=4"], tmp_path / "gpu")
+    assert time.monotonic() - start < 25
+    assert result["train"].get("trainer_mfu") is not None or "budget_s" in result["train"].get("error", "")
+    assert result["generate"]["error"].startswith("BudgetSpent: stopped after")
+    assert "budget_s=4 spent" in result["rl_step"]["skipped"]
+    assert json.loads((tmp_path / "gpu_partial.json").read_text())["generate"]["error"]
+    signal = __import__("signal")
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.default_int_handler, None)
+
+
 def test_decode_attention_arms_on_a_toy_size(tmp_path):
     """Each ``rollout.decode_attention`` arm decodes the same rows: the same tokens, a step time each, and the SDPA
     backend of each arm's call named; the other parts' keys stay (None: they did not run)."""

@@ -39,6 +39,19 @@ def test_a_timed_out_stage_loses_only_its_own_record(tmp_path):
     assert env["cuda_available"] is False  # the dry run hides any GPU
 
 
+def test_the_default_check_fits_eight_minutes():
+    """Issue 51: the default stages' limits sum to at most 8 minutes on any machine (a 15-minute loan holds the
+    machine's start and one rerun), and the bench stage hands the bench a budget inside its own limit."""
+    import re
+
+    script = (ROOT / "scripts" / "device_check.sh").read_text()
+    default = re.search(r"else stages=\(([^)]*)\); fi", script).group(1).split()
+    assert default == ["env", "tests", "bench"]
+    limits = {name: int(seconds) for name, seconds in re.findall(r"limit (\w+) (\d+)\)", script)}
+    assert sum(limits[name] for name in default) <= 8 * 60, limits
+    assert "budget_s=$((bench_limit > 60 ? bench_limit - 30" in script
+
+
 @pytest.mark.slow
 def test_the_whole_dry_run(tmp_path):
     dry_run(tmp_path)
@@ -52,7 +65,8 @@ def test_the_whole_dry_run(tmp_path):
     assert gpu["decode_step_ms"] > 0 and gpu["rl_samples_per_s"] > 0 and gpu["rl_response_lengths"]["count"] == 6
     assert "profile" in gpu["train"]  # the device check's --set profile=true ran too
     arms = json.loads((tmp_path / "arms" / "gpu.json").read_text())
-    want = {"decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold", "trainer_mfu_bf16_master"}
+    want = {"decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold", "trainer_mfu_bf16_master",
+            "head_kernel_speedup", "decode_step_ms_by_host_reads"}
     assert want <= set(arms)
     moe = json.loads((tmp_path / "moe.json").read_text())
     assert moe["arms"] == ["off", "r3"] and 0 < moe["routing_agreement_off"] <= 1
