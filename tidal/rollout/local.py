@@ -202,12 +202,14 @@ class LocalEngine:
         """Generate one trajectory per request, in request order (the slot cache sized for them all first)."""
         return generate_by_stream(functools.partial(self.stream, size_for=requests), requests, greedy)
 
-    def prepare(self, requests: Sequence[GenRequest]) -> None:
+    def prepare(self, requests: Sequence[GenRequest], joins_later: bool = False) -> None:
         """Size the slot cache for a ``generate`` of ``requests`` and record its decode steps now, so that no call's
-        timed work pays for them (``generate`` sizes at its start anyway; this only moves the work ahead)."""
+        timed work pays for them (``generate`` sizes at its start anyway; this only moves the work ahead).
+        ``joins_later``: for a ``stream`` whose rows join while others run (the async controller), with the
+        columns their moves need (``sizing.py``)."""
         slots = self._slot_cache()
         try:
-            self._reserve(slots, requests, joins_later=False)
+            self._reserve(slots, requests, joins_later=joins_later)
         finally:
             if slots is self._slots:
                 self._slots_in_use = False

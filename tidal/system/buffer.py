@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+from tidal.api import EngineFailed
+from tidal.config import ConfigError
 from tidal.types import Group
 
 
@@ -58,3 +60,14 @@ class RolloutBuffer:
     def __len__(self) -> int:
         with self._cond:
             return len(self._groups)
+
+
+def take_one(buffer: RolloutBuffer, index: int) -> Group:
+    """Group ``index`` from the buffer; a config error or failed engine met by the generator or scorer
+    thread is raised as itself (one line at the command line), not wrapped in BufferClosed."""
+    try:
+        return buffer.take(index, 1)[0]
+    except BufferClosed as e:
+        if isinstance(e.__cause__, (ConfigError, EngineFailed)):
+            raise e.__cause__ from None
+        raise

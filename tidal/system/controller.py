@@ -42,7 +42,7 @@ from tidal.rollout.evaluate import accuracy_metrics, check_evaluation, greedy_sa
 from tidal.rollout.requests import group_requests
 from tidal.rollout.thinking import close_ids, train_budget, with_budgets
 from tidal.system.batching import collect_batch, informative, length_budget
-from tidal.system.buffer import BufferClosed, RolloutBuffer
+from tidal.system.buffer import RolloutBuffer, take_one
 from tidal.system.config import RunConfig
 from tidal.system.curriculum import PromptSource
 from tidal.system.failures import FailedSteps
@@ -164,6 +164,20 @@ class Controller:
             metrics["reward/length_bias_fired"] = float(self.length_bias.fired)
 
     # ---- pieces shared by both modes -----------------------------------------------------------
+    def _prepare_engine(self) -> None:
+        """Size the engine's slot cache (and record its CUDA-graph buckets) for the first step's requests before the
+        first step's clock starts (issue 51): sync's ``generate`` would do it inside step 1, and async's stream grows
+        it admission by admission. Async sizes for as many rows as can run at once, joining while others run. The
+        prompts are only measured here (``prompt(i)`` is a pure function of ``i`` and the sampler's weights).
+        Engines without ``prepare`` (vLLM, agents' episode engines) skip it."""
+        prepare = getattr(self.engine, "prepare", None)
+        if prepare is None:
+            return
+        r = self.cfg.rollout
+        streams = self.cfg.system.mode != "sync"
+        count = -(-r.max_batch_size // r.group_size) + 1 if streams else r.prompts_per_step
+        prepare(self._requests(self._prompts(self.state.next_group, count), self.state.step), joins_later=streams)
+
     def _prompts(self, start: int, count: int) -> list[Prompt]:
         return [self.source.prompt(i) for i in range(start, start + count)]
 
@@ -392,6 +406,8 @@ class Controller:
         bar = progress_bar(cfg.log.progress, total=cfg.max_steps, initial=self.state.step,
                            desc=f"RL ({cfg.system.mode})", dynamic_ncols=True)
         try:
+            if self.state.step < cfg.max_steps:
+                self._prepare_engine()
             if self.state.step >= cfg.max_steps:
                 stop = f"already at max_steps={cfg.max_steps}"
             elif cfg.system.mode == "sync":
@@ -551,7 +567,7 @@ class Controller:
         try:
             while True:
                 start = time.perf_counter()
-                groups, metrics = self._collect(lambda i, _: _take(buffer, i), step, cfg.rollout.max_staleness,
+                groups, metrics = self._collect(lambda i, _: take_one(buffer, i), step, cfg.rollout.max_staleness,
                                                 on_stale=lambda g: staleness.release())
                 staleness.charge(int(metrics["algo/shortfall_groups"]))
                 if exact:  # after the charge: no room opens at this version for the next step's groups
@@ -569,17 +585,6 @@ class Controller:
             buffer.close()
             generator.join()  # finishes the rows it was decoding, then ends its stream
             scorer.join()
-
-
-def _take(buffer: RolloutBuffer, index: int) -> Group:
-    """Group ``index`` from the buffer; a config error or failed engine met by the generator or scorer
-    thread is raised as itself (one line at the command line), not wrapped in BufferClosed."""
-    try:
-        return buffer.take(index, 1)[0]
-    except BufferClosed as e:
-        if isinstance(e.__cause__, (ConfigError, EngineFailed)):
-            raise e.__cause__ from None
-        raise
 
 
 def _scale(pool, component: str, factor: float) -> bool:
