@@ -41,6 +41,7 @@ from tidal.models.prompts import end_of_turn_ids
 from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
 from tidal.rollout.decode_attention import use_engine_attention
+from tidal.rollout.graphs import GRAPH_WIDTHS
 from tidal.rollout.head import HEAD_DTYPES, fill_head, keep_head_fp32
 from tidal.rollout.late_reads import late_reads
 from tidal.rollout.requests import finished_trajectory, generate_by_stream, sampling_key
@@ -96,6 +97,8 @@ class LocalEngine:
             self._routing.clear_plan()
             self._routing.keep_logits = False
             self._routing.drop_logits()
+        if cfg.graph_widths not in GRAPH_WIDTHS:
+            raise ValueError(f"rollout.graph_widths={cfg.graph_widths!r}: one of {', '.join(GRAPH_WIDTHS)}")
         if cfg.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"rollout.head_dtype={cfg.head_dtype!r}: one of {', '.join(HEAD_DTYPES)}")
         self._head_ties = keep_head_fp32(self.model) if cfg.head_dtype == "fp32" and self.dtype != torch.float32 else {}
@@ -220,7 +223,7 @@ class LocalEngine:
             return
         draft = self.cfg.speculative.num_draft_tokens if self._spec is not None else 0
         rows, columns = slot_shape(requests, self.cfg.max_new_tokens, self.cfg.max_batch_size, draft, joins_later)
-        slots.reserve(min(running + rows, self.cfg.max_batch_size), columns)
+        slots.reserve(min(running + rows, self.cfg.max_batch_size), columns, min(len(r.prompt_ids) for r in requests))
 
     @torch.no_grad()
     def stream(self, source: RequestSource, on_done: Callable[[GenRequest, Trajectory], None],
@@ -301,7 +304,7 @@ class LocalEngine:
         if self._slots is None:
             self._slots = SlotCache(self.model, self.cfg.max_batch_size)
             if self._static_decode:
-                self._slots.use_static_decode(self.model)
+                self._slots.use_static_decode(self.model, widths=self.cfg.graph_widths)
         self._slots.clear()
         return self._slots
 

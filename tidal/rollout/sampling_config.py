@@ -26,6 +26,12 @@ class SamplingConfig:
     decode step is launch-bound, and a graph issues it in one launch. ``auto``: on CUDA, not on CPU;
     ``on``: static shapes everywhere (run eagerly off CUDA: for tests); ``off``: dynamic shapes. With
     graphs every row is decoded (``share_identical_rows`` applies to prefills only)."""
+    graph_widths: str = "full"
+    """How many buffer columns a static decode step's attention reads (``rollout/graphs.py``, issue 51): ``full``
+    reads every column of the slot cache, which is sized for prompt + the whole length budget, so a long budget makes
+    every early step read it all; ``buckets`` reads the write column's width bucket (a power of two >= the live
+    width, one recorded graph per rows and width bucket). Same samples and log-probs; ``full`` until a GPU has
+    measured ``buckets`` (docs/gpu.md)."""
     dtype: str = "auto"
     """The local engine's weights and KV cache: ``fp32`` or ``bf16`` (as vLLM serves); ``auto`` is bf16 on
     CUDA, fp32 on CPU (``utils/device.py``). The engine lives on the device of the model it copies

@@ -50,7 +50,7 @@ from transformers import Cache, DynamicCache
 
 from tidal.models import moe
 from tidal.models.architecture import attention_layout
-from tidal.rollout.graphs import StaticDecoder
+from tidal.rollout.graphs import StaticDecoder, width_bucket
 from tidal.rollout.routes import recording
 
 
@@ -127,8 +127,9 @@ class SlotCache(Cache):
         """Static-shape decode steps (CUDA graphs on a GPU, ``graphs.py``): set with ``use_static_decode``."""
         self._resize(0, 0)
 
-    def use_static_decode(self, model: torch.nn.Module, capture: bool = True) -> None:
-        """Decode with static shapes from now on, recorded as CUDA graphs when ``capture`` and on CUDA."""
+    def use_static_decode(self, model: torch.nn.Module, capture: bool = True, widths: str = "full") -> None:
+        """Decode with static shapes from now on, recorded as CUDA graphs when ``capture`` and on CUDA; ``widths``:
+        ``rollout.graph_widths`` (``graphs.py``: attend over every column, or over the write column's width bucket)."""
         routing = self.routing
 
         def forward(input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
@@ -136,7 +137,7 @@ class SlotCache(Cache):
                 return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
 
-        self.static = StaticDecoder(forward, self, capture)
+        self.static = StaticDecoder(forward, self, capture, widths)
 
     # ---- what the model calls ----------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -358,17 +359,18 @@ class SlotCache(Cache):
         self.n, self.lo = 0, self.t
 
     # ---- layout -------------------------------------------------------------------------------
-    def reserve(self, rows: int, columns: int) -> None:
+    def reserve(self, rows: int, columns: int, shortest: int = 0) -> None:
         """Make the buffers at least ``rows`` (capped at ``max_slots``) x ``columns``, never smaller: kept buffers
         serve every later call that fits, so a steady caller allocates once. While rows run, rows grow at least
         twofold (amortized, as ``admit`` grows them). Then the static decoder's steps for up to ``rows`` running rows
-        are built (recorded, on CUDA) here rather than in the middle of decoding."""
+        are built (recorded, on CUDA) here rather than in the middle of decoding; with width buckets, from the width
+        of write column ``shortest`` (the shortest context that will decode: the call's shortest prompt) up."""
         rows, have = min(rows, self.max_slots), len(self.start)
         if rows > have or columns > self.columns:
             grown = min(self.max_slots, max(rows, 2 * have)) if rows > have and self.n else max(rows, have)
             self._resize(grown, max(columns, self.columns))
         if self.static is not None:
-            self.static.prepare(rows)
+            self.static.prepare(rows, shortest)
 
     @property
     def columns(self) -> int:
@@ -388,13 +390,15 @@ class SlotCache(Cache):
             self.lo = self.t = min_t
             return
         span = self.t - self.lo
-        if self.t >= min_t and self.t + extra <= self.columns:
-            return
         dst = max(0, min_t - span)
         need = dst + span + extra
+        fits = self.t >= min_t and self.t + extra <= self.columns
+        if fits and not self._narrows(need, self.t + extra):
+            return
         # a move must leave ``MOVE_ROOM`` free columns (or ``need``, when smaller), else the buffers grow: a move copies
         # the span once, and each step's attention reads it anyway, so one move per 64 steps adds at most 1/64
-        columns = self.columns if need + min(need, MOVE_ROOM) <= self.columns else max(2 * need, self.min_columns)
+        room = fits or need + min(need, MOVE_ROOM) <= self.columns
+        columns = self.columns if room else max(2 * need, self.min_columns)
         if columns != self.columns:
             self._resize(len(self.start), columns, dst)
         elif self.n:
@@ -406,6 +410,16 @@ class SlotCache(Cache):
         self.start[: self.n] += dst - self.lo
         self.start_host[: self.n] += dst - self.lo
         self.lo, self.t = dst, dst + span
+
+    def _narrows(self, need: int, end: int) -> bool:
+        """With width buckets (``graphs.py``): whether moving the live span so that the columns it needs end at
+        ``need`` rather than ``end`` puts the write column in a narrower width bucket. A span left far right (its
+        earliest rows finished, later ones joined at ``t``) would otherwise make every step read the columns left of
+        it: the move copies the span once and each later step reads at least span + 1 columns fewer (the narrower
+        bucket is at most half the wider), and the next move needs the span to halve again, so moves stay rare."""
+        static = self.static
+        return (static is not None and static.buckets
+                and width_bucket(need, self.columns) < width_bucket(end, self.columns))
 
     def _compact(self, min_t: int) -> None:
         """Move each running row's live columns (its span without the rejected ones, in order) to end at one

@@ -21,6 +21,7 @@ from tidal.models.lora import check_device as check_lora_device
 from tidal.models.lora import check_run as check_lora
 from tidal.optim.rules import OPTIM_RULES, check_betas
 from tidal.rollout.decode_attention import DECODE_ATTENTION
+from tidal.rollout.graphs import GRAPH_WIDTHS
 from tidal.rollout.speculative import check_config as check_speculative
 from tidal.system.config import RunConfig
 from tidal.train.config import validate as validate_trainer
@@ -280,6 +281,8 @@ def _check_device(cfg: RunConfig) -> None:
     resolve_dtype(cfg.rollout.dtype, device, "rollout.dtype")
     if cfg.rollout.cuda_graphs not in ("auto", "on", "off"):
         raise ConfigError(f"rollout.cuda_graphs must be auto, on or off, got {cfg.rollout.cuda_graphs!r}")
+    if cfg.rollout.graph_widths not in GRAPH_WIDTHS:
+        raise ConfigError(f"rollout.graph_widths must be {' or '.join(GRAPH_WIDTHS)}, got {cfg.rollout.graph_widths!r}")
     if cfg.rollout.decode_attention not in DECODE_ATTENTION:  # the engine checks it too, after the warm start
         raise ConfigError(f"rollout.decode_attention={cfg.rollout.decode_attention!r}: one of "
                           f"{', '.join(DECODE_ATTENTION)}")
