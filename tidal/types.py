@@ -28,6 +28,14 @@ class Prompt:
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def images(self) -> list[Any]:
+        """The images shown with the prompt, in the order their placeholders render (``meta["images"]``: data
+        URLs, paths, bytes or PIL images, whatever ``utils/images.load_image`` reads); empty for a text prompt.
+        They live here, once per prompt, not on each sample: a group's samples share them, so the engine and
+        the trainer process each distinct image once (``train/vision.py``)."""
+        return list(self.meta.get("images") or ())
+
 
 @dataclass
 class Trajectory:
@@ -140,6 +148,26 @@ class Group:
 
 
 @dataclass
+class BatchImages:
+    """A TrainBatch's images (``train/vision.py`` builds and reads it), kept on the host: each distinct image
+    once (a group's samples share their prompt's; two prompts with the same picture share it too), and for
+    every token what the trainer needs to place it. Built once per batch, so no micro-batch, packed row or
+    trie recounts image tokens."""
+
+    pixel_values: torch.Tensor
+    """float [patches of all distinct images, channels x 2 x patch^2]: the image processor's output."""
+    image_grid_thw_n3: torch.Tensor
+    """long [N, 3]: each distinct image's (t, h, w) patch grid."""
+    row_images: list[list[int]]
+    """Per row, the distinct images (indices into ``image_grid_thw_n3``) its image tokens show, in order."""
+    feature_index_bt: torch.Tensor
+    """long [B, T]: for a prompt's image token, its merged feature's index in the distinct images' features
+    concatenated in order; -1 for every other token (text, padding, and any image-pad id a policy sampled)."""
+    position_ids_3bt: torch.Tensor
+    """long [3, B, T]: M-RoPE positions (temporal, height, width; ``models/vlm.py``), 0 at padding."""
+
+
+@dataclass
 class TrainBatch:
     """A right-padded batch of B sequences of length T (prompt + response) ready for the trainer.
 
@@ -161,6 +189,9 @@ class TrainBatch:
     routes_btlk: torch.Tensor | None = None
     """uint8 [B, T, layers, k]: the engine's expert choices per token (``Trajectory.routes``; ``NO_ROUTE`` for
     padding and tokens without one), for routing replay (``trainer.moe``); None for dense models."""
+    images: BatchImages | None = None
+    """The prompts' images for a vision-language policy (``train/vision.py``); None for text (the text path
+    never looks further)."""
 
     @property
     def num_sequences(self) -> int:

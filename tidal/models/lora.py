@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,10 @@ from tidal.config import ConfigError
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 INITS = ("default", "gaussian")
+VISION = ("frozen", "lora")
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+"""Module names transformers gives a VLM's vision tower (Qwen2-VL ``visual``; LLaVA ``vision_tower``; Idefics
+``vision_model``): what ``model.lora.vision=frozen`` keeps adapters out of."""
 QUANTIZE = ("none", "4bit")
 _A, _B, _SCALE = ".lora_A", ".lora_B", ".lora_scale"
 _PREFIX = "base_model.model."
@@ -87,6 +92,11 @@ class LoraConfig:
     quantize: str = "none"
     """``4bit``: QLoRA (Dettmers et al. 2023, arXiv 2305.14314): the frozen base stored as NF4 with double
     quantization through bitsandbytes, compute in bf16; CUDA only. ``none``: the base in full precision."""
+    vision: str = "frozen"
+    """Vision-language models (``models/vlm.py``): ``frozen`` puts adapters on the language model only, the vision
+    tower (ViT and merger) staying the base's, as most VLM RL recipes do (the reward speaks about the answer, and a
+    few hundred RL steps rarely need the tower to see differently); ``lora`` also adapts the vision tower's linear
+    layers (``target_modules`` applies to both). Ignored for a text model."""
 
     @property
     def enabled(self) -> bool:
@@ -115,6 +125,9 @@ def validate(cfg: LoraConfig) -> None:
                           f"weights, so the adapters-off reference would not be the base), got {cfg.init!r}")
     if cfg.quantize not in QUANTIZE:
         raise ConfigError(f"model.lora.quantize must be one of {', '.join(QUANTIZE)}, got {cfg.quantize!r}")
+    if cfg.vision not in VISION:
+        raise ConfigError(f"model.lora.vision must be frozen or lora (adapters on the vision tower too), "
+                          f"got {cfg.vision!r}")
 
 
 def check_device(cfg: LoraConfig, device: torch.device) -> None:
@@ -150,7 +163,8 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None =
         targets, parameters = moe_targets(model, cfg, experts)
     init = True if cfg.init == "default" else cfg.init
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                             target_parameters=parameters, init_lora_weights=init, bias="none", task_type="CAUSAL_LM")
+                             target_parameters=parameters, init_lora_weights=init, bias="none", task_type="CAUSAL_LM",
+                             exclude_modules=vision_exclusion(model) if cfg.vision == "frozen" else None)
     try:
         with names_as_written(model):
             wrapped = peft.get_peft_model(model, config)
@@ -159,6 +173,13 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None =
     if base_path is not None:
         wrapped.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
     return wrapped
+
+
+def vision_exclusion(model: torch.nn.Module) -> str | None:
+    """PEFT's ``exclude_modules`` (a regex over module names) keeping adapters out of a VLM's vision tower
+    (``model.lora.vision=frozen``; PEFT's ``all-linear`` would adapt its linear layers too); None without one."""
+    towers = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_TOWERS]
+    return f"({'|'.join(re.escape(name) for name in towers)})\\..*" if towers else None
 
 
 def expert_parameters(model: torch.nn.Module) -> list[str]:

@@ -335,18 +335,41 @@ def image_batch(processor: ProcessorMixin, images: list[Any]) -> tuple[torch.Ten
     return out["pixel_values"], out["image_grid_thw"]
 
 
+def hf_model(model: torch.nn.Module) -> Qwen2VLForConditionalGeneration:
+    """The transformers model inside a PEFT (LoRA) wrapper, or ``model`` itself: the vision tower is reached as
+    ``.model.visual``, which a ``PeftModel`` would resolve to another attribute."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def image_tokens(image_grid_thw_n3: torch.Tensor, spatial_merge_size: int = 2) -> list[int]:
+    """How many language tokens (merged features) each image's grid becomes: t * h * w / merge^2."""
+    return [int(g.prod()) // spatial_merge_size**2 for g in image_grid_thw_n3]
+
+
+def image_subset(pixel_values: torch.Tensor, image_grid_thw_n3: torch.Tensor,
+                 which: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pixel values and grids of images ``which`` (indices, in that order) out of a batch of images whose
+    patches are concatenated: image i owns the t * h * w rows after the earlier images'."""
+    patches = [int(g.prod()) for g in image_grid_thw_n3]
+    starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
+    rows = torch.cat([torch.arange(starts[i], starts[i] + patches[i]) for i in which])
+    return pixel_values[rows], image_grid_thw_n3[which]
+
+
 def image_features(model: Qwen2VLForConditionalGeneration, pixel_values: torch.Tensor,
                    image_grid_thw_n3: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One vision-tower pass over all the images: each image's merged features [its tokens, hidden]."""
-    visual = model.model.visual
+    inner = hf_model(model).model
+    visual = inner.visual
     pixels = pixel_values.to(visual.device, visual.dtype)
-    out = model.model.get_image_features(pixels, image_grid_thw_n3.to(visual.device), return_dict=True)
+    out = inner.get_image_features(pixels, image_grid_thw_n3.to(visual.device), return_dict=True)
     return out.pooler_output
 
 
 def vlm_inputs(model: Qwen2VLForConditionalGeneration, batch: VisionBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder's ``inputs_embeds`` [B, T, hidden] (image features over the image tokens) and M-RoPE
     ``position_ids`` [3, B, T] for ``batch``, the vision tower run once per distinct image."""
+    model = hf_model(model)
     device = model.device
     input_ids_bt = batch.input_ids_bt.to(device)
     embeds_bth = model.get_input_embeddings()(input_ids_bt)

@@ -1,4 +1,8 @@
-"""Turn scored groups into a right-padded TrainBatch (advantages are the trainer's job)."""
+"""Turn scored groups into a right-padded TrainBatch (advantages are the trainer's job).
+
+A vision-language policy's batch also carries its prompts' images (``TrainBatch.images``, built by
+``train/vision.py`` when ``build_train_batch`` is given the policy's processor): each distinct image once, and
+per token its image feature and M-RoPE position. Without a processor nothing about images is looked at."""
 
 from __future__ import annotations
 
@@ -7,16 +11,19 @@ import torch
 from tidal.algo.config import AlgoConfig
 from tidal.algo.filters import informative as rewards_informative
 from tidal.models.moe import NO_ROUTE
+from tidal.train.vision import batch_images
 from tidal.types import Group, TrainBatch
 
 
-def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tuple[TrainBatch | None, dict[str, float]]:
+def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int,
+                      processor=None) -> tuple[TrainBatch | None, dict[str, float]]:
     """Lay the groups' sequences out as [B, T], right-padded.
 
     With ``skip_zero_adv_groups``, groups whose samples all got the same reward (no advantage, no
     gradient; DAPO's dynamic-sampling filter) are left out; if none remain the batch is None. With
     ``overlong_filter`` (DAPO, arXiv 2503.14476, sec. 3.4), truncated samples keep their place in
-    the group's baseline but contribute no loss. Groups may differ in size.
+    the group's baseline but contribute no loss. Groups may differ in size. ``processor``: a vision-language
+    policy's (``models/vlm.py``); the prompts' images (``Prompt.images``) then go into ``TrainBatch.images``.
     """
     informative = [rewards_informative(g.rewards) for g in groups]
     keep = [gi for gi, ok in enumerate(informative) if ok or not cfg.skip_zero_adv_groups]
@@ -54,8 +61,12 @@ def build_train_batch(groups: list[Group], cfg: AlgoConfig, pad_id: int) -> tupl
     group_index = torch.tensor([gi for gi in keep for _ in groups[gi].trajectories])
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     teacher_bt = torch.tensor(teacher) if teacher is not None else None
+    images = None
+    if processor is not None:
+        rows = [(groups[gi].prompt, t) for gi in keep for t in groups[gi].trajectories]
+        images = batch_images(rows, width, processor)
     return TrainBatch(input_ids, attn, loss_mask, behav, versions, group_index, rewards, teacher_bt,
-                      routes_btlk=batch_routes(trajs, width)), metrics
+                      routes_btlk=batch_routes(trajs, width), images=images), metrics
 
 
 def batch_routes(trajs: list, width: int) -> torch.Tensor | None:

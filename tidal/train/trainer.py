@@ -88,6 +88,7 @@ from tidal.train.packing import pack, packed_attention_mask, unpack
 from tidal.train.precision import autocast_dtype, compute_weights
 from tidal.train.prefix_tree import group_micro_batches, pack_prefix_trees, unpack_trees
 from tidal.train.routing import TrainerRouting
+from tidal.train.vision import with_images
 from tidal.types import TrainBatch
 from tidal.utils.device import model_device, resolve_device, tensors_to
 from tidal.utils.memory import PeakMemory, optimizer_state_bytes
@@ -282,15 +283,15 @@ class Trainer:
                 kw["score_mask_bt"] = _packed_score_mask(layout, score_bt)
             mask = packed_attention_mask(layout, model, self.cfg.packed_attention)  # None for varlen flash
             self.routes.before_forward(model, rows, layout, tuple(layout.input_ids_rl.shape), None)
-            logp, ent = self._logprobs(model, layout.input_ids_rl, mask, self.cfg.temperature, with_entropy,
-                                       position_ids=layout.position_ids_rl, **kw)
+            logp, ent = self._logprobs(with_images(model, batch, rows, layout), layout.input_ids_rl, mask,  # vision.py
+                                       self.cfg.temperature, with_entropy, position_ids=layout.position_ids_rl, **kw)
             return undo(logp, layout, width), undo(ent, layout, width) if ent is not None else None
         used = max(lengths)  # right-padded rows: drop the columns none of them uses
         if score_bt is not None:
             kw["score_mask_bt"] = score_bt[:, :used]
         self.routes.before_forward(model, rows, None, (len(rows), used), batch.attention_mask_bt[rows, :used])
-        logp, ent = self._logprobs(model, batch.input_ids_bt[rows, :used], batch.attention_mask_bt[rows, :used],
-                                   self.cfg.temperature, with_entropy, **kw)
+        logp, ent = self._logprobs(with_images(model, batch, rows, used), batch.input_ids_bt[rows, :used],
+                                   batch.attention_mask_bt[rows, :used], self.cfg.temperature, with_entropy, **kw)
         pad = (0, width - used)
         return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(ent, pad) if ent is not None else None
 
