@@ -207,3 +207,41 @@ def test_lora_on_the_language_model_with_the_vision_tower_frozen_or_adapted(proc
         assert metrics["train/logp_mismatch_mean"] < 1e-5
         moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
         assert moved and moved <= {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+FULL_RESUME = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "train/checkpoint.py's in_model_layout reads transformers' weight conversions by model_type through "
+    "AutoModelForCausalLM; Qwen2-VL's (save_pretrained writes visual.*, model.layers.*) are found by class and "
+    "its loader is AutoModelForImageTextToText, so a full-weight VLM checkpoint does not load back yet"))
+
+
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=FULL_RESUME), 2])
+def test_checkpoint_and_resume_continue_as_if_uninterrupted(processor, base, tmp_path, rank):
+    """A VLM trainer's checkpoint (the processor saved as its tokenizer) loads back as a model and processor, and
+    a trainer resumed from it takes the same next step as the one that went on (full weights and LoRA)."""
+    from tidal.train.checkpoint import TrainingState
+
+    def policy():
+        model = copy.deepcopy(base)
+        return lora.wrap(model, lora.LoraConfig(rank=rank)) if rank else model
+
+    def trainer_of(model):
+        return Trainer(model, AlgoConfig(), OptimConfig(lr=1e-3), TrainerConfig(packing=True))
+
+    model = policy()
+    batch, _ = build_train_batch(_groups(processor, model, IMAGES, RESPONSES, REWARDS), AlgoConfig(),
+                                 processor.tokenizer.pad_token_id, processor)
+    trainer = trainer_of(model)
+    trainer.step(batch)
+    path = trainer.save_checkpoint(tmp_path, processor, TrainingState(1, trainer.version, 3, {}))
+    if not rank:  # the checkpoint is a Qwen2-VL folder with its processor
+        loaded, loaded_processor = vlm.load(path)
+        enc = vlm.encode_prompt(processor, TEXT, IMAGES[0])
+        assert torch.equal(vlm.encode_prompt(loaded_processor, TEXT, IMAGES[0])["input_ids"], enc["input_ids"])
+        assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), model.parameters()))
+    resumed = trainer_of(policy())
+    assert resumed.load_checkpoint(path).next_group == 3 and resumed.version == 1
+    trainer.step(batch)
+    resumed.step(batch)
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
