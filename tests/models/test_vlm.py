@@ -255,3 +255,29 @@ def test_logprobs_equal_hf_generate_scores(model, processor):
         stop = (new[b] == eos).nonzero()
         keep = int(stop[0]) + 1 if len(stop) else new.shape[1]  # after EOS generate pads; nothing is sampled
         torch.testing.assert_close(ours[b, prompt_len:prompt_len + keep], gen_logp[b, :keep], rtol=0, atol=1e-5)
+
+
+def test_image_subset_and_token_counts(processor):
+    """Images' patches are concatenated in order: a subset takes each chosen image's own rows and grid."""
+    small, large, other = picture(56, "red"), picture(112, "blue", at=40), picture(56, "green", at=30)
+    pixel_values, grids = vlm.image_batch(processor, [small, large, other])
+    assert vlm.image_tokens(grids) == [4, 16, 4]
+    sub_pixels, sub_grids = vlm.image_subset(pixel_values, grids, [2, 1])
+    alone = [vlm.image_batch(processor, [image]) for image in (other, large)]
+    assert torch.equal(sub_pixels, torch.cat([p for p, _ in alone])) and torch.equal(sub_grids, grids[[2, 1]])
+
+
+def test_logprobs_through_a_lora_wrapper_equal_the_base(model, processor):
+    """``hf_model`` unwraps PEFT, so a LoRA policy (B = 0: the base at step 0) scores images as its base does."""
+    import copy
+
+    from tidal.models import lora
+
+    model.float().eval()
+    ids, mask, grids, _ = _rows(processor, [[picture(56)], []])
+    pixel_values, _ = vlm.image_batch(processor, [picture(56)])
+    batch = vlm.VisionBatch(ids, mask, pixel_values, grids, [[0], []])
+    wrapped = lora.wrap(copy.deepcopy(model), lora.LoraConfig(rank=2))
+    with torch.no_grad():
+        torch.testing.assert_close(vlm.vlm_token_logprobs(wrapped, batch), vlm.vlm_token_logprobs(model, batch),
+                                   rtol=0, atol=1e-6)
