@@ -202,9 +202,10 @@ def test_lora_on_the_language_model_with_the_vision_tower_frozen_or_adapted(proc
         groups = _groups(processor, model, IMAGES, RESPONSES, REWARDS)
         batch, _ = build_train_batch(groups, AlgoConfig(), processor.tokenizer.pad_token_id, processor)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        trainer = Trainer(model, AlgoConfig(), OptimConfig(lr=1e-2), TrainerConfig(packing=True))
+        trainer = Trainer(model, AlgoConfig(kl_coef=0.1), OptimConfig(lr=1e-2), TrainerConfig(packing=True))
         metrics = trainer.step(batch)
         assert metrics["train/logp_mismatch_mean"] < 1e-5
+        assert abs(metrics["algo/kl"]) < 1e-6  # the reference (adapters off, images too) is the policy at B = 0
         moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
         assert moved and moved <= {n for n, p in model.named_parameters() if p.requires_grad}
 
@@ -245,3 +246,14 @@ def test_checkpoint_and_resume_continue_as_if_uninterrupted(processor, base, tmp
     resumed.step(batch)
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_sharded_policy_with_images_is_refused_naming_the_key(processor, base):
+    from tidal.train.data_parallel import SHARDED_ROOT
+
+    groups = _groups(processor, None, IMAGES[:1], [["1", "2"]], [[1.0, 0.0]])
+    batch, _ = build_train_batch(groups, AlgoConfig(), processor.tokenizer.pad_token_id, processor)
+    sharded = copy.deepcopy(base)
+    sharded.__dict__[SHARDED_ROOT] = object()  # what parallel/fsdp.py's shard leaves on the model
+    with pytest.raises(ConfigError, match="trainer.data_parallel=fsdp with images"):
+        with_images(sharded, batch, torch.arange(2), 10)
