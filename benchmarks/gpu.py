@@ -91,6 +91,11 @@ seconds and the JSON says ``"model": "...stand-in..."`` and ``"on_cpu": true`` (
    ``rollout.host_reads=sync`` against ``late`` on ``generate``'s requests: ``decode_step_ms_by_host_reads``, the
    host ms and (CUDA) synchronizations per step of each, and ``host_reads_same_tokens``.
 
+6. ``graph_widths`` (not a default part; ``benchmarks/_gpu_widths.py``): the static decode step with
+   ``rollout.graph_widths=full`` against ``buckets`` at a long budget (``widths_rows`` rows, ``widths_prompt_len``
+   prompt, ``widths_budget`` budget, the first ``widths_steps`` steps): ``decode_step_ms_by_graph_widths``,
+   ``graph_widths_speedup``, ``graph_widths_same_tokens``.
+
 Issue 51's keys, at the top level of the JSON: ``trainer_phase_ms`` (``train``'s last step, ``{forward, head,
 backward, optimizer}`` from its ``perf/trainer_<phase>_ms`` metrics; the head's ms lie inside the forward's),
 ``decode_step_ms`` (``generate``: the engine's timed seconds over the decode steps of its schedule, prefill
@@ -149,6 +154,7 @@ MODEL_NOTES = {"qwen2.5-0.5b": "Qwen2.5-0.5B's shapes, random weights",
 roofline = load("_roofline")  # benchmarks/_roofline.py: the FLOP, byte and peak accounting
 gpu_head = load("_gpu_head")  # benchmarks/_gpu_head.py: the head_kernel part (trainer.head_kernel arms)
 gpu_engine = load("_gpu_engine")  # benchmarks/_gpu_engine.py: the host_reads part (rollout.host_reads sync/late)
+gpu_widths = load("_gpu_widths")  # benchmarks/_gpu_widths.py: the graph_widths part (rollout.graph_widths full/buckets)
 
 
 @dataclass
@@ -226,6 +232,14 @@ class Settings:
     """Long contexts, where copying K and V to every query head (``repeat``) costs the most."""
     attention_new_tokens: int = 64
     """Every row's budget (EOS ignored): each decode step runs every row."""
+    # ---- graph_widths (benchmarks/_gpu_widths.py)
+    widths_rows: int = 64
+    widths_prompt_len: int = 256
+    widths_budget: int = 4096
+    """The slot cache is sized for prompt + this budget: ``full`` reads all of it every step, ``buckets`` about the
+    live width."""
+    widths_steps: int = 256
+    """Decode steps timed, the first of the budget."""
 
 
 CPU_DEFAULTS = [
@@ -235,6 +249,7 @@ CPU_DEFAULTS = [
     "gen_prompts=4", "gen_group_size=4", "gen_prompt_len=16", "gen_max_new_tokens=64", "gen_max_batch_size=16",
     "rl_prompts=4", "rl_group_size=4", "rl_max_new_tokens=32",
     "attention_prompts=2", "attention_group_size=4", "attention_prompt_len=256", "attention_new_tokens=16",
+    "widths_rows=8", "widths_prompt_len=64", "widths_budget=1024", "widths_steps=32",
 ]
 """What changes on a CPU (before the command line's ``--set``): the stand-in model and small workloads."""
 
@@ -244,6 +259,7 @@ TINY_DEFAULTS = [
     "train_steps=1", "gen_prompts=2", "gen_group_size=3", "gen_prompt_len=4", "gen_max_new_tokens=8",
     "gen_max_batch_size=4", "rl_prompts=2", "rl_group_size=3", "rl_max_new_tokens=6", "rl_steps=1",
     "attention_prompts=1", "attention_group_size=2", "attention_prompt_len=16", "attention_new_tokens=4",
+    "widths_rows=2", "widths_prompt_len=8", "widths_budget=200", "widths_steps=4",
 ]
 """``tiny=true``: toy sizes (6 generate requests over 4 slots, so the engine refills a slot and HF runs two batches)."""
 
@@ -642,16 +658,18 @@ def part_train_bf16_master(s: Settings, base: torch.nn.Module, device: torch.dev
 PARTS = {"train": part_train, "train_tf32": part_train_tf32, "train_bf16_master": part_train_bf16_master,
          "generate": part_generate, "rl_step": part_rl_step, "decode_attention": part_decode_attention,
          "head_kernel": gpu_head.part_head_kernel,
-         "host_reads": functools.partial(gpu_engine.part_host_reads, gen_requests=gen_requests, timed=roofline.timed)}
+         "host_reads": functools.partial(gpu_engine.part_host_reads, gen_requests=gen_requests, timed=roofline.timed),
+         "graph_widths": functools.partial(gpu_widths.part_graph_widths, timed=roofline.timed)}
 HEADLINE = {"train": "trainer_mfu", "generate": "engine_over_hf_generate", "rl_step": "step_time_split",
             "decode_attention": "decode_kernels", "head_kernel": "head_kernel_speedup",
-            "host_reads": "decode_step_ms_by_host_reads"}
+            "host_reads": "decode_step_ms_by_host_reads", "graph_widths": "decode_step_ms_by_graph_widths"}
 TOP_LEVEL = {"train": ["trainer_phase_ms"], "generate": ["decode_step_ms"],
              "rl_step": ["rl_samples_per_s", "rl_response_lengths", "rl_prepare_s", "rl_first_generate_s",
                          "rl_second_generate_s", "rl_engine_counters"],
              "decode_attention": ["decode_step_ms_repeat", "decode_step_ms_gqa", "decode_step_ms_fold",
                                   "decode_kernels", "decode_call_ms"],
-             "host_reads": ["host_reads_same_tokens"]}
+             "host_reads": ["host_reads_same_tokens"],
+             "graph_widths": ["graph_widths_speedup", "graph_widths_same_tokens"]}
 """Issue 51's keys, copied to the top level of the JSON (None when their part did not run or failed)."""
 
 
@@ -726,6 +744,8 @@ def table(result: dict) -> list[dict]:
                 calls = arms.get("decode_call_ms") or {}
                 row("decode_attention", f"one attention call ms, {mode}", calls.get(f"{mode} q=1"),
                     f"q=5: {calls.get(f'{mode} q=5')}")
+    for args in gpu_widths.table_rows(result):
+        row(*args)
     for mode in ("sync", "late") if "host_reads" in result else ():
         arm = result["host_reads"].get(mode) or {}
         row("host_reads", f"decode step ms, {mode}", arm.get("decode_step_ms"), result["host_reads"].get(

@@ -16,8 +16,8 @@
 #                                                # recording routes, against an fp32 trainer; off vs r3),
 #                                                # arms (rollout.decode_attention repeat/gqa/fold,
 #                                                # trainer.weights fp32/bf16_master, rollout.host_reads
-#                                                # sync/late and trainer.head_kernel chunked/fused/compiled,
-#                                                # side by side)
+#                                                # sync/late, trainer.head_kernel chunked/fused/compiled and
+#                                                # rollout.graph_widths full/buckets, side by side)
 #
 # Fill .whl/ first, on a machine with pip access: bash scripts/device_wheels.sh (reads scripts/device_wheels.txt).
 # Each stage has its own time limit (<STAGE>_LIMIT overrides it, in seconds: ENV_LIMIT, TESTS_LIMIT, CPU_LIMIT,
@@ -109,7 +109,8 @@ EOF
       ;;
     tests)  # without CUDA (a dry run) every test here skips: the run proves they collect
       TIDAL_GPU_REPORT="$OUT_DIR/gpu_tests.jsonl" run_stage tests "$(limit tests 170)" \
-        "$PY" -m pytest -q -m gpu tests/models tests/gpu tests/rollout/test_late_reads.py -p no:cacheprovider -rfEs \
+        "$PY" -m pytest -q -m gpu tests/models tests/gpu tests/rollout/test_late_reads.py tests/rollout/test_graph_widths.py \
+        -p no:cacheprovider -rfEs \
         --junitxml="$OUT_DIR/gpu_tests.xml" ;;
     cpu)  # the CPU logic under this machine's torch and transformers versions (a dry run only collects it)
       collect=()
@@ -126,10 +127,11 @@ EOF
     arms)  # issue 51's keys, each against today's path on the same model and rows (docs/gpu.md)
       tiny=()
       ((DRY)) && tiny=(--set device=cpu --set tiny=true)
-      # head_kernel last (trainer.head_kernel chunked/fused/compiled, fp32 and tf32; its torch.compile ~30 s): each
-      # part's JSON is written when it ends (gpu_partial.json), so a time-out there loses only that part
-      run_stage arms "$(limit arms 240)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR/arms" \
-        --set 'parts=[decode_attention,train,train_bf16_master,host_reads,head_kernel]' "${tiny[@]}" ;;
+      # head_kernel (trainer.head_kernel chunked/fused/compiled, fp32 and tf32; its torch.compile ~30 s), then
+      # graph_widths (rollout.graph_widths full/buckets at a 4,096-token budget, est. ~30 s: its 30 s more limit):
+      # each part's JSON is written when it ends (gpu_partial.json), so a time-out there loses only that part
+      run_stage arms "$(limit arms 270)" "$PY" -m tidal.cli bench gpu --out "$OUT_DIR/arms" \
+        --set 'parts=[decode_attention,train,train_bf16_master,host_reads,head_kernel,graph_widths]' "${tiny[@]}" ;;
     trl|smollm2)
       if ((DRY)); then  # no TRL wheels, no model parts on a CPU runner: the stage's commands' settings resolve
         run_stage "$stage" "$(limit "$stage" 60)" "$PY" - "$stage" <<'EOF'

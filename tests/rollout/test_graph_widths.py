@@ -190,6 +190,40 @@ def test_sliding_window_masks_in_width_buckets(tokenizer, narrow, family):
     assert _worst(model, runs["buckets"]) < ATOL
 
 
+def _long_then_short(tokenizer):
+    """Two waves: long prompts first (their widths start at 128), then short ones (64) that join while long rows
+    run past column 64, so the 64-wide steps are built (recorded, on CUDA) ahead of use, left of the write column."""
+    long = [Prompt(f"l{i}", "12+34=" * 12 + str(i), "") for i in range(3)]
+    short = [Prompt(f"s{i}", f"{i}+1=", "") for i in range(4)]
+    return group_requests(tokenizer, long, 2), group_requests(tokenizer, short, 2)
+
+
+def _stream_waves(engine, waves):
+    """Each wave asked for once the previous one is running (``stream`` without ``size_for``: each admission sizes
+    the slot cache for its own rows, so the second wave's narrower widths are built while the first wave runs)."""
+    queue, got = list(waves), {}
+
+    def source(n, block):
+        return queue.pop(0) if queue else None
+
+    engine.stream(source, lambda r, t: got.__setitem__((r.prompt.uid, r.sample_index), t))
+    return [got[(r.prompt.uid, r.sample_index)] for wave in waves for r in wave]
+
+
+def test_widths_built_while_rows_run(small_model, tokenizer):
+    """A narrower width built while rows run (a shorter prompt joins): the samples equal ``full``'s and dynamic
+    decoding's; on CUDA its recording's warm-ups write a live column of the running rows, saved and put back
+    (``test_buckets_replay_on_cuda`` replays this)."""
+    waves = _long_then_short(tokenizer)
+    runs, engines = {}, {}
+    for widths in (None, "full", "buckets"):
+        engines[widths] = _engine(small_model, tokenizer, widths, max_new_tokens=60, max_batch_size=14)
+        runs[widths] = _stream_waves(engines[widths], waves)
+    _same_samples(runs["buckets"], runs[None])
+    _same_samples(runs["full"], runs[None])
+    assert {w for _, w in engines["buckets"]._slots.static._steps} >= {64, 128}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_buckets_replay_on_cuda(small_model, tokenizer):
@@ -198,19 +232,23 @@ def test_buckets_replay_on_cuda(small_model, tokenizer):
     columns (a bucket recorded ahead ends left of the write column)."""
     from tests.gpu.test_cuda import report
 
-    requests = _requests(tokenizer)
-    runs = {}
+    requests, waves = _requests(tokenizer), _long_then_short(tokenizer)
+    runs, streamed = {}, {}
     for widths in (None, "full", "buckets"):
-        cfg = dict(max_new_tokens=200, max_batch_size=5, dtype="fp32")
+        cfg = dict(max_new_tokens=100, max_batch_size=5, dtype="fp32")
         cfg = dict(cuda_graphs="off", **cfg) if widths is None else dict(cuda_graphs="auto", graph_widths=widths, **cfg)
         engine = LocalEngine(copy.deepcopy(small_model).to("cuda"), tokenizer, SamplingConfig(**cfg))
         runs[widths] = engine.generate(requests)
+        wide = LocalEngine(copy.deepcopy(small_model).to("cuda"), tokenizer,
+                           SamplingConfig(**{**cfg, "max_new_tokens": 60, "max_batch_size": 14}))
+        streamed[widths] = _stream_waves(wide, waves)
         if widths is not None:
             static = engine._slots.static
             report(f"graph_widths_{widths}", recorded=static.num_recorded, late=static.num_late,
                    failed=static.failed, columns=engine._slots.columns)
             assert not static.failed and static.num_recorded > 0
     for widths in ("full", "buckets"):
-        assert [t.token_ids for t in runs[widths]] == [t.token_ids for t in runs[None]]
-        for a, b in zip(runs[widths], runs[None]):
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        for got, want in ((runs[widths], runs[None]), (streamed[widths], streamed[None])):
+            assert [t.token_ids for t in got] == [t.token_ids for t in want]
+            for a, b in zip(got, want):
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
