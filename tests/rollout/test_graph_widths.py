@@ -252,3 +252,15 @@ def test_buckets_replay_on_cuda(small_model, tokenizer):
             assert [t.token_ids for t in got] == [t.token_ids for t in want]
             for a, b in zip(got, want):
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["gqa", "fold"])
+def test_grouped_heads_read_the_width_bucket_in_place(tokenizer, narrow, mode):
+    """``rollout.decode_attention=gqa|fold`` over the narrower K/V views (4 query heads over 2 KV heads, windowed
+    layers): the samples ``repeat`` over the whole width samples."""
+    model, requests = build("qwen2", tokenizer), window_requests(tokenizer)
+    runs = {}
+    for name, widths, attention in (("repeat_full", "full", "repeat"), (mode, "buckets", mode)):
+        engine = _engine(model, tokenizer, widths, max_new_tokens=16, max_batch_size=5, decode_attention=attention)
+        runs[name] = _stream(engine, requests, at_a_time=3)
+    _same_samples(runs[mode], runs["repeat_full"])

@@ -15,7 +15,8 @@ against 2.06 s for the second. The call's requests say what it can need, so the 
   samples than slots, or a stream fed over time) the live span moves back to column 0 as the write column reaches
   the end, so ``slots.MOVE_ROOM`` (64) more columns keep a move a copy once per 64 steps, not one every step
   (``SlotCache._place``). Not twice the span, as doubling reached: with CUDA graphs attention reads the whole
-  buffer width every step (``graphs.py``), so spare columns cost every step's time, not only memory.
+  buffer width every step (``graphs.py``; with ``rollout.graph_widths=buckets`` only the write column's width
+  bucket), so spare columns cost every step's time, not only memory.
 
 Columns are rounded up to a multiple of ``COLUMN_QUANTUM``: a run's prompts differ in length, and every call whose
 longest prompt beat the last would otherwise reallocate (and, with CUDA graphs, record every bucket again) for a

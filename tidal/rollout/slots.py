@@ -314,8 +314,8 @@ class SlotCache(Cache):
         if len(holes):
             # one upload of both index lists, then one gather for all layers' keys and values (``kv`` stacks them)
             dst, src = torch.stack([holes, movers]).to(self.device, non_blocking=True)
-            # static decode reads every column (masked outside the span): the whole slot moves, so no column the
-            # freed row left behind stays under the moved row (``_clear_stale``)
+            # static decode reads every column up to its width (masked outside the span): the whole slot moves, so no
+            # column the freed row left behind stays under the moved row (``_clear_stale``)
             cols = slice(None) if self.static is not None else slice(self.lo, self.t)
             self.kv[:, dst, :, cols] = self.kv[:, src, :, cols]
             if self.routing is not None:
