@@ -67,8 +67,15 @@ def test_width_buckets_are_powers_of_two_from_min_width_capped_at_the_columns():
 
 
 def test_a_bad_key_is_refused(small_model, tokenizer):
+    from tidal.config import ConfigError, apply_overrides
+    from tidal.system.config import RunConfig
+    from tidal.system.validate import validate_run_config
+
     with pytest.raises(ValueError, match="rollout.graph_widths='half'"):
         _engine(small_model, tokenizer, "half")
+    validate_run_config(apply_overrides(RunConfig(), ["rollout.graph_widths=buckets"]))
+    with pytest.raises(ConfigError, match=r"^rollout\.graph_widths must be full or buckets, got 'half'$"):
+        validate_run_config(apply_overrides(RunConfig(), ["rollout.graph_widths=half"]))
 
 
 def test_buckets_sample_what_full_and_dynamic_decoding_sample(small_model, tokenizer, narrow):
