@@ -44,23 +44,26 @@ def _params(target: ModelOrParams) -> Iterable[torch.Tensor]:
     return target.parameters() if isinstance(target, torch.nn.Module) else target
 
 
-def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
-    """Which of ``torch.optim.AdamW``'s implementations to run over ``params``, decided here for every AdamW
-    tidal builds (the RL trainer's, Muon's AdamW half): ``fused=True`` (one kernel per step for every
+def adamw_kernel(params: list[torch.Tensor], kernel: str = "auto") -> dict[str, bool]:
+    """Which of ``torch.optim.AdamW``'s implementations to run over ``params`` (``kernel``: ``optim.adamw_kernel``),
+    decided here for every AdamW ``build_optimizer`` makes: ``fused=True`` (one kernel per step for every
     parameter, PyTorch's recommended fastest path: the docs' "Algorithms" note on ``fused``) when every
-    parameter is a plain floating-point CUDA tensor; otherwise PyTorch's own default, as before (on CPU the
-    per-parameter loop, so CPU results are unchanged). FSDP's sharded DTensors keep the default: the fused
-    kernel's support for them varies across PyTorch versions."""
-    def plain_cuda(p: torch.Tensor) -> bool:
-        return p.is_cuda and p.is_floating_point() and type(p.data) is torch.Tensor
-    return {"fused": True} if params and all(plain_cuda(p) for p in params) else {}
+    parameter is a plain floating-point CUDA tensor, or any plain floating-point tensor with ``fused``; ``loop``
+    the per-parameter loop; otherwise PyTorch's own default, as before (on CPU the per-parameter loop, so CPU
+    results are unchanged). FSDP's sharded DTensors keep the default: the fused kernel's support for them varies
+    across PyTorch versions."""
+    def plain(p: torch.Tensor) -> bool:
+        return p.is_floating_point() and type(p.data) is torch.Tensor and (p.is_cuda or kernel == "fused")
+    if kernel == "loop":
+        return {"foreach": False}
+    return {"fused": True} if params and all(plain(p) for p in params) else {}
 
 
 @OPTIMIZERS.register("adamw")
 def adamw(target: ModelOrParams, cfg: OptimConfig) -> torch.optim.Optimizer:
     params = list(_params(target))
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, **adamw_kernel(params))
+                             weight_decay=cfg.weight_decay, **adamw_kernel(params, cfg.adamw_kernel))
 
 
 @OPTIMIZERS.register("ademamix")

@@ -83,6 +83,11 @@ class OptimConfig:
     optimizer here; DAPO/Magistral use 0.1 on large models."""
     grad_clip: float = 1.0
     """Global grad-norm clip (DAPO/verl default 1.0)."""
+    adamw_kernel: Literal["auto", "fused", "loop"] = "auto"
+    """Which ``torch.optim.AdamW`` implementation runs (for ``adamw`` and Muon's AdamW half): ``auto`` the fused
+    kernel on CUDA and PyTorch's per-parameter loop on CPU (CPU results as they always were); ``fused`` the
+    fused kernel on CPU too (one kernel for every parameter; transformers' and so TRL's default since torch 2.8,
+    ``adamw_torch_fused``; the stages take it); ``loop`` the loop everywhere. The kernels round differently."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps (scales every parameter group alike), then ``schedule``."""
     schedule: Literal["constant", "cosine", "linear"] = "constant"

@@ -20,6 +20,7 @@ OPTIM_RULES: list[Rule] = [
     ("optim.eps", positive, "> 0"),
     ("optim.weight_decay", NONNEG, ">= 0"),
     ("optim.grad_clip", positive, "> 0"),
+    ("optim.adamw_kernel", lambda v: v in ("auto", "fused", "loop"), "auto, fused or loop"),
     ("optim.warmup_steps", NONNEG, "an integer >= 0"),
     ("optim.decay_steps", lambda v: v == RUN_LENGTH or COUNT(v),
      f"an integer >= 1, or {RUN_LENGTH} (decay until the run's last step)"),
