@@ -78,12 +78,41 @@ def test_rm_without_a_path_is_one_line():
         build_reward("rm", {})
 
 
-def test_rm_refuses_lora_in_one_line(tmp_path):
-    """Issue 50 item 10: the rm stage trains every weight; model.lora is refused, not ignored."""
-    cfg = apply_overrides(reward_model.RMStageConfig(), ["data.path=x.jsonl", "model.lora.rank=2"])
-    with pytest.raises(ConfigError, match=r"model\.lora\.rank=2: tidal rm trains every weight") as e:
-        reward_model.train(cfg, str(tmp_path / "r"), log=lambda s: None)
-    assert "\n" not in str(e.value) and not (tmp_path / "r").exists()
+def test_rm_with_lora_trains_adapters_and_the_head_then_resumes_and_exports(tmp_path):
+    """Issue 53 (was refused, issue 50 item 10): model.lora on the reward model trains the backbone's adapters and
+    the new score head whole (PEFT's modules_to_save; a frozen random head could not learn), nothing else; a resume
+    loads both back; model/ is a merged classifier the ``rm`` reward scores with, equal to the trained one."""
+    pytest.importorskip("peft")
+    from tidal.stages import sft
+    from tidal.train.checkpoint import latest_checkpoint
+
+    files = synthetic.build(tmp_path / "dom", num_sft=8, num_pairs=30, num_eval=4)
+    small = [*[f"model.{k}={v}" for k, v in SMALL.items()], "model.tokenizer=chat", "run.threads=1",
+             "data.max_length=40"]
+    sft.train(apply_overrides(sft.SFTStageConfig(), [f"data.path={files['sft']}", "run.steps=1", *small]),
+              str(tmp_path / "base"), log=lambda s: None)
+    sets = [f"data.path={files['pairs']}", f"model.path={tmp_path / 'base' / 'model'}", "model.lora.rank=2",
+            "optim.lr=1e-2", "run.save_every=2", "run.async_checkpoint=false", *small]
+    lines = []
+    reward_model.train(apply_overrides(reward_model.RMStageConfig(), [*sets, "run.steps=2"]), str(tmp_path / "r"),
+                       log=lines.append)
+    assert any("rm: LoRA rank 2" in line for line in lines), lines
+    ckpt = latest_checkpoint(tmp_path / "r" / "checkpoints")
+    assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    base = from_policy(tiny.load(tmp_path / "base" / "model")[0], seed=0).state_dict()
+    from transformers import AutoModelForSequenceClassification
+
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "r" / "model").state_dict()
+    assert set(merged) == set(base)
+    assert not torch.equal(merged["score.weight"], base["score.weight"]), "the head was not trained"
+    frozen = [k for k in base if "proj" not in k and k != "score.weight"]
+    assert frozen and all(torch.equal(merged[k], base[k]) for k in frozen)  # embeddings, norms: untouched
+    moved = [k for k in base if k.endswith("q_proj.weight") and not torch.equal(merged[k], base[k])]
+    assert moved, "the adapters moved nothing"
+    reward_model.train(apply_overrides(reward_model.RMStageConfig(), [*sets, "run.steps=3"]), str(tmp_path / "r"),
+                       resume=True, log=lambda s: None)  # the adapters and the head load back, strictly
+    scorer = RewardModelScorer(tmp_path / "r" / "model", threads=1)
+    assert len(scorer.score([("what is 1+2?", "3"), ("what is 1+2?", "4")])) == 2
 
 
 def test_the_head_is_drawn_from_run_seed(tmp_path):

@@ -150,11 +150,14 @@ def is_peft(model: torch.nn.Module) -> bool:
     return type(model).__module__.startswith("peft.")
 
 
-def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None = None) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None = None,
+         task_type: str = "CAUSAL_LM") -> torch.nn.Module:
     """``model`` with LoRA adapters (``get_peft_model``): base frozen, adapters trainable. ``base_path``:
     recorded in the adapter config (``base_model_name_or_path``), where ``tidal export`` and
     ``PeftModel.from_pretrained`` users find the base. A mixture-of-experts model gets its targets from
-    ``moe_targets`` (the module docstring)."""
+    ``moe_targets`` (the module docstring).``task_type`` ``SEQ_CLS`` (a reward model): PEFT
+    trains the new ``score`` head whole beside the adapters (``modules_to_save``): a frozen random head could not
+    learn."""
     peft = _peft()
     targets = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
     parameters = None
@@ -163,8 +166,9 @@ def wrap(model: torch.nn.Module, cfg: LoraConfig, base_path: str | Path | None =
         targets, parameters = moe_targets(model, cfg, experts)
     init = True if cfg.init == "default" else cfg.init
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                             target_parameters=parameters, init_lora_weights=init, bias="none", task_type="CAUSAL_LM",
-                             exclude_modules=vision_exclusion(model) if cfg.vision == "frozen" else None)
+                             target_parameters=parameters, init_lora_weights=init, bias="none", task_type=task_type,
+                             exclude_modules=vision_exclusion(model) if cfg.vision == "frozen" else None,
+                             modules_to_save=["score"] if task_type == "SEQ_CLS" else None)
     try:
         with names_as_written(model):
             wrapped = peft.get_peft_model(model, config)
@@ -448,7 +452,11 @@ def load_adapters(model: torch.nn.Module, directory: str | Path) -> None:
         result = set_peft_model_state_dict(model, weights)
     unexpected = list(getattr(result, "unexpected_keys", []))
     loaded = {k.replace(".weight", ".default.weight") for k in weights}  # PEFT saves without the adapter name
-    missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in loaded)
+    loaded |= set(weights)  # a head trained whole (modules_to_save) is saved under the base module's name
+
+    def saved_as(name: str) -> str:
+        return name.replace(".modules_to_save.default.", ".")
+    missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and saved_as(n) not in loaded)
     if unexpected or missing:
         raise RuntimeError(f"checkpoint {directory} does not match the model's adapters (model.lora): "
                            f"missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -32,9 +32,16 @@ def from_policy(policy: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         rm = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    backbone = getattr(rm, rm.base_model_prefix)
-    backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+    body = getattr(rm, rm.base_model_prefix)
+    body.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
     return rm
+
+
+def backbone(rm: torch.nn.Module) -> torch.nn.Module:
+    """The reward model's transformer (what the ``score`` head reads), through a PEFT wrapper too: on a
+    ``PeftModel`` ``getattr(rm, rm.base_model_prefix)`` is the whole classifier (PEFT's own ``model``)."""
+    inner = rm.get_base_model() if hasattr(rm, "get_base_model") else rm
+    return getattr(inner, inner.base_model_prefix)
 
 
 def last_token_rewards(rm: torch.nn.Module, input_ids_bt: torch.Tensor, lengths_b: list[int]) -> torch.Tensor:
@@ -42,8 +49,7 @@ def last_token_rewards(rm: torch.nn.Module, input_ids_bt: torch.Tensor, lengths_
     device = next(rm.parameters()).device
     ids = input_ids_bt.to(device)
     attn = (torch.arange(ids.shape[1], device=device)[None] < torch.tensor(lengths_b, device=device)[:, None]).long()
-    backbone = getattr(rm, rm.base_model_prefix)
-    hidden_bth = backbone(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    hidden_bth = backbone(rm)(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
     last = hidden_bth[torch.arange(len(lengths_b), device=device), torch.tensor(lengths_b, device=device) - 1]
     return rm.score(last).squeeze(-1).float()
 

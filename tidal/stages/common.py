@@ -63,10 +63,10 @@ SFT/DPO/Reward configs inherit; RL's ``optim.betas`` default is (0.9, 0.99)."""
 def stage_optim(lr: float) -> OptimConfig:
     """A stage's ``optim.*``: ``tidal.optim``'s ``OptimConfig`` (the one RL takes: ``optim.name`` adamw, ademamix
     or muon, ``optim.schedule`` constant, cosine or linear, docs/optimizers.md) with TRL's defaults where RL's
-    differ: ``lr`` (each stage's TRL default) and ``betas`` ``STAGE_BETAS``. Warm-up 0, a constant lr, no
-    weight decay, eps 1e-8 and grad clip 1.0 are both packages' defaults, so a stage trains as it did when it
-    had an AdamW of its own."""
-    return OptimConfig(lr=lr, betas=STAGE_BETAS)
+    differ: ``lr`` (each stage's TRL default), ``betas`` ``STAGE_BETAS`` and ``adamw_kernel`` ``fused``
+    (transformers' default optimizer since torch 2.8, ``adamw_torch_fused``, so TRL's too; RL keeps the CPU loop).
+    Warm-up 0, a constant lr, no weight decay, eps 1e-8 and grad clip 1.0 are both packages' defaults."""
+    return OptimConfig(lr=lr, betas=STAGE_BETAS, adamw_kernel="fused")
 
 
 @dataclass
@@ -122,7 +122,7 @@ def check_lora(model_cfg: tiny.ModelConfig) -> None:
 
 
 def with_lora(model: torch.nn.Module, model_cfg: tiny.ModelConfig, seed: int, name: str,
-              log: Callable[[str], None] = print) -> torch.nn.Module:
+              log: Callable[[str], None] = print, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
     """``model`` itself (``model.lora.rank`` 0), or LoRA adapters on it, frozen, through RL's own code
     (``lora.wrap``): the optimizer gets the adapters only (``run_stage``), checkpoints hold them in PEFT's layout,
     and ``model/`` is the base with them merged (``export``). A's random start is drawn from ``seed``, so a stage
@@ -131,7 +131,7 @@ def with_lora(model: torch.nn.Module, model_cfg: tiny.ModelConfig, seed: int, na
         return model
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = lora.wrap(model, model_cfg.lora, catalog.resolve(model_cfg.path))
+        model = lora.wrap(model, model_cfg.lora, catalog.resolve(model_cfg.path), task_type)
     trained = sum(p.numel() for p in lora.trainable_parameters(model))
     total = sum(p.numel() for p in model.parameters())
     log(f"{name}: LoRA rank {model_cfg.lora.rank} on {model_cfg.path}: {trained:,} of {total:,} parameters trained")

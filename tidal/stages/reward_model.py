@@ -17,21 +17,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidal.config import ConfigError
 from tidal.models import tiny
-from tidal.models.reward_model import from_policy
+from tidal.models.reward_model import backbone, from_policy
 from tidal.optim import OptimConfig
 from tidal.stages.chat_data import PairExample, encode_pair, load_examples
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
     RunConfig,
+    check_lora,
     chunks,
     load_policy,
     open_run,
     run_stage,
     split_rows,
     stage_optim,
+    with_lora,
 )
 from tidal.stages.pair_tree import pair_last_hidden, shares_prefixes
 from tidal.stages.rm_loss import bradley_terry_loss
@@ -64,7 +65,7 @@ def packed_rewards(rm: torch.nn.Module, seqs: list[list[int]], pack_length: int)
     ids_bt, lengths = padded(seqs)
     layout = pack(ids_bt, lengths, max(pack_length, ids_bt.shape[1]))
     device = next(rm.parameters()).device
-    hidden_rlh = getattr(rm, rm.base_model_prefix)(
+    hidden_rlh = backbone(rm)(
         input_ids=layout.input_ids_rl.to(device), attention_mask=packed_attention_mask(layout, rm, "auto"),
         position_ids=layout.position_ids_rl.to(device), use_cache=False).last_hidden_state
     rows = torch.tensor([r for r, _, _ in layout.where], device=device)
@@ -77,7 +78,7 @@ def pair_rewards(rm, pairs: list[PairExample], pack_length: int,
     """(chosen, rejected) rewards [B] each; with ``share_prefix`` each pair's common prefix computed once."""
     chosen, rejected = [p.chosen_ids for p in pairs], [p.rejected_ids for p in pairs]
     if share_prefix and shares_prefixes(rm) and min(map(len, chosen + rejected)) >= 2:
-        hidden, _ = pair_last_hidden(rm, getattr(rm, rm.base_model_prefix), chosen, rejected, pack_length)
+        hidden, _ = pair_last_hidden(rm, backbone(rm), chosen, rejected, pack_length)
         r = rm.score(hidden).squeeze(-1).float()
     else:  # one-token sequences (no completion) never come from encode_pair; the plain path takes them
         r = packed_rewards(rm, chosen + rejected, pack_length)
@@ -86,9 +87,7 @@ def pair_rewards(rm, pairs: list[PairExample], pack_length: int,
 
 def train(cfg: RMStageConfig, out: str, resume: bool = False, overwrite: bool = False, log=print) -> dict:
     validate_stage(cfg)
-    if cfg.model.lora.rank != 0:  # refused, not ignored: the saved config would say LoRA over a full run
-        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank}: tidal rm trains every weight (its new score head "
-                          "is trained whole, which LoRA's frozen base would leave random); set model.lora.rank=0")
+    check_lora(cfg.model)
     with open_run(out, resume, overwrite, log, "rm", cfg) as run_dir:  # checked and locked, nothing deleted yet
         return _train(cfg, out, resume, overwrite, log, run_dir.begin)
 
@@ -97,6 +96,9 @@ def _train(cfg: RMStageConfig, out: str, resume: bool, overwrite: bool, log, beg
     policy, tokenizer = load_policy(cfg.model, cfg.data)
     rm = from_policy(policy, seed=cfg.run.seed)  # the head: a function of run.seed
     del policy
+    # LoRA on the backbone and the new score head trained whole (PEFT's modules_to_save): a frozen random head
+    # would leave the reward random
+    rm = with_lora(rm, cfg.model, cfg.run.seed, "rm", log, task_type="SEQ_CLS")
     pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
     log(line)
     if cfg.data.eval_path:
