@@ -18,10 +18,13 @@ Same model, rows, settings and threads for both, one after the other:
 base: on a shared machine the throughput moves by tens of percent between runs, so each repeat's ratio is
 measured side by side and kept (``*_runs``), and the top-level ratio is their median.
 
-Top-level keys: ``sft_tokens_per_s_over_trl``, ``dpo_pairs_per_s_over_trl`` (medians over repeats) and their
-``*_runs`` lists, ``dpo_pref_acc`` (tidal's last evaluation), ``dpo_pref_acc_trl`` (TRL's; also under its older
-name ``trl_dpo_pref_acc``), ``dpo_s_to_target``. ``runs`` holds the first repeat's details, ``repeat_runs``
-each repeat's throughputs.
+Then (``rm_steps`` > 0) tidal's reward model from the same base on the same pairs: ``rm_pair_acc``, its held-out pair
+accuracy (TRL's RewardTrainer is not run: the bench compares the stages that have a TRL twin here).
+
+Top-level keys: ``rm_pair_acc``, ``sft_tokens_per_s_over_trl``, ``dpo_pairs_per_s_over_trl`` (medians over
+repeats) and their ``*_runs`` lists, ``dpo_pref_acc`` (tidal's last evaluation), ``dpo_pref_acc_trl`` (TRL's; also
+under its older name ``trl_dpo_pref_acc``), ``dpo_s_to_target``. ``runs`` holds the first repeat's details,
+``repeat_runs`` each repeat's throughputs.
 
     tidal bench stages [--set sft_steps=40] [--set dpo_steps=200] [--set repeats=3] \
         [--set venv=.tidal_cache/bench-trl-venv]
@@ -69,6 +72,11 @@ class Settings:
     venv: str = ".tidal_cache/bench-trl-venv"
     repeats: int = 1
     """Side-by-side repeats of both frameworks' SFT and DPO (the ratios' spread; the median is reported)."""
+    rm_steps: int = 700
+    """tidal's reward model (``tidal rm`` from the same base, once, after the repeats): steps; 0 skips it. 700
+    steps at lr 1e-4 (TRL RewardConfig's default) and batch 16 are the stage chain's (docs/stages.md)."""
+    rm_lr: float = 1e-4
+    rm_batch: int = 16
 
 
 def _stage_cfg(kind: str, overrides: list[str]):
@@ -118,6 +126,21 @@ def tidal_dpo(s: Settings, files: dict, base: Path, out: Path) -> dict:
              for m in metrics(out / "tidal_dpo") if "eval/pref_acc" in m]
     return {"pairs_per_s": s.dpo_steps * s.dpo_batch / last["perf/train_s"], "train_s": last["perf/train_s"],
             "curve": curve}
+
+
+def tidal_rm(s: Settings, files: dict, base: Path, out: Path) -> dict:
+    """The reward model's held-out pair accuracy (r_chosen > r_rejected on the domain's held-out questions)."""
+    from tidal.stages import reward_model
+
+    cfg = apply_overrides(reward_model.RMStageConfig(), [
+        f"model.path={base}", f"data.path={files['pairs']}", f"data.eval_path={files['pairs_eval']}",
+        f"optim.lr={s.rm_lr}", f"run.steps={s.rm_steps}", f"run.batch_size={s.rm_batch}", f"run.threads={s.threads}",
+        f"run.eval_every={max(s.rm_steps // 7, 1)}", f"run.save_every={s.rm_steps}", f"data.max_length={s.max_length}",
+        f"run.seed={s.seed}"])
+    last = reward_model.train(cfg, str(out / "tidal_rm"), overwrite=True, log=lambda line: None)
+    curve = [{"step": m["step"], "accuracy": m["eval/accuracy"]} for m in metrics(out / "tidal_rm")
+             if "eval/accuracy" in m]
+    return {"pair_acc": last["eval/accuracy"], "train_s": last["perf/train_s"], "curve": curve}
 
 
 def run_trl(job: dict, python: str, work: Path) -> dict:
@@ -196,4 +219,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
     if "tidal" in res:
         curve = res["tidal"]["dpo"]["curve"]
         result["dpo_pref_acc"] = curve[-1]["pref_acc"] if curve else None
+        if s.rm_steps > 0:
+            result["rm"] = tidal_rm(s, files, base, out_dir)
+            result["rm_pair_acc"] = result["rm"]["pair_acc"]
     return result

@@ -9,7 +9,8 @@ import pytest
 from tidal import bench
 
 stages = bench.load("stages")
-TOY = ["base_steps=2", "sft_steps=2", "dpo_steps=2", "eval_every=1", "num_pairs=100", "sft_batch=4", "dpo_batch=4"]
+TOY = ["base_steps=2", "sft_steps=2", "dpo_steps=2", "eval_every=1", "num_pairs=100", "sft_batch=4", "dpo_batch=4",
+       "rm_steps=2", "rm_batch=4"]
 
 
 def test_time_to_is_the_first_evaluation_at_the_target():
@@ -23,6 +24,7 @@ def test_tidal_side(tmp_path):
     assert row["framework"] == "tidal" and row["sft_tokens_per_s"] > 0 and row["dpo_pairs_per_s"] > 0
     assert 0 <= result["dpo_pref_acc"] <= 1
     assert [p["step"] for p in result["runs"]["tidal"]["dpo"]["curve"]] == [1, 2]
+    assert 0 <= result["rm_pair_acc"] <= 1 and result["rm"]["curve"][-1]["accuracy"] == result["rm_pair_acc"]
 
 
 def _trl_python():
