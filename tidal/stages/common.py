@@ -28,7 +28,7 @@ import xxhash
 from tidal.config import ConfigError, save_yaml
 from tidal.models import catalog, lora, tiny
 from tidal.optim import OptimConfig, build_optimizer
-from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE
+from tidal.stages.chat_data import GENERATION_CHAT_TEMPLATE, PLAIN_TEMPLATE, load_examples
 from tidal.train.async_checkpoint import AsyncCheckpointer
 from tidal.train.checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 from tidal.utils import outputs
@@ -136,6 +136,20 @@ def with_lora(model: torch.nn.Module, model_cfg: tiny.ModelConfig, seed: int, na
     total = sum(p.numel() for p in model.parameters())
     log(f"{name}: LoRA rank {model_cfg.lora.rank} on {model_cfg.path}: {trained:,} of {total:,} parameters trained")
     return model
+
+
+def train_and_held(cfg, encode: Callable, tokenizer, log: Callable[[str], None] = print) -> tuple[list, list]:
+    """A stage's (training rows, held-out rows), encoded by ``encode``: ``data.eval_path``'s rows held out, else the
+    last ``data.eval_fraction`` of ``data.path``'s after a seeded shuffle (``split_rows``); each file's line (rows
+    read, rows skipped and why) logged. The one place sft, dpo and rm read their data."""
+    d = cfg.data
+    rows, line = load_examples(d.path, encode, tokenizer, d.max_length, d.split)
+    log(line)
+    if not d.eval_path:
+        return split_rows(rows, d.eval_fraction, cfg.run.seed)
+    held, line = load_examples(d.eval_path, encode, tokenizer, d.max_length, d.split)
+    log(line)
+    return rows, held
 
 
 def split_rows(examples: list, fraction: float, seed: int) -> tuple[list, list]:

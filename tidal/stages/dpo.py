@@ -30,7 +30,7 @@ import torch
 from tidal.config import ConfigError
 from tidal.models import catalog, tiny
 from tidal.optim import OptimConfig
-from tidal.stages.chat_data import PairExample, SFTExample, encode_pair, load_examples
+from tidal.stages.chat_data import PairExample, SFTExample, encode_pair
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
@@ -41,8 +41,8 @@ from tidal.stages.common import (
     open_run,
     rows_digest,
     run_stage,
-    split_rows,
     stage_optim,
+    train_and_held,
     weights_digest,
     with_lora,
 )
@@ -195,13 +195,7 @@ def train(cfg: DPOStageConfig, out: str, resume: bool = False, overwrite: bool =
 
 def _train(cfg: DPOStageConfig, out: str, resume: bool, overwrite: bool, log, begin) -> dict:
     model, tokenizer = load_policy(cfg.model, cfg.data)
-    pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
-    log(line)
-    if cfg.data.eval_path:
-        held, line = load_examples(cfg.data.eval_path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
-        log(line)
-    else:
-        pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
+    pairs, held = train_and_held(cfg, encode_pair, tokenizer, log)
     if cfg.ref_path and cfg.loss_type not in REFERENCE_FREE:  # an input too: found before anything is deleted
         if not catalog.is_model_dir(catalog.resolve(cfg.ref_path)):
             raise ConfigError(f"ref_path={cfg.ref_path}: no Hugging Face model there (a model directory, a .gguf, "

@@ -20,7 +20,7 @@ import torch
 from tidal.models import tiny
 from tidal.models.reward_model import backbone, from_policy
 from tidal.optim import OptimConfig
-from tidal.stages.chat_data import PairExample, encode_pair, load_examples
+from tidal.stages.chat_data import PairExample, encode_pair
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
@@ -30,8 +30,8 @@ from tidal.stages.common import (
     load_policy,
     open_run,
     run_stage,
-    split_rows,
     stage_optim,
+    train_and_held,
     with_lora,
 )
 from tidal.stages.pair_tree import pair_last_hidden, shares_prefixes
@@ -99,13 +99,7 @@ def _train(cfg: RMStageConfig, out: str, resume: bool, overwrite: bool, log, beg
     # LoRA on the backbone and the new score head trained whole (PEFT's modules_to_save): a frozen random head
     # would leave the reward random
     rm = with_lora(rm, cfg.model, cfg.run.seed, "rm", log, task_type="SEQ_CLS")
-    pairs, line = load_examples(cfg.data.path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
-    log(line)
-    if cfg.data.eval_path:
-        held, line = load_examples(cfg.data.eval_path, encode_pair, tokenizer, cfg.data.max_length, cfg.data.split)
-        log(line)
-    else:
-        pairs, held = split_rows(pairs, cfg.data.eval_fraction, cfg.run.seed)
+    pairs, held = train_and_held(cfg, encode_pair, tokenizer, log)
     begin()  # the model and rows loaded: only now may --overwrite delete the previous run
     pack_length = cfg.pack_length or cfg.data.max_length
 

@@ -21,7 +21,7 @@ import torch
 from tidal.models import tiny
 from tidal.models.logprobs import token_logprobs
 from tidal.optim import OptimConfig
-from tidal.stages.chat_data import SFTExample, encode_sft, load_examples
+from tidal.stages.chat_data import SFTExample, encode_sft
 from tidal.stages.checks import validate_stage
 from tidal.stages.common import (
     DataConfig,
@@ -31,8 +31,8 @@ from tidal.stages.common import (
     load_policy,
     open_run,
     run_stage,
-    split_rows,
     stage_optim,
+    train_and_held,
     with_lora,
 )
 from tidal.train.packing import pack, packed_attention_mask, unpack
@@ -98,13 +98,7 @@ def train(cfg: SFTStageConfig, out: str, resume: bool = False, overwrite: bool =
 def _train(cfg: SFTStageConfig, out: str, resume: bool, overwrite: bool, log, begin) -> dict:
     model, tokenizer = load_policy(cfg.model, cfg.data)
     model = with_lora(model, cfg.model, cfg.run.seed, "sft", log)
-    rows, line = load_examples(cfg.data.path, encode_sft, tokenizer, cfg.data.max_length, cfg.data.split)
-    log(line)
-    if cfg.data.eval_path:
-        held, line = load_examples(cfg.data.eval_path, encode_sft, tokenizer, cfg.data.max_length, cfg.data.split)
-        log(line)
-    else:
-        rows, held = split_rows(rows, cfg.data.eval_fraction, cfg.run.seed)
+    rows, held = train_and_held(cfg, encode_sft, tokenizer, log)
     begin()  # the model and rows loaded: only now may --overwrite delete the previous run
     pack_length = cfg.pack_length or cfg.data.max_length
 
