@@ -152,6 +152,8 @@ MODEL_NOTES = {"qwen2.5-0.5b": "Qwen2.5-0.5B's shapes, random weights",
                "stand-in": "a small stand-in for CPU runs, random weights: not Qwen2.5-0.5B's shapes"}
 
 roofline = load("_roofline")  # benchmarks/_roofline.py: the FLOP, byte and peak accounting
+gpu_table = load("_gpu_table")  # benchmarks/_gpu_table.py: the printed table
+gpu_attention = load("_gpu_attention")  # benchmarks/_gpu_attention.py: the decode_attention part
 gpu_head = load("_gpu_head")  # benchmarks/_gpu_head.py: the head_kernel part (trainer.head_kernel arms)
 gpu_engine = load("_gpu_engine")  # benchmarks/_gpu_engine.py: the host_reads part (rollout.host_reads sync/late)
 gpu_widths = load("_gpu_widths")  # benchmarks/_gpu_widths.py: the graph_widths part (rollout.graph_widths full/buckets)
@@ -550,99 +552,6 @@ def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks
 
 
 # ---- part 4: decode attention arms -----------------------------------------------------------------------
-def part_decode_attention(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
-    """Each ``rollout.decode_attention`` arm of ``attention_modes`` on the same ``attention_prompts`` x
-    ``attention_group_size`` rows of ``attention_prompt_len`` random tokens, every row decoding
-    ``attention_new_tokens`` tokens (EOS ignored). ``decode_step_ms_<mode>`` = (seconds of the whole generate -
-    seconds of a one-token generate, the prefill) / (``attention_new_tokens`` - 1); ``decode_tokens_<mode>``: the
-    arm's first row's tokens (the arms must sample the same ones; bf16 sums in another order may flip a rare
-    near-tie). ``decode_kernels``: the SDPA backend each arm's call gets at these shapes, a decode step (q = 1) and
-    a speculative verify step (q = 5), from ``torch._fused_sdp_choice`` (the math kernel is the slow fallback), and
-    ``decode_call_ms``: one layer's attention call alone at those shapes, per arm (``decode_kernels``)."""
-    from tidal.api import GenRequest
-    from tidal.models import tiny
-    from tidal.rollout.local import LocalEngine, SamplingConfig
-    from tidal.types import Prompt
-
-    model = copy.deepcopy(base).to(device).eval()
-    rng = random.Random(s.seed + 3)
-    requests = []
-    for i in range(s.attention_prompts):
-        ids = tuple(rng.randrange(model.config.vocab_size) for _ in range(s.attention_prompt_len))
-        requests += [GenRequest(Prompt(f"a{i}", "", ""), ids, j, s.attention_new_tokens)
-                     for j in range(s.attention_group_size)]
-    one = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
-    kernels, call_ms = decode_kernels(model.config, len(requests), s.attention_prompt_len,
-                                      resolve_dtype(s.engine_dtype, device, "engine_dtype"), device)
-    out: dict = {"rows": len(requests), "context": s.attention_prompt_len + s.attention_new_tokens,
-                 "decode_kernels": kernels, "decode_call_ms": call_ms}
-    for mode in s.attention_modes:
-        cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.attention_new_tokens,
-                             max_batch_size=len(requests), decode_attention=mode)
-        engine = LocalEngine(model, tiny.build_tokenizer(), cfg, seed=s.seed)
-        engine.eos_id = None
-        engine.end_ids = ()
-        engine.prepare(requests)  # the slot cache sized and the CUDA-graph buckets recorded before the clock
-        engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests])  # warm-up: kernels
-        _, prefill_s = roofline.timed(lambda engine=engine: engine.generate(one), device)
-        trajs, total_s = roofline.timed(lambda engine=engine: engine.generate(requests), device)
-        assert all(t.num_tokens == s.attention_new_tokens for t in trajs), "a row stopped before its budget"
-        out[f"decode_step_ms_{mode}"] = (total_s - prefill_s) * 1e3 / max(1, s.attention_new_tokens - 1)
-        out[f"decode_tokens_{mode}"] = list(trajs[0].token_ids)
-        del engine
-        gc.collect()
-    return out
-
-
-def decode_kernels(config, rows: int, context: int, dtype: torch.dtype, device: torch.device,
-                   calls: int = 5) -> tuple[dict, dict]:
-    """``{"<mode> q=<q>": backend}``: the SDPA backend ``torch._fused_sdp_choice`` picks for each arm's attention
-    call at the engine's shapes (a strided K/V view and a boolean mask, as the slot cache hands them), and
-    ``{"<mode> q=<q>": ms}``: one such call's time, K/V repeat (``repeat``) or mask copy (``fold``) included, the
-    median of ``calls`` after one warm-up."""
-    from torch.nn.attention import SDPBackend
-
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    n_rep = heads // kv_heads
-    key = torch.randn(rows, kv_heads, context + 64, dim, dtype=dtype, device=device)[:, :, :context]
-    value = torch.randn_like(key)
-
-    def arm(mode: str, query: torch.Tensor, mask: torch.Tensor) -> tuple[tuple, dict]:
-        """SDPA's arguments for ``mode``, built as its forward builds them (the copies included)."""
-        q = query.shape[2]
-        if mode == "repeat":
-            kv = [x[:, :, None].expand(rows, kv_heads, n_rep, context, dim).reshape(rows, heads, context, dim)
-                  for x in (key, value)]
-            return (query, *kv, mask), {}
-        if mode == "gqa":
-            return (query, key, value, mask), {"enable_gqa": True}
-        folded = mask if q == 1 else mask[:, :, None].expand(rows, 1, n_rep, q, context).reshape(rows, 1, -1, context)
-        return (query.reshape(rows, kv_heads, n_rep * q, dim), key, value, folded), {}
-
-    def call(mode: str, query: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        args, kw = arm(mode, query, mask)
-        return sdpa(*args, **kw)
-
-    kernels, call_ms = {}, {}
-    for q in (1, 5):
-        query = torch.randn(rows, q, heads, dim, dtype=dtype, device=device).transpose(1, 2)
-        mask = torch.ones(rows, 1, q, context, dtype=torch.bool, device=device)
-        for mode in ("repeat", "gqa", "fold"):
-            name = f"{mode} q={q}"
-            try:
-                args, kw = arm(mode, query, mask)
-                kernels[name] = SDPBackend(torch._fused_sdp_choice(*args, **kw)).name
-                call(mode, query, mask)
-                call_ms[name] = 1e3 * statistics.median(
-                    roofline.timed(functools.partial(call, mode, query, mask), device)[1] for _ in range(calls))
-            except Exception as e:  # noqa: BLE001 (a backend refusing the shapes is itself the answer)
-                kernels[name] = f"{type(e).__name__}: {e}"
-    return kernels, call_ms
-
-
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def part_train_tf32(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
     """``part_train`` with the LM head's float32 matmul on TF32 tensor cores (``trainer.head_matmul=tf32``)."""
@@ -656,7 +565,8 @@ def part_train_bf16_master(s: Settings, base: torch.nn.Module, device: torch.dev
 
 
 PARTS = {"train": part_train, "train_tf32": part_train_tf32, "train_bf16_master": part_train_bf16_master,
-         "generate": part_generate, "rl_step": part_rl_step, "decode_attention": part_decode_attention,
+         "generate": part_generate, "rl_step": part_rl_step,
+         "decode_attention": functools.partial(gpu_attention.part_decode_attention, timed=roofline.timed),
          "head_kernel": gpu_head.part_head_kernel,
          "host_reads": functools.partial(gpu_engine.part_host_reads, gen_requests=gen_requests, timed=roofline.timed),
          "graph_widths": functools.partial(gpu_widths.part_graph_widths, timed=roofline.timed)}
@@ -691,66 +601,6 @@ def measure_peaks(s: Settings, device: torch.device) -> dict:
             "matmul_tflops_measured": roofline.matmul_tflops(device, dtype, s.matmul_size), "matmul_dtype": str(dtype),
             "matmul_tflops_measured_fp32": roofline.matmul_tflops(device, torch.float32, s.matmul_size),
             "copy_bandwidth_bytes_per_s": roofline.copy_bandwidth(device, s.copy_mb)}
-
-
-def table(result: dict) -> list[dict]:
-    rows = []
-    train, gen, rl = (result.get(k, {}) for k in ("train", "generate", "rl_step"))
-
-    def row(part, quantity, value, note=""):
-        rows.append({"part": part, "quantity": quantity, "value": value, "note": note})
-
-    row("peak", "matmul TFLOP/s measured", result.get("matmul_tflops_measured"), result.get("matmul_dtype", ""))
-    row("peak", "datasheet TFLOP/s", result.get("peak_tflops_datasheet"), result.get("device", ""))
-    row("peak", "copy TB/s measured", (result.get("copy_bandwidth_bytes_per_s") or 0) / 1e12, "read + write")
-    row("train", "tokens/s", train.get("trainer_tokens_per_s"), train.get("error", "packed, one fwd+bwd"))
-    row("train", "MFU vs datasheet", train.get("trainer_mfu"), "6N + causal attention")
-    row("train", "MFU vs measured matmul", train.get("trainer_mfu_vs_measured_matmul"), "")
-    tf32 = result.get("train_tf32", {})
-    row("train", "MFU vs datasheet, TF32 head", tf32.get("trainer_mfu"), tf32.get("error", "trainer.head_matmul=tf32"))
-    if "train_bf16_master" in result:
-        master = result["train_bf16_master"]
-        row("train", "MFU vs datasheet, bf16_master", master.get("trainer_mfu"),
-            master.get("error", "trainer.weights=bf16_master"))
-    row("generate", "engine useful tok/s", gen.get("engine_tokens_per_s"), gen.get("error", ""))
-    row("generate", "HF generate useful tok/s", gen.get("hf_generate_tokens_per_s"), "")
-    row("generate", "engine / HF generate", gen.get("engine_over_hf_generate"), "")
-    row("generate", "engine roofline frac", gen.get("engine_roofline_frac"), "weights + live KV per step")
-    split = rl.get("step_time_split") or {}
-    row("generate", "decode step ms", gen.get("decode_step_ms"), "engine s / decode steps of its schedule")
-    for phase, ms in (train.get("trainer_phase_ms") or {}).items():
-        row("train", f"{phase} ms", ms, "perf/trainer_*_ms of the last step")
-    for phase in ("generate", "score", "train", "weight_sync"):
-        note = f"{split['fractions'][phase]:.1%}" if split else rl.get("error", "")
-        row("rl_step", f"{phase} s", split.get(phase), note)
-    lengths = rl.get("rl_response_lengths") or {}
-    note = (f"response tokens mean {lengths['mean']:.1f}, median {lengths['median']}, max {lengths['max']}"
-            if lengths else rl.get("error", ""))
-    row("rl_step", "samples/s", rl.get("rl_samples_per_s"), note)
-    counters = rl.get("rl_engine_counters") or {}
-    row("rl_step", "prepare s", rl.get("rl_prepare_s"), "slot cache sized, decode buckets recorded, before the clock")
-    row("rl_step", "first generate s", rl.get("rl_first_generate_s"),
-        f"graph recordings {counters.get('graph_recordings')}, in decode {counters.get('graph_late_steps')}, "
-        f"slot resizes {counters.get('slot_resizes')} (all steps)")
-    row("rl_step", "second generate s", rl.get("rl_second_generate_s"), "the same requests again")
-    if "decode_attention" in result:
-        arms = result["decode_attention"]
-        kernels = arms.get("decode_kernels") or {}
-        for mode in ("repeat", "gqa", "fold"):
-            if f"decode_step_ms_{mode}" in arms or "error" in arms:
-                row("decode_attention", f"decode step ms, {mode}", arms.get(f"decode_step_ms_{mode}"),
-                    arms.get("error", f"SDPA kernel {kernels.get(f'{mode} q=1')} (q=1), "
-                                      f"{kernels.get(f'{mode} q=5')} (q=5)"))
-                calls = arms.get("decode_call_ms") or {}
-                row("decode_attention", f"one attention call ms, {mode}", calls.get(f"{mode} q=1"),
-                    f"q=5: {calls.get(f'{mode} q=5')}")
-    for args in gpu_widths.table_rows(result):
-        row(*args)
-    for mode in ("sync", "late") if "host_reads" in result else ():
-        arm = result["host_reads"].get(mode) or {}
-        row("host_reads", f"decode step ms, {mode}", arm.get("decode_step_ms"), result["host_reads"].get(
-            "error", f"host ms {arm.get('decode_step_host_ms')}, syncs/step {arm.get('syncs_per_step')}"))
-    return rows
 
 
 class BudgetSpent(Exception):
@@ -823,5 +673,5 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         for key in keys:
             result[key] = result.get(name, {}).get(key)
     result["settings"] = {f.name: getattr(s, f.name) for f in fields(s)}
-    result["table"] = table(result)
+    result["table"] = gpu_table.table(result)
     return result

@@ -17,7 +17,8 @@ TOY = ["device=cpu", "precision=bf16", "engine_dtype=bf16", "matmul_size=64", "c
        "train_groups=2", "group_size=4", "prompt_len=8", "max_response=24", "pack_tokens=64", "micro_batch_tokens=64",
        "train_steps=1", "gen_prompts=2", "gen_group_size=3", "gen_prompt_len=4", "gen_max_new_tokens=8",
        "gen_max_batch_size=4", "rl_prompts=2", "rl_group_size=3", "rl_max_new_tokens=6", "rl_steps=1",
-       "attention_prompts=1", "attention_group_size=2", "attention_prompt_len=16", "attention_new_tokens=4"]
+       "attention_prompts=1", "attention_group_size=2", "attention_prompt_len=16", "attention_new_tokens=4",
+       "widths_rows=2", "widths_prompt_len=8", "widths_budget=200", "widths_steps=4"]
 """Toy sizes; 6 generate requests over 4 slots, so the engine refills a slot and HF runs two batches."""
 
 
