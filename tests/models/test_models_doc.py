@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tidal.cli import main
 from tidal.models import catalog
 
@@ -29,9 +31,13 @@ SHRINK = {  # a two-step run of the recipe, 4 evaluation prompts: the command as
 }
 
 
+STAGES = ("tidal sft ", "tidal dpo ")
+"""docs/models.md's SFT and DPO on SmolLM2: run by ``test_stage_commands`` on a shrunk domain."""
+
+
 def test_tidal_commands(smollm2_dir, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("TIDAL_CACHE", str(smollm2_dir.parent.parent))
-    commands = [c for c in doc_commands() if c.startswith("tidal ")]
+    commands = [c for c in doc_commands() if c.startswith("tidal ") and not c.startswith(STAGES)]
     assert any(c.startswith("tidal model import") for c in commands)
     assert any(c.startswith("tidal eval") for c in commands)
     for command in commands:
@@ -66,3 +72,32 @@ def test_device_parts_split_and_join(tmp_path, smollm2_dir):
     assert digest == catalog.CATALOG["smollm2-135m-instruct"].sha256
     gguf, origin = catalog.catalog_gguf("smollm2-135m-instruct", there / ".tidal_cache", download=False)
     assert origin["from"] in ("installed", "cache")  # here the wheel is installed; there only the joined file
+
+
+@pytest.mark.slow  # ~25 s: SmolLM2 loaded four times
+def test_stage_commands(smollm2_dir, monkeypatch, capsys, tmp_path):
+    """SFT then DPO on SmolLM2 as the page shows them, on a domain of 16 chats and 8 pairs, one step each, then the
+    page's held-out checks of the DPO model: the commands run as written (their numbers are the page's)."""
+    import json
+
+    from tidal.stages import evaluate, synthetic
+
+    monkeypatch.setenv("TIDAL_CACHE", str(smollm2_dir.parent.parent))
+    monkeypatch.chdir(tmp_path)
+    commands = [c for c in doc_commands() if c.startswith(("python -m tidal.stages.",) + STAGES)]
+    assert [c.split()[:3] for c in commands] == [["python", "-m", "tidal.stages.synthetic"], ["tidal", "sft", "--set"],
+                                                ["tidal", "dpo", "--set"], ["python", "-m", "tidal.stages.evaluate"]]
+    shrink = {"synthetic": ["--num-sft", "16", "--num-pairs", "8", "--num-eval", "4"],
+              "sft": ["run.steps=1", "run.eval_every=1", "data.eval_fraction=0.25", "run.threads=2"],
+              "dpo": ["run.steps=1", "run.eval_every=1", "run.threads=2"]}
+    for command in commands:
+        argv = shlex.split(command)
+        if argv[0] == "python":
+            module = {"tidal.stages.synthetic": synthetic, "tidal.stages.evaluate": evaluate}[argv[2]]
+            module.main(argv[3:] + shrink.get(argv[2].rsplit(".", 1)[1], []))
+            continue
+        extra = [x for kv in shrink[argv[1]] for x in ("--set", kv)]
+        assert main(argv[1:] + extra) == 0, f"`{command}` failed: {capsys.readouterr().err}"
+    out = capsys.readouterr().out
+    checks = json.loads(out[out.rfind("{\n"):])  # the evaluation's object, printed last
+    assert set(checks) == {"accuracy", "pref_acc", "corpus_nll"}

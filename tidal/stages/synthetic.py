@@ -78,8 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tidal.stages.synthetic", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-sft", type=int, default=2000, help="SFT chats")
+    p.add_argument("--num-pairs", type=int, default=2000, help="training preference pairs")
+    p.add_argument("--num-eval", type=int, default=200, help="held-out questions (and their pairs)")
     args = p.parse_args(argv)
-    for name, path in build(args.out, seed=args.seed).items():
+    for name, path in build(args.out, num_sft=args.num_sft, num_pairs=args.num_pairs, num_eval=args.num_eval,
+                            seed=args.seed).items():
         print(f"{name:12s} {path}")
 
 
