@@ -4,6 +4,7 @@ and TensorBoard), the base accuracy in the result, and checkpoints that are whol
 import json
 import resource
 import signal
+import time
 
 import pytest
 import torch
@@ -40,6 +41,10 @@ def test_resume_after_a_crash_logs_each_step_once_and_reports_the_base_accuracy(
         p.unlink()
     (ckpts / "step_3").rmdir()
     (ckpts / "latest").write_text("step_2")
+    # TensorBoard orders event files by name, ``events.out.tfevents.<second>.<host>.<pid>.<n>`` with ``n`` a
+    # process-wide counter: two runs in one second of one pytest process could sort ``...99`` after ``...100``,
+    # the resumed file first, and its purge then misses the first run's step 3 (a flake seen in a full run)
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)
 
     _, resumed = _run(tiny_cfg(tmp_path, *opts, "max_steps=4"), out, resume=True)
     assert _steps(out) == [0, 1, 2, 3, 4]

@@ -165,18 +165,18 @@ class Controller:
 
     # ---- pieces shared by both modes -----------------------------------------------------------
     def _prepare_engine(self) -> None:
-        """Size the engine's slot cache (and record its CUDA-graph buckets) for the first step's requests before the
-        first step's clock starts (issue 51): sync's ``generate`` would do it inside step 1, and async's stream grows
-        it admission by admission. Async sizes for as many rows as can run at once, joining while others run. The
-        prompts are only measured here (``prompt(i)`` is a pure function of ``i`` and the sampler's weights).
-        Engines without ``prepare`` (vLLM, agents' episode engines) skip it."""
+        """Size the engine's slot cache (and record its CUDA-graph buckets) for the first step's requests before its
+        clock starts (issue 51): sync's ``generate`` would do it inside step 1, async's stream admission by admission
+        (async sizes every slot, rows joining while others run). Engines without ``prepare`` (vLLM, agents) skip it."""
         prepare = getattr(self.engine, "prepare", None)
         if prepare is None:
             return
         r = self.cfg.rollout
         streams = self.cfg.system.mode != "sync"
         count = -(-r.max_batch_size // r.group_size) + 1 if streams else r.prompts_per_step
-        prepare(self._requests(self._prompts(self.state.next_group, count), self.state.step), joins_later=streams)
+        prompts = self._prompts(self.state.next_group, count)  # measured only: no request of a step is built
+        prepare(group_requests(self.tokenizer, prompts, r.group_size, self._budget(self.state.step)),
+                joins_later=streams)
 
     def _prompts(self, start: int, count: int) -> list[Prompt]:
         return [self.source.prompt(i) for i in range(start, start + count)]
