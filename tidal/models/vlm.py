@@ -60,6 +60,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from tidal.models.logprobs import chunked_head_logprobs
 from tidal.models.tiny import IM_END, IM_START, build_chat_tokenizer, load_tokenizer
+from tidal.models.tiny import save as tiny_save
 from tidal.utils.images import load_image
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
@@ -164,11 +165,9 @@ def build_vlm(cfg: VLMConfig, processor: ImageTextProcessor) -> Qwen2VLForCondit
 
 
 def save(model: torch.nn.Module, processor: ProcessorMixin, path: str | Path) -> None:
-    """The model (safetensors) and its processor (tokenizer, image processor, chat template) in one folder."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    processor.save_pretrained(path)
+    """The model (safetensors) and its processor (tokenizer, image processor, chat template) in one folder, as
+    ``tiny.save`` writes a text model and its tokenizer (the processor saves as a tokenizer does)."""
+    tiny_save(model, processor, path)
 
 
 def load_processor(path: str | Path) -> ImageTextProcessor:
