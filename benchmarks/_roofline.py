@@ -1,10 +1,14 @@
 """The accounting behind ``tidal bench gpu``'s MFU and roofline figures: model FLOPs, decode bytes, device
-peaks (datasheet and measured), and synchronized timing. The formulas and their sources are in ``gpu.py``'s
-docstring (parts 1 and 2); ``tests/test_bench_gpu.py`` checks each against hand-computed numbers."""
+peaks (datasheet and measured), synchronized timing, and the time budget that stops a part (``within``). The
+formulas and their sources are in ``gpu.py``'s docstring (parts 1 and 2); ``tests/test_bench_gpu.py`` checks each
+against hand-computed numbers."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -122,3 +126,26 @@ def copy_bandwidth(device: torch.device, megabytes: int, repeats: int = 5) -> fl
     dst = torch.empty_like(src)
     dst.copy_(src)
     return statistics.median(2 * src.numel() / timed(lambda: dst.copy_(src), device)[1] for _ in range(repeats))
+
+
+class BudgetSpent(Exception):
+    """The bench's ``budget_s`` ran out inside a part (``within``)."""
+
+
+@contextlib.contextmanager
+def within(seconds: float | None):
+    """Raise ``BudgetSpent`` in the main thread once ``seconds`` pass (SIGALRM; None or another thread: no limit)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def spent(signum, frame):
+        raise BudgetSpent(f"stopped after {seconds:.0f} s: the bench's budget_s was spent inside this part")
+
+    previous = signal.signal(signal.SIGALRM, spent)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -105,26 +105,22 @@ and ``rl_prepare_s``, ``rl_first_generate_s``, ``rl_second_generate_s``, ``rl_en
 ``decode_step_ms_repeat``, ``decode_step_ms_gqa``, ``decode_step_ms_fold``, ``decode_kernels`` and ``decode_call_ms``
 (part 4).
 
-Reading the numbers: they are for one device and these shapes; the model is small for an H100, so per-step
-overheads (kernel launches, Python) weigh more than at 7B. The defaults are sized to finish in about 2-3
-minutes on one H100 (an estimate, not yet measured), most of it in part 2's ``generate``, which decodes every
-row to the longest budget.
+Reading the numbers: one device and these shapes; the model is small for an H100, so per-step overheads (kernel
+launches, Python) weigh more than at 7B. On an H200 the default parts took 71 + 149 s (train, generate) and
+more (rl_step); ``budget_s`` bounds the whole (the device check passes it).
 
     tidal bench gpu [--set device=cpu] [--set 'parts=[train]'] [--set train_steps=5] ...
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
 import gc
 import json
 import random
-import signal
 import statistics
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field, fields
@@ -151,12 +147,12 @@ MODELS = {
 MODEL_NOTES = {"qwen2.5-0.5b": "Qwen2.5-0.5B's shapes, random weights",
                "stand-in": "a small stand-in for CPU runs, random weights: not Qwen2.5-0.5B's shapes"}
 
-roofline = load("_roofline")  # benchmarks/_roofline.py: the FLOP, byte and peak accounting
-gpu_table = load("_gpu_table")  # benchmarks/_gpu_table.py: the printed table
-gpu_attention = load("_gpu_attention")  # benchmarks/_gpu_attention.py: the decode_attention part
-gpu_head = load("_gpu_head")  # benchmarks/_gpu_head.py: the head_kernel part (trainer.head_kernel arms)
-gpu_engine = load("_gpu_engine")  # benchmarks/_gpu_engine.py: the host_reads part (rollout.host_reads sync/late)
-gpu_widths = load("_gpu_widths")  # benchmarks/_gpu_widths.py: the graph_widths part (rollout.graph_widths full/buckets)
+# benchmarks/_roofline.py: FLOP, byte and peak accounting; _gpu_table.py: the printed table; the parts in their
+# own modules: _gpu_generate.py (generate), _gpu_attention.py (decode_attention), _gpu_head.py (head_kernel),
+# _gpu_engine.py (host_reads), _gpu_widths.py (graph_widths)
+roofline, gpu_table = load("_roofline"), load("_gpu_table")
+gpu_generate, gpu_attention, gpu_head = load("_gpu_generate"), load("_gpu_attention"), load("_gpu_head")
+gpu_engine, gpu_widths = load("_gpu_engine"), load("_gpu_widths")
 
 
 @dataclass
@@ -373,7 +369,7 @@ def trainer_phase_ms(metrics: dict) -> dict:
     return {name: metrics.get(f"perf/trainer_{name}_ms") for name in PHASES}
 
 
-# ---- part 2: the engine vs HF generate -------------------------------------------------------------------
+# ---- part 2: the engine vs HF generate (its requests here; the part in _gpu_generate.py) ----------------
 def gen_requests(s: Settings, vocab: int) -> list:
     """``gen_prompts`` x ``gen_group_size`` requests: random ``gen_prompt_len``-token prompts, long-tailed budgets."""
     from tidal.api import GenRequest
@@ -387,77 +383,6 @@ def gen_requests(s: Settings, vocab: int) -> list:
         for j in range(s.gen_group_size):
             requests.append(GenRequest(Prompt(f"p{i}", "", ""), ids, j, budgets[len(requests)]))
     return requests
-
-
-def engine_arm(model, tokenizer, requests, s: Settings, device: torch.device) -> tuple[int, float, list | None]:
-    """(useful new tokens, seconds) of one timed ``LocalEngine.generate`` over every request, after a warm-up,
-    and with ``profile`` the profiler's table of one more ``generate`` of the first batch."""
-    from tidal.rollout.local import LocalEngine, SamplingConfig
-
-    cfg = SamplingConfig(dtype=s.engine_dtype, max_new_tokens=s.gen_max_new_tokens, max_batch_size=s.gen_max_batch_size,
-                         decode_attention=s.decode_attention)
-    engine = LocalEngine(model, tokenizer, cfg, seed=s.seed)
-    engine.eos_id = None  # ignore EOS: a random model would stop at random (the budget ends every request)
-    engine.generate([dataclasses.replace(r, max_new_tokens=4) for r in requests[:8]])
-    engine.prepare(requests)  # the slot cache sized and the CUDA-graph buckets recorded before the clock (issue 51)
-    trajs, seconds = roofline.timed(lambda: engine.generate(requests), device)
-    useful = sum(len(t.token_ids) for t in trajs)
-    assert useful == sum(r.max_new_tokens for r in requests), "the engine stopped a request before its budget"
-    few = requests[: s.gen_max_batch_size]
-    profiled = roofline.profile_table(lambda: engine.generate(few), device) if s.profile else None
-    return useful, seconds, profiled
-
-
-def hf_arm(model, requests, s: Settings, device: torch.device) -> tuple[int, int, float]:
-    """(useful new tokens, new tokens computed, seconds) of HF ``generate`` over the requests in batches of
-    ``gen_max_batch_size`` rows (every prompt has the same length: no padding), each batch run to its longest
-    budget; a row's tokens past its own budget are computed but not useful."""
-    model.generation_config.eos_token_id = None  # ignore EOS, as the engine does
-    ids = torch.tensor([r.prompt_ids for r in requests], device=device)
-    budgets = [r.max_new_tokens for r in requests]
-
-    def generate(rows: slice, max_new: int):
-        torch.manual_seed(s.seed)
-        out = model.generate(input_ids=ids[rows], attention_mask=torch.ones_like(ids[rows]), do_sample=True,
-                             temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new, pad_token_id=0)
-        return out.shape[1] - ids.shape[1]  # new columns, the same for every row
-
-    with torch.no_grad():
-        generate(slice(0, 8), 4)
-        useful, computed, seconds = 0, 0, 0.0
-        for start in range(0, len(requests), s.gen_max_batch_size):
-            rows = slice(start, start + s.gen_max_batch_size)
-            width, sec = roofline.timed(lambda rows=rows: generate(rows, max(budgets[rows])), device)
-            useful += sum(min(b, width) for b in budgets[rows])
-            computed += width * len(budgets[rows])
-            seconds += sec
-    return useful, computed, seconds
-
-
-def part_generate(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
-    from tidal.models import tiny
-
-    dtype = resolve_dtype(s.engine_dtype, device, "engine_dtype")
-    model = copy.deepcopy(base).to(device).eval()
-    requests = gen_requests(s, model.config.vocab_size)
-    engine_tokens, engine_s, profiled = engine_arm(model, tiny.build_tokenizer(), requests, s, device)
-    model.to(dtype)
-    hf_tokens, hf_computed, hf_s = hf_arm(model, requests, s, device)
-    weight_bytes = roofline.matmul_params(model) * dtype.itemsize
-    kv = roofline.kv_bytes_per_token(model.config, dtype)
-    steps = roofline.decode_steps([len(r.prompt_ids) for r in requests], [r.max_new_tokens for r in requests],
-                         s.gen_max_batch_size)
-    ceiling = roofline.roofline_tokens_per_s(weight_bytes, kv, steps, peaks["copy_bandwidth_bytes_per_s"])
-    engine_rate, hf_rate = engine_tokens / engine_s, hf_tokens / hf_s
-    return {
-        "engine_over_hf_generate": engine_rate / hf_rate, "engine_tokens_per_s": engine_rate,
-        "hf_generate_tokens_per_s": hf_rate, "engine_roofline_frac": engine_rate / ceiling,
-        "roofline_tokens_per_s": ceiling, "useful_tokens": engine_tokens, "hf_useful_tokens": hf_tokens,
-        "hf_computed_tokens": hf_computed, "engine_s": engine_s, "hf_s": hf_s, "requests": len(requests),
-        "decode_steps": len(steps), "decode_step_ms": engine_s * 1e3 / len(steps),
-        "weight_bytes": weight_bytes, "kv_bytes_per_token": kv, "dtype": str(dtype),
-        **({"profile": profiled} if profiled is not None else {}),
-    }
 
 
 # ---- part 3: one RL step ---------------------------------------------------------------------------------
@@ -551,7 +476,6 @@ def part_rl_step(s: Settings, base: torch.nn.Module, device: torch.device, peaks
             "rl_engine_counters": {k: stats[f"rollout/{k}"] for k in counters}}
 
 
-# ---- part 4: decode attention arms -----------------------------------------------------------------------
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def part_train_tf32(s: Settings, base: torch.nn.Module, device: torch.device, peaks: dict) -> dict:
     """``part_train`` with the LM head's float32 matmul on TF32 tensor cores (``trainer.head_matmul=tf32``)."""
@@ -565,7 +489,8 @@ def part_train_bf16_master(s: Settings, base: torch.nn.Module, device: torch.dev
 
 
 PARTS = {"train": part_train, "train_tf32": part_train_tf32, "train_bf16_master": part_train_bf16_master,
-         "generate": part_generate, "rl_step": part_rl_step,
+         "generate": functools.partial(gpu_generate.part_generate, gen_requests=gen_requests),
+         "rl_step": part_rl_step,
          "decode_attention": functools.partial(gpu_attention.part_decode_attention, timed=roofline.timed),
          "head_kernel": gpu_head.part_head_kernel,
          "host_reads": functools.partial(gpu_engine.part_host_reads, gen_requests=gen_requests, timed=roofline.timed),
@@ -603,29 +528,6 @@ def measure_peaks(s: Settings, device: torch.device) -> dict:
             "copy_bandwidth_bytes_per_s": roofline.copy_bandwidth(device, s.copy_mb)}
 
 
-class BudgetSpent(Exception):
-    """The bench's ``budget_s`` ran out inside a part (``within``)."""
-
-
-@contextlib.contextmanager
-def within(seconds: float | None):
-    """Raise ``BudgetSpent`` in the main thread once ``seconds`` pass (SIGALRM; None or another thread: no limit)."""
-    if seconds is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def spent(signum, frame):
-        raise BudgetSpent(f"stopped after {seconds:.0f} s: the bench's budget_s was spent inside this part")
-
-    previous = signal.signal(signal.SIGALRM, spent)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def run(overrides: list[str], out_dir: Path) -> dict:
     s, device = resolve(overrides)
     tiny = ", tiny shapes" if s.tiny else ""
@@ -651,7 +553,7 @@ def run(overrides: list[str], out_dir: Path) -> dict:
         print(f"[bench gpu] part {name} ...", flush=True)
         start = time.perf_counter()
         try:
-            with within(left):
+            with roofline.within(left):
                 result[name] = PARTS[name](s, base, device, result)
         except Exception as e:  # one part's failure must not lose the others' numbers
             traceback.print_exc()
