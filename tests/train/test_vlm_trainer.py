@@ -210,16 +210,12 @@ def test_lora_on_the_language_model_with_the_vision_tower_frozen_or_adapted(proc
         assert moved and moved <= {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-FULL_RESUME = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "train/checkpoint.py's in_model_layout reads transformers' weight conversions by model_type through "
-    "AutoModelForCausalLM; Qwen2-VL's (save_pretrained writes visual.*, model.layers.*) are found by class and "
-    "its loader is AutoModelForImageTextToText, so a full-weight VLM checkpoint does not load back yet"))
-
-
-@pytest.mark.parametrize("rank", [pytest.param(0, marks=FULL_RESUME), 2])
+@pytest.mark.parametrize("rank", [0, 2])
 def test_checkpoint_and_resume_continue_as_if_uninterrupted(processor, base, tmp_path, rank):
     """A VLM trainer's checkpoint (the processor saved as its tokenizer) loads back as a model and processor, and
-    a trainer resumed from it takes the same next step as the one that went on (full weights and LoRA)."""
+    a trainer resumed from it takes the same next step as the one that went on (full weights and LoRA). The full
+    weights are on disk in the Hub's Qwen2-VL layout (``visual.*``, ``model.layers.*``), which the resume reads
+    back through the writing class's own weight conversions (``checkpoint.in_model_layout``)."""
     from tidal.train.checkpoint import TrainingState
 
     def policy():
@@ -246,6 +242,36 @@ def test_checkpoint_and_resume_continue_as_if_uninterrupted(processor, base, tmp
     resumed.step(batch)
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_full_weight_checkpoint_is_a_qwen2_vl_folder_vlm_load_reads_as_trained(processor, base, tmp_path):
+    """The model folder of a full-weight checkpoint is a plain Qwen2-VL folder: the file holds the Hub's names (what
+    vLLM and other tools read), ``vlm.load`` gives back every weight under the in-memory names, equal to the
+    trained ones, and ``read_checkpoint`` (the resume's read) gives the same names and values."""
+    from safetensors import safe_open
+
+    from tidal.train.checkpoint import TrainingState, read_checkpoint
+
+    model = copy.deepcopy(base)
+    batch, _ = build_train_batch(_groups(processor, model, IMAGES, RESPONSES, REWARDS), AlgoConfig(),
+                                 processor.tokenizer.pad_token_id, processor)
+    trainer = Trainer(model, AlgoConfig(), OptimConfig(lr=1e-3), TrainerConfig(packing=True))
+    trainer.step(batch)
+    path = trainer.save_checkpoint(tmp_path, processor, TrainingState(1, trainer.version, 3, {}))
+    with safe_open(path / "model.safetensors", "pt") as f:
+        on_disk = set(f.keys())
+    assert any(k.startswith("visual.") for k in on_disk) and not any(k.startswith("model.visual.") for k in on_disk)
+    trained = model.state_dict()
+    loaded, _ = vlm.load(path)
+    assert type(loaded) is type(model)
+    got = loaded.state_dict()
+    assert set(got) == set(trained)
+    for name, t in trained.items():
+        assert torch.equal(got[name], t), name
+    weights, _ = read_checkpoint(path)
+    assert set(weights) == set(trained)
+    for name, t in trained.items():
+        assert torch.equal(weights[name], t), name
 
 
 def test_a_sharded_policy_with_images_is_refused_naming_the_key(processor, base):

@@ -337,21 +337,50 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 def in_model_layout(path: Path, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's weights under the names and shapes the model has in memory. transformers 5 holds some
-    architectures in another layout than their files (MoE experts fused into one [E, ...] tensor per projection;
-    ``save_pretrained`` writes the Hub's per-expert tensors back: its "weight conversions"). Checkpoints keep the
-    Hub's layout, which vLLM, ``from_pretrained`` and other tools read; for those architectures the weights are
-    read back through transformers' own loader, which applies the conversions (the model is built on the host,
-    as the plain read already holds every tensor there)."""
+    architectures in another layout than their files, and ``save_pretrained`` writes the Hub's layout back (its
+    "weight conversions"): MoE experts fused into one [E, ...] tensor per projection in memory, per-expert
+    tensors on disk; Qwen2-VL's ``model.visual.*`` / ``model.language_model.*`` in memory, ``visual.*`` /
+    ``model.*`` on disk. Checkpoints keep the Hub's layout, which vLLM, ``from_pretrained`` and other tools read;
+    for those architectures the weights are read back through transformers' own loader, which applies the
+    conversions (the model is built on the host, as the plain read already holds every tensor there).
+
+    Which conversions apply is transformers' own rule (``get_model_conversion_mapping``: for the model and every
+    sub-model, by class name first, then ``model_type``), asked of the class that wrote the checkpoint: the one
+    ``save_pretrained`` names in ``config.json``'s ``architectures``. Looking up the ``model_type`` alone misses
+    conversions keyed by class (Qwen2-VL's), and a loader chosen by task (``AutoModelForCausalLM``) has no class
+    for a vision-language model: every key then reads as missing. A checkpoint without the field (written by
+    hand) falls back to the causal-LM class of its ``model_type``."""
     config_file = path / "config.json"
     if not config_file.exists():
         return weights
-    from transformers import AutoModelForCausalLM
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type is None or get_checkpoint_conversion_mapping(model_type) is None:
+    model_class, config = _writer_class(path)
+    if model_class is None or not _converted_on_load(model_class, config):
         return weights
     dtype = next(iter(weights.values())).dtype if weights else torch.float32
     del weights
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model = model_class.from_pretrained(path, local_files_only=True, dtype=dtype)
     return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+def _writer_class(path: Path):
+    """(the transformers class that wrote the checkpoint at ``path``, its config); (None, config) for a class
+    transformers does not have (remote code: no built-in conversions to apply)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for name in config.architectures or []:
+        if isinstance(model_class := getattr(transformers, name, None), type):
+            return model_class, config
+    return AutoModelForCausalLM._model_mapping.get(type(config)), config
+
+
+def _converted_on_load(model_class, config) -> bool:
+    """Whether ``from_pretrained`` of ``model_class`` renames or reshapes a ``save_pretrained`` file's tensors.
+    Asked of an empty copy on the meta device (no memory, no initialization); transformers' "legacy" renames
+    (``gamma``/``beta`` of old files) are left out, as files written by ``save_pretrained`` never need them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    with torch.device("meta"):
+        skeleton = model_class._from_config(config)
+    return bool(get_model_conversion_mapping(skeleton, add_legacy=False))
