@@ -4,7 +4,8 @@ The page has four views: *Rollouts* (the recorded groups and evaluation answers 
 filtered by step, reward, finish reason, truncation, staleness, task or text, each row showing what the
 policy wrote: every sample's response, cut to ``PREVIEW_CHARS`` characters, with its reward; a group's samples with
 their tokens coloured by behaviour log-prob, trainer log-prob, engine/trainer mismatch or advantage,
-the numbers on hover (an MoE policy's experts per layer too), and an agent episode's turns and observations),
+the numbers on hover (an MoE policy's experts per layer too), and an agent episode's turns and observations;
+a vision-language prompt's images beside its tokens, each run of ``<|image_pad|>`` tokens one chip),
 *Prompt across steps* (every
 recorded answer to one prompt, e.g. a held-out prompt at each evaluation), *Curves* (any metric key of
 every run on one Plotly chart, with smoothing and a step or wall-clock x-axis) and *Config* (the keys
@@ -78,6 +79,9 @@ def load_run(run_dir: str | Path) -> dict:
     if problem:
         notes.append(problem)
     records = [r for r in records if r["kind"] != "capped"]
+    bad = sum("error" in i for r in records for i in r["prompt"].get("images", ()))
+    if bad:
+        notes.append(f"{bad} prompt image(s) could not be recorded (shown as errors beside their prompts)")
     return {"name": run_dir.resolve().name, "dir": str(run_dir), "rows": rows, "config": config,
             "config_text": config_text, "notes": notes, "records": records,
             "previews": [[response_preview(s["text"]) for s in r["samples"]] for r in records],
@@ -153,7 +157,8 @@ def render_page(runs: list[dict], title: str) -> str:
 <table id="groups"><thead><tr>{group_cols}</tr></thead><tbody></tbody></table>
 <div id="group-view" style="display:none">
 <h2 id="group-title"></h2>
-<div>prompt <pre id="group-prompt"></pre>reference answer <code id="group-answer"></code></div>
+<div>prompt <pre id="group-prompt"></pre><div id="group-images" style="display:none"></div>
+reference answer <code id="group-answer"></code></div>
 <div class="controls"><label>colour tokens by {_select("color-mode", colour_modes)}</label>
 <button id="to-history">This prompt across steps</button></div>
 <p class="legend" id="legend"></p>

@@ -14,6 +14,15 @@ experts the engine chose for each response token (``Trajectory.routes``, one ent
 as ``models.moe.encode_routes`` writes them (shape and base64 of the uint8 ids: a list of numbers would be
 several times the size); the inspector shows a token's experts per layer on hover.
 
+A prompt with images (``Prompt.images``, vision-language tasks) adds two fields to its record's ``prompt``:
+``tokens`` (its ids' texts, as a sample's, so the page can show the ``<|image_pad|>`` runs) and ``images``, one
+entry per image in placeholder order: ``{"url": PNG data URL, "width", "height"}`` (the image's own size),
+with ``"thumbnail": true`` when its longest side was over ``THUMB_SIDE`` px and the URL holds a downscaled
+copy, or ``{"error": why}`` when it could not be read (the recorder counts those; the run goes on). A record
+is one prompt and all its samples at one step, so a group's images are stored once, not once per sample,
+and they count towards ``log.samples.max_mb`` like every other byte of the line. A text prompt's record
+has neither field (byte-identical to a record from before images).
+
 Why record the trainer's own numbers rather than recompute them later: the inspector is for finding
 what went wrong in *this* run (an engine/trainer mismatch, an advantage with the wrong sign), which
 only the values the loss actually used can show.
@@ -22,12 +31,23 @@ only the values the loss actually used can show.
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from PIL import Image
 
 from tidal.inspector.samples import SampleLog, SampleLogConfig, clean
 from tidal.types import Group, Prompt, TrainBatch, Trajectory
+from tidal.utils.images import load_image, to_data_url
+
+log = logging.getLogger(__name__)
+
+THUMB_SIDE = 256
+"""An image whose longest side is over this many pixels is stored as a downscaled copy (``"thumbnail": true``):
+the page shows it beside the tokens, which a full-size photo would not fit, and a run of them would fill
+``log.samples.max_mb`` with pixels instead of samples."""
 
 
 def pick(num: int, k: int) -> list[int]:
@@ -50,9 +70,40 @@ def task_of(prompt: Prompt, default: str) -> str:
     return str(prompt.meta.get("task") or source or default)
 
 
-def prompt_record(prompt: Prompt, prompt_ids: Sequence[int], task: str) -> dict:
-    return {"uid": prompt.uid, "text": prompt.text, "answer": prompt.answer, "ids": list(prompt_ids),
-            "task": task_of(prompt, task)}
+def image_entry(value: Any, where: str = "image") -> dict:
+    """One prompt image as its record stores it: a PNG data URL (``THUMB_SIDE`` px at most on its longest
+    side, else a downscaled copy marked ``thumbnail``) and the image's own width and height; ``{"error": why}``
+    when it cannot be read or encoded (recording never stops a run)."""
+    try:
+        image = load_image(value, where)
+        entry = {"width": image.width, "height": image.height}
+        if max(image.width, image.height) > THUMB_SIDE:
+            image = image.copy()
+            image.thumbnail((THUMB_SIDE, THUMB_SIDE), Image.Resampling.LANCZOS)
+            entry["thumbnail"] = True
+        return {"url": to_data_url(image), **entry}
+    except Exception as e:  # noqa: BLE001  (any failure of one image: counted and shown, never a crash of the run)
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def prompt_record(prompt: Prompt, prompt_ids: Sequence[int], task: str, tokenizer=None) -> dict:
+    """A record's ``prompt``; with images (and a ``tokenizer``), also its ``tokens`` and ``images``."""
+    record = {"uid": prompt.uid, "text": prompt.text, "answer": prompt.answer, "ids": list(prompt_ids),
+              "task": task_of(prompt, task)}
+    try:
+        images = prompt.images
+    except Exception as e:  # noqa: BLE001  (meta["images"] not a list: one bad entry rather than no record)
+        images, record["images"] = [], [{"error": f"meta['images']: {type(e).__name__}: {e}"[:300]}]
+    if images:
+        if tokenizer is not None:
+            record["tokens"] = token_texts(tokenizer, record["ids"])
+        record["images"] = [image_entry(v, f"prompt {prompt.uid!r} image {i}") for i, v in enumerate(images)]
+    return record
+
+
+def bad_images(records: Sequence[dict]) -> int:
+    """How many prompt images of ``records`` could not be recorded."""
+    return sum("error" in image for r in records for image in r["prompt"].get("images", ()))
 
 
 def encode_routes(routes_tlk: torch.Tensor) -> dict:
@@ -101,14 +152,14 @@ def train_records(step: int, version: int, groups: Sequence[Group], picks: Seque
             samples.append(sample_record(t, token_texts(tokenizer, t.token_ids), **extra))
         prompt_ids = group.trajectories[0].prompt_ids if group.trajectories else []
         records.append({"step": step, "kind": "train", "group": gi, "trained": gi in first_row,
-                        "prompt": prompt_record(group.prompt, prompt_ids, task), "samples": samples})
+                        "prompt": prompt_record(group.prompt, prompt_ids, task, tokenizer), "samples": samples})
     return [r for r in records if r["samples"]]  # a group whose every episode failed has nothing to show
 
 
 def eval_records(step: int, prompts: Sequence[Prompt], trajs: Sequence[Trajectory], tokenizer, task: str) -> list[dict]:
     """One record per held-out prompt: its greedy answer, scored (``correct``: full reward, as
     ``eval/accuracy`` counts it)."""
-    return [{"step": step, "kind": "eval", "prompt": prompt_record(p, t.prompt_ids, task),
+    return [{"step": step, "kind": "eval", "prompt": prompt_record(p, t.prompt_ids, task, tokenizer),
              "samples": [sample_record(t, token_texts(tokenizer, t.token_ids), correct=t.reward >= 1.0)]}
             for p, t in zip(prompts, trajs)]
 
@@ -118,6 +169,18 @@ class SampleRecorder:
 
     def __init__(self, log: SampleLog, cfg: SampleLogConfig, tokenizer, task: str):
         self.log, self.cfg, self.tokenizer, self.task = log, cfg, tokenizer, task
+        self.bad_images = 0
+        """Prompt images that could not be recorded (each record says which, with ``{"error": ...}``)."""
+
+    def _write(self, step: int, records: list[dict]) -> None:
+        bad = bad_images(records)
+        if bad:
+            if not self.bad_images:  # once per run: the records name every one
+                log.warning("samples.jsonl: %d prompt image(s) at step %d could not be recorded (first: %s); the "
+                            "records say so and recording goes on", bad, step,
+                            next(i["error"] for r in records for i in r["prompt"].get("images", ()) if "error" in i))
+            self.bad_images += bad
+        self.log.write(step, records)
 
     def wants_train(self, step: int) -> bool:
         return self.cfg.every > 0 and self.cfg.groups > 0 and step % self.cfg.every == 0 and not self.log.capped
@@ -129,10 +192,10 @@ class SampleRecorder:
         trained = batch is not None
         logp_bt = getattr(trainer, "last_logp_bt", None) if trained else None
         adv = getattr(trainer, "last_adv", None) if trained else None
-        self.log.write(step, train_records(step, version, groups, picks, batch, logp_bt, adv, self.tokenizer,
-                                           self.task))
+        self._write(step, train_records(step, version, groups, picks, batch, logp_bt, adv, self.tokenizer,
+                                        self.task))
 
     def record_eval(self, step: int, prompts: Sequence[Prompt], trajs: Sequence[Trajectory]) -> None:
         n = self.cfg.eval_prompts
         if n > 0 and not self.log.capped:
-            self.log.write(step, eval_records(step, prompts[:n], trajs[:n], self.tokenizer, self.task))
+            self._write(step, eval_records(step, prompts[:n], trajs[:n], self.tokenizer, self.task))

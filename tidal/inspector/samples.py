@@ -5,6 +5,9 @@ A record is one prompt and its samples at one step::
     {"step": 10, "kind": "train", "group": 3, "prompt": {"uid", "text", "answer", "ids", "task"},
      "samples": [{"text", "ids", "tokens", "behav_logp", "trainer_logp", ...}, ...]}
 
+A prompt with images adds ``prompt.tokens`` and ``prompt.images`` (PNG data URLs, stored once per record:
+``record.py``).
+
 ``kind`` is ``train`` (a group of the batch trained at that step, with what the trainer saw: its
 log-probs, advantages and loss mask; ``record.py`` lists every field), ``eval`` (one held-out prompt's
 greedy answer at an evaluation; step 0 is the base model) or ``capped`` (written once, when the file
@@ -119,6 +122,19 @@ def _tokens_ok(sample: Any) -> bool:
             and all(sample.get(k) is None or (isinstance(sample[k], list) and len(sample[k]) == n) for k in optional))
 
 
+def _images_ok(prompt: dict) -> bool:
+    """A prompt's optional image fields: ``images`` a list of ``{"url": "data:image/...", ...}`` or ``{"error"}``
+    entries (the page fetches nothing, so no other URL is drawn), ``tokens`` one text per id."""
+    images, tokens = prompt.get("images"), prompt.get("tokens")
+    if images is not None and not (isinstance(images, list) and all(
+            isinstance(i, dict) and (isinstance(i.get("error"), str)
+                                     or (isinstance(i.get("url"), str) and i["url"].startswith("data:image/")))
+            for i in images)):
+        return False
+    return tokens is None or (isinstance(tokens, list) and isinstance(prompt.get("ids"), list)
+                              and len(tokens) == len(prompt["ids"]) and all(isinstance(t, str) for t in tokens))
+
+
 def valid_record(record: Any) -> bool:
     """Whether one parsed line is a record the inspector can show (else it is skipped and counted)."""
     if not isinstance(record, dict) or record.get("kind") not in KINDS:
@@ -129,8 +145,8 @@ def valid_record(record: Any) -> bool:
     if record["kind"] == "capped":
         return True
     prompt, samples = record.get("prompt"), record.get("samples")
-    return (isinstance(prompt, dict) and isinstance(prompt.get("text"), str) and isinstance(samples, list)
-            and bool(samples) and all(_tokens_ok(s) for s in samples))
+    return (isinstance(prompt, dict) and isinstance(prompt.get("text"), str) and _images_ok(prompt)
+            and isinstance(samples, list) and bool(samples) and all(_tokens_ok(s) for s in samples))
 
 
 def read_samples(path: str | Path) -> tuple[list[dict], int]:

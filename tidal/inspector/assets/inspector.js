@@ -185,15 +185,58 @@
     }
     return out;
   }
+  // ---- a vision-language prompt: its images beside its tokens (record.py: prompt.images, prompt.tokens) --------
+  const IMAGE_PAD = "<|image_pad|>";  // models/vlm.py's IMAGE_PAD: one per merged patch block of an image
+  function padRunEnd(tokens, j, b) {
+    // The end of the run of image-pad tokens starting at j (j itself when tokens[j] is not one)
+    let e = j;
+    while (e < b && tokens[e] === IMAGE_PAD) e++;
+    return e;
+  }
+  function imageChip(k, a, b) {
+    return el("span", { class: "img-chip", "data-image": String(k), title: `${b - a} ${IMAGE_PAD} tokens at positions ${a}–${b - 1}`,
+      text: `image ${k}: ${b - a} token${b - a === 1 ? "" : "s"}` });
+  }
+  function promptImages(p) {
+    const figures = (p.images || []).map((im, k) => {
+      const ok = typeof im.url === "string" && im.url.startsWith("data:image/");  // the page fetches nothing
+      const size = im.width && im.height ? `${im.width}×${im.height}` : "";
+      const caption = ok ? `image ${k}` + (size ? ` (${size}${im.thumbnail ? ", shown downscaled" : ""})` : "")
+        : `image ${k}: not recorded (${im.error || "no data URL"})`;
+      const fig = el("figure", { class: "prompt-image" + (ok ? "" : " bad"), "data-image": String(k) });
+      if (ok) fig.append(el("img", { src: im.url, alt: `prompt image ${k}` }));
+      fig.append(el("figcaption", { text: caption }));
+      return fig;
+    });
+    const tokens = el("div", { class: "tokens prompt-tokens" });
+    const toks = p.tokens || [];
+    let image = 0;
+    for (let j = 0; j < toks.length; j++) {
+      const end = padRunEnd(toks, j, toks.length);
+      if (end > j) {
+        tokens.append(imageChip(image++, j, end));
+        j = end - 1;
+      } else {
+        tokens.append(el("span", { class: "ptok", title: `id ${p.ids[j]}`, text: visible(toks[j]) }));
+      }
+    }
+    return [el("div", { class: "image-list" }, ...figures), tokens];
+  }
   function sampleCard(rec, s, k, mode, maxAdv, f) {
     const tokens = el("div", { class: "tokens" });
-    let turn = 0;
+    let turn = 0, image = (rec.prompt.images || []).length;
     for (const [a, b, sampled] of segments(s)) {
       const seg = el("div", { class: "seg " + (sampled ? "turn" : "obs") });
       if (s.policy_mask) {
         seg.append(el("span", { class: "seg-label", text: sampled ? `model turn ${++turn}` : "observation (not trained)" }));
       }
       for (let j = a; j < b; j++) {
+        const end = padRunEnd(s.tokens, j, b);
+        if (end > j) {  // an image an observation showed (numbered after the prompt's images)
+          seg.append(imageChip(image++, j, end));
+          j = end - 1;
+          continue;
+        }
         const span = el("span", { class: "tok", "data-sample": String(k), "data-j": String(j), text: visible(s.tokens[j]) });
         span.style.background = colour(mode, s, j, maxAdv);
         if (!sampled) span.classList.add("obs");
@@ -221,6 +264,9 @@
     $("group-title").textContent = title;
     $("group-prompt").textContent = rec.prompt.text;
     $("group-answer").textContent = rec.prompt.answer;
+    const withImages = Array.isArray(rec.prompt.images) && rec.prompt.images.length > 0;
+    $("group-images").replaceChildren(...(withImages ? promptImages(rec.prompt) : []));
+    $("group-images").style.display = withImages ? "flex" : "none";
     $("legend").textContent = COLOURS[mode] + ". Dotted underline: not in the loss (loss mask 0).";
     $("samples").replaceChildren(...rec.samples.map((s, k) => sampleCard(rec, s, k, mode, maxAdv, f)));
     $("group-view").style.display = "block";
