@@ -30,6 +30,13 @@ class FieldMap:
     a recipe that warm-starts raises; point ``model.path`` at an existing model instead."""
     meta: list[str] | None = None
     """Columns to keep in ``Prompt.meta`` (null: every column not mapped above)."""
+    images: str | None = "images"
+    """Column with the row's images (one, or a list): paths (relative ones from the data file's folder), bytes,
+    data URLs, ``datasets`` Image values or ``image_url`` parts, anything ``utils/images.load_image`` reads.
+    Each is decoded once at load to check it and kept in ``Prompt.meta['images']`` as a data URL. A row
+    without the column (or with null) is a text-only row; a bad image makes the row a skipped, counted bad
+    row. The default names the column ``Prompt.images`` reads, so such a column is always checked rather
+    than passed on raw; a column named explicitly that no row has is an error (a typo, not a text dataset)."""
 
 
 @dataclass
@@ -76,6 +83,11 @@ class TaskConfig:
     template: str | None = None
     """Prompt template over the row's columns, e.g. ``"{question}\\nPut the final answer in \\boxed{}."``:
     ``{name}`` is a column, ``{}`` and other braces stay literal, ``{{``/``}}`` are literal braces."""
+    max_images: int = 8
+    """jsonl / parquet / hf_disk: the most images one row may show (its image column plus the image parts
+    of a content-part prompt); a row with more is a skipped, counted bad row. It bounds the prompt's image
+    tokens and the memory of one group's pictures; 8 covers multi-image benchmarks without letting a broken
+    row (a whole album in one cell) through."""
     params: dict[str, Any] = field(default_factory=dict)
     """Adapter-specific settings. reasoning_gym: ``dataset`` (required), ``size`` (training problems,
     default 1000), ``seed`` and the dataset's own config keys. hf_disk: ``builder`` (json, parquet,

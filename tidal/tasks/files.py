@@ -4,7 +4,8 @@ Each reads rows from ``task.path`` (a file, a directory of such files, or a glob
 prompts with ``task.fields`` / ``task.template`` (see ``rows.py``), and holds out an eval set
 (``task.eval_path`` / ``task.eval_split``, else a hash split). Rows are numbered from 1 (for JSONL
 the line number; blank lines are skipped but keep their number) so a warning about a bad row points
-at the line to fix.
+at the line to fix. Rows may show images (``task.fields.images``, content-part prompts, ``rows.py``);
+relative image paths name files beside the data file (for hf_disk: in or beside ``task.path``).
 
 ``hf_disk`` reads Hugging Face ``datasets`` data without ever touching the hub: a
 ``save_to_disk`` directory via ``load_from_disk``, or local data files via
@@ -95,8 +96,17 @@ def read_parquet(files: list[Path]) -> Iterator[tuple[str, Any]]:
             raise ConfigError(f"{f}: not a readable Parquet file ({e})") from None
 
 
-def _parse(rows: Iterator[tuple[str, Any]], cfg: TaskConfig, source: str) -> Loaded:
-    return parse_rows(rows, cfg.fields, cfg.template, source)
+def per_file(reader: Callable[[list[Path]], Iterator[tuple[str, Any]]],
+             files: list[Path]) -> Iterator[tuple[str, Any, Path]]:
+    """``reader``'s labelled rows, each with its file's folder: relative image paths in a row name files
+    beside the data file (so a dataset folder moves as a whole), wherever the run is started."""
+    for f in files:
+        for label, row in reader([f]):
+            yield f"{_label(files, f)}{label}", row, f.parent
+
+
+def _parse(rows: Iterator[tuple[str, Any, Path]], cfg: TaskConfig, source: str) -> Loaded:
+    return parse_rows(rows, cfg.fields, cfg.template, source, max_images=cfg.max_images)
 
 
 class _FileTask(RowTask):
@@ -107,10 +117,10 @@ class _FileTask(RowTask):
 
     def __init__(self, cfg: TaskConfig):
         source = f"task {self.name} ({cfg.path})"
-        loaded = _parse(type(self).reader(resolve(cfg.path, self.suffixes)), cfg, source)
+        loaded = _parse(per_file(type(self).reader, resolve(cfg.path, self.suffixes)), cfg, source)
         if cfg.eval_path:
             eval_source = f"task {self.name} eval ({cfg.eval_path})"
-            evals = _parse(type(self).reader(resolve(cfg.eval_path, self.suffixes, "task.eval_path")), cfg,
+            evals = _parse(per_file(type(self).reader, resolve(cfg.eval_path, self.suffixes, "task.eval_path")), cfg,
                            eval_source).prompts
             train = drop_overlap(loaded.prompts, evals, source, cfg)
         else:
@@ -183,6 +193,14 @@ def load_hf(path: str | None, params: dict[str, Any], key: str = "task.path"):
                           f"{str(cause).splitlines()[0] if str(cause) else ''})") from None
 
 
+def _folder(path: str | None) -> Path | None:
+    """Where relative image paths in hf_disk rows resolve: the saved dataset's (or data files') folder."""
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    return p if p.is_dir() else p.parent
+
+
 def _is_saved(d: Path) -> bool:
     return (d / "dataset_dict.json").exists() or (d / "state.json").exists()
 
@@ -204,12 +222,14 @@ class HFDiskTask(RowTask):
     def __init__(self, cfg: TaskConfig):
         source = f"task hf_disk ({cfg.path})"
         ds = load_hf(cfg.path, cfg.params)
-        loaded = parse_rows(numbered(_split(ds, cfg.split, source)), cfg.fields, cfg.template, source)
+        loaded = parse_rows(numbered(_split(ds, cfg.split, source)), cfg.fields, cfg.template, source,
+                            max_images=cfg.max_images, folder=_folder(cfg.path))
         if cfg.eval_split or cfg.eval_path:
             eval_ds = ds if not cfg.eval_path else load_hf(cfg.eval_path, cfg.params, "task.eval_path")
             eval_source = f"task hf_disk eval ({cfg.eval_path or cfg.path}, split {cfg.eval_split or 'train'})"
             eval_rows = numbered(_split(eval_ds, cfg.eval_split or "train", eval_source))
-            evals = parse_rows(eval_rows, cfg.fields, cfg.template, eval_source).prompts
+            evals = parse_rows(eval_rows, cfg.fields, cfg.template, eval_source, max_images=cfg.max_images,
+                               folder=_folder(cfg.eval_path or cfg.path)).prompts
             train = drop_overlap(loaded.prompts, evals, source, cfg)
         else:
             train, evals = split_eval(loaded.prompts, cfg, source)

@@ -110,3 +110,20 @@ def to_data_url(image: Image.Image) -> str:
 def image_part(image: Image.Image) -> dict:
     """An OpenAI-style ``image_url`` content part holding ``image`` as a data URL."""
     return {"type": "image_url", "image_url": {"url": to_data_url(image)}}
+
+
+def as_data_url(value: Any, where: str = "image") -> str:
+    """``value`` (any form ``load_image`` reads), decoded once to check it, as a data URL for a row's
+    ``meta["images"]``. It keeps the source's own encoded bytes when there are some (a JPEG stays a JPEG:
+    re-encoding a photo as PNG grows it several times, and the bytes, hence the hash split on them, stay what
+    the file holds); a PIL image, or a format with no image MIME type, is written as PNG (``to_data_url``)."""
+    if isinstance(value, dict):
+        return as_data_url(_from_part(value, where), where)
+    if isinstance(value, Image.Image):
+        return to_data_url(load_image(value, where))
+    data = _bytes_of(value, where)
+    image = load_image(data, where)
+    mime = Image.MIME.get(Image.open(io.BytesIO(data)).format or "", "")  # the header again: no decode
+    if not mime.startswith("image/"):
+        return to_data_url(image)
+    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
