@@ -26,7 +26,7 @@ def test_changing_a_data_file_in_place_changes_the_cache_key(tmp_path):
 
 
 def test_a_tokenizer_vocabulary_changed_in_code_changes_the_cache_key(tmp_path, monkeypatch):
-    from tidal.models import tiny
+    from tidal.models import char_tokenizers
 
     path = tmp_path / "problems.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20)))
@@ -34,7 +34,7 @@ def test_a_tokenizer_vocabulary_changed_in_code_changes_the_cache_key(tmp_path, 
     cfg, task = _task(path)
     first = cache_path(model, cfg, sft, task)
     assert cache_path(model, cfg, sft, task) == first
-    monkeypatch.setattr(tiny, "CHAT_WORDS", tiny.CHAT_WORDS[:-1])  # one chat token fewer
+    monkeypatch.setattr(char_tokenizers, "CHAT_WORDS", char_tokenizers.CHAT_WORDS[:-1])  # one chat token fewer
     assert cache_path(model, cfg, sft, task) != first
 
 

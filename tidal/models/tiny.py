@@ -11,20 +11,31 @@ parameters, which learns 2-digit addition from scratch in a couple of CPU minute
 from __future__ import annotations
 
 import json
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen3MoeConfig
 
-from tidal.models import catalog, lora, prompts
+from tidal.models import catalog, lora, prompts, vlm
+from tidal.models.char_tokenizers import (  # noqa: F401  (re-exported: tiny.build_tokenizer, tiny.IM_END, ...)
+    BOS,
+    CHARS,
+    CHAT_CHARS,
+    CHAT_TEMPLATE,
+    CHAT_WORDS,
+    EOS,
+    GENERIC_TOKENIZER_CLASSES,
+    IM_END,
+    IM_START,
+    PAD,
+    PROCESSOR_ATTR,
+    TOOL_CALL_TAGS,
+    build_chat_tokenizer,
+    build_tokenizer,
+    load_tokenizer,
+)
 from tidal.models.lora import LoraConfig
-
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-# Digits, lowercase letters and the punctuation our synthetic tasks and chat markers use.
-CHARS = string.digits + string.ascii_lowercase + " +-*/=()<>?.,:\n"
 
 
 @dataclass
@@ -63,6 +74,11 @@ class ModelConfig:
     agent episodes) or ``chat`` (the same characters plus JSON punctuation, ChatML markers and a chat
     template with hermes tool calls: ``build_chat_tokenizer``, for agents that use
     ``/v1/chat/completions``)."""
+    vision: bool = False
+    """Build the tiny vision-language model instead (a Qwen2-VL whose decoder has this config's ``hidden_size``,
+    ``num_layers``, ``num_heads``, ``intermediate_size`` and ``max_position_embeddings``, with a small vision tower
+    and Qwen2-VL's image processor: ``models/vlm.py``, docs/vlm.md); its tokenizer is the chat characters plus the
+    vision markers (``tokenizer`` is not read). A Qwen2-VL ``path`` is one without this key."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Train LoRA adapters on the frozen base (``model.lora.rank`` >= 1; ``models/lora.py``, docs/lora.md)."""
 
@@ -70,71 +86,29 @@ class ModelConfig:
         return prompts.PromptFormat(self.prompt_format, self.system_prompt)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer: one token per character, specials first (pad=0, bos=1, eos=2)."""
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, *CHARS])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS)
-    tok.padding_side = "left"
-    return tok
-
-
-# ChatML turns (Qwen2.5's markers) and hermes tool calls written as compact JSON: an assistant message's
-# ``tool_calls`` render exactly as the model writes them, so a conversation the server continued from
-# recorded ids and the same conversation rendered from scratch are the same text. The tools' schemas
-# are not rendered (a 1M-parameter model learns its one tool from the warm start; real templates put
-# them in a system message, which costs the tiny model's short context).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
-    "{% for c in m.get('tool_calls') or [] %}<tool_call>{\"name\":\"{{ c['function']['name'] }}\",\"arguments\":"
-    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
-    "{% else %}{{ c['function']['arguments'] | tojson(separators=(',', ':')) }}{% endif %}}</tool_call>{% endfor %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CHAT_CHARS = CHARS + '{}"_'
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
-# Multi-character tokens a real vocabulary has for chat and tool-call text: the role names, the JSON keys
-# and tool name of the calculator call, and the JSON punctuation runs between them. Qwen2.5's BPE writes
-# ``{"name":"calculator","arguments":{"expression":"37*54"}}`` in about 20 tokens; one token per character
-# took 52, and every extra sampled token is another chance for a temperature-1 sample to break the call.
-# Digits stay one token each (as in Qwen and Llama), so arithmetic is unchanged.
-CHAT_WORDS = ("user", "assistant", "tool", "system", "name", "arguments", "calculator", "expression",
-              '{"', '":"', '","', '":{"', '"}}', '"}')
-
-
-def build_chat_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with a chat template (``CHAT_TEMPLATE``): pad=0, ``<|im_start|>``,
-    ``<|im_end|>`` (= EOS: a turn ends there), the characters, then ``<tool_call>``, ``</tool_call>`` and
-    ``CHAT_WORDS`` as single tokens that are not special (as in Qwen2.5: ``decode(skip_special_tokens=True)``
-    keeps them, so the server can parse a turn's tool calls from its text). Multi-character tokens make
-    re-tokenization drift possible (a sampled ``n a m e`` re-encodes as ``name``), which the server's
-    exact continuation from recorded ids is built for. No BOS: the template opens every conversation."""
-    vocab = {tok: i for i, tok in enumerate([PAD, IM_START, IM_END, *CHAT_CHARS])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=IM_END,
-                                  additional_special_tokens=[IM_START])
-    tok.add_tokens(list(TOOL_CALL_TAGS) + list(CHAT_WORDS))
-    tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = "left"
-    return tok
-
-
 TOKENIZERS = {"char": build_tokenizer, "chat": build_chat_tokenizer}
 
 
 def tokenizer_for(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     """The tokenizer ``cfg.tokenizer`` names (a clear error for an unknown name)."""
+    if cfg.vision:  # the vision-language model's: its processor rides on it (``vlm.processor_of``)
+        processor = vlm.build_processor(vision_config(cfg))
+        return vlm.attach_processor(processor.tokenizer, processor)
     if cfg.tokenizer not in TOKENIZERS:
         raise ValueError(f"model.tokenizer must be one of {sorted(TOKENIZERS)}, got {cfg.tokenizer!r}")
     return TOKENIZERS[cfg.tokenizer]()
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
-    """The tiny model ``cfg`` describes (dense Qwen2, or Qwen3-MoE with ``num_experts``), randomly initialized."""
+    """The tiny model ``cfg`` describes (dense Qwen2, Qwen3-MoE with ``num_experts``, or Qwen2-VL with ``vision``:
+    then ``tokenizer`` is ``tokenizer_for(cfg)``'s, its processor attached), randomly initialized."""
+    if cfg.vision:
+        if cfg.num_experts:
+            raise ValueError("model.vision with model.num_experts: the tiny vision-language model is dense")
+        processor = vlm.processor_of(tokenizer)
+        if processor is None:
+            raise ValueError("model.vision: build the model with tokenizer_for(cfg)'s tokenizer (its processor)")
+        return vlm.build_vlm(vision_config(cfg), processor)
     if cfg.num_experts < 0 or (cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts):
         raise ValueError(f"model.num_experts={cfg.num_experts}, model.experts_per_token={cfg.experts_per_token}: "
                          "need num_experts >= 0 and 1 <= experts_per_token <= num_experts")
@@ -165,31 +139,20 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.n
     return model
 
 
+def vision_config(cfg: ModelConfig):
+    """The tiny vision-language model's ``VLMConfig`` for ``cfg`` (its decoder's shape; the vision tower's defaults)."""
+    return vlm.VLMConfig(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+                         init_seed=cfg.init_seed)
+
+
 def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path) -> None:
+    """The model (safetensors) and its tokenizer, or the processor attached to it (a vision-language model's:
+    tokenizer, image processor and chat template), in one folder ``load`` reads."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-
-
-GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
-    """The checkpoint's tokenizer, as its ``tokenizer.json`` defines it.
-
-    transformers 5's ``AutoTokenizer`` picks the class from the model type (qwen2 -> ``Qwen2Tokenizer``)
-    and rebuilds the pre-tokenizer in code, so a generic fast tokenizer saved next to a Qwen2 model (the
-    tiny model's character tokenizer) comes back with Qwen2's byte-level regex: spaces and newlines
-    vanish from every prompt. A checkpoint that declares the generic class is loaded as that class;
-    real checkpoints (``Qwen2Tokenizer``, ...) still go through ``AutoTokenizer``.
-    """
-    path = catalog.resolve(path)
-    config = path / "tokenizer_config.json"
-    declared = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
-    if declared in GENERIC_TOKENIZER_CLASSES:
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    (getattr(tokenizer, PROCESSOR_ATTR, None) or tokenizer).save_pretrained(path)
 
 
 def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
@@ -204,7 +167,21 @@ def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing; model.path takes a model "
                                 f"directory, a .gguf, a .whl or one of {', '.join(catalog.CATALOG)})")
+    if is_vision_checkpoint(path):  # Qwen2-VL: its own class, its processor attached to its tokenizer
+        model, processor = vlm.load(path)
+        processor.tokenizer.padding_side = "left"
+        return model, vlm.attach_processor(processor.tokenizer, processor)
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model, tokenizer
+
+
+VISION_MODEL_TYPES = ("qwen2_vl",)
+"""Vision-language checkpoints tidal loads (``models/vlm.py``); Qwen2.5-VL / Qwen3-VL are not tested yet."""
+
+
+def is_vision_checkpoint(path: Path) -> bool:
+    """True for a folder holding a vision-language model tidal loads through ``vlm.load``."""
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    return config.get("model_type") in VISION_MODEL_TYPES

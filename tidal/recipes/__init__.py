@@ -17,3 +17,4 @@ from tidal.recipes import quickstart as _quickstart  # noqa: E402,F401
 from tidal.recipes import real as _real  # noqa: E402,F401
 from tidal.recipes import stages as _stages  # noqa: E402,F401
 from tidal.recipes import verifiers as _verifiers  # noqa: E402,F401
+from tidal.recipes import vision as _vision  # noqa: E402,F401

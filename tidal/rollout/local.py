@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from tidal.api import GenRequest
-from tidal.models import lora, moe
+from tidal.models import lora, moe, vlm
 from tidal.models.architecture import check_architecture
 from tidal.models.prompts import end_of_turn_ids
 from tidal.models.quant import dequantize_state_dict
@@ -53,6 +53,7 @@ from tidal.rollout.slots import SlotCache, cache_kwargs, last_logits_kwargs
 from tidal.rollout.speculative import build_speculator
 from tidal.rollout.thinking import open_close_prefix
 from tidal.rollout.turns import TurnKV, TurnStore
+from tidal.rollout.vision import EngineImages, context_key
 from tidal.types import Trajectory
 from tidal.utils.device import model_device, resolve_dtype
 
@@ -138,6 +139,9 @@ class LocalEngine:
         # Speculative decoding (off: None). Its verify forward has a dynamic width and runs eagerly; a step where no
         # row drafted is a plain decode step, replayed from a CUDA graph where plain decoding would be
         self._spec = build_speculator(cfg.speculative, self, draft_model)
+        # A vision-language model with its processor: prompts with images prefill through ``vision.py``
+        processor = vlm.processor_of(tokenizer)
+        self._images = EngineImages(self.model, processor) if processor is not None and vlm.is_vlm(self.model) else None
         self._late = late_reads(self)  # ``rollout.host_reads=late`` (``late_reads.py``); None: synchronous reads
 
     # ---- weights ---------------------------------------------------------------------------
@@ -168,6 +172,8 @@ class LocalEngine:
                 self._pending = None
         self.version = version
         self._turn_kv.clear()  # computed with the old weights
+        if self._images is not None:
+            self._images.clear()  # so were the kept image features
         self.num_weight_updates += 1
         return True
 
@@ -183,6 +189,7 @@ class LocalEngine:
             **self._step_counters(),
             **(self._spec.stats() if self._spec is not None else {}),
             **(self._late.stats() if self._late is not None else {}),
+            **(self._images.stats() if self._images is not None else {}),
         }
 
     def _step_counters(self) -> dict[str, float]:
@@ -444,13 +451,15 @@ class LocalEngine:
         seqs: list[tuple[int, ...]] = []
         index: dict[object, int] = {}
         source: list[int] = []
+        firsts: list[_Row] = []  # each distinct sequence's first row (its prompt: its images)
         for i, row in enumerate(rows):
             seq = (*row.request.prompt_ids, *row.tokens)
-            key = seq if self.cfg.share_identical_rows or not row.tokens else i  # off: only prompts shared
-            d = index.get(key)
+            key = context_key(row.request.prompt, seq) if self.cfg.share_identical_rows or not row.tokens else i
+            d = index.get(key)  # off: only prompts shared (and a prompt with images only with its own group)
             if d is None:
                 d = index[key] = len(seqs)
                 seqs.append(seq)
+                firsts.append(row)
             source.append(d)
             row.node = self._next_node + d
         self._next_node += len(seqs)
@@ -462,10 +471,16 @@ class LocalEngine:
             mask[r, width - len(s) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = {"input_ids": ids, "position_ids": positions}
+        pictures = None if self._images is None else self._images.inputs(
+            ids, mask, [r.request.prompt for r in firsts], [len(r.request.prompt_ids) for r in firsts])
+        if pictures is not None:  # image features over the prompts' image tokens, M-RoPE positions (``vision.py``)
+            inputs = {"inputs_embeds": pictures[0], "position_ids": pictures[1]}
+            positions = pictures[1][0]  # a row's last token is text: its three ids agree, and decoding goes on from it
         cache = DynamicCache()
         routes = ForwardRoutes(self._routing) if self._routing is not None else None
         with recording(self._routing, routes):
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            logits = self.model(**inputs, attention_mask=mask, use_cache=True,
                                 **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
         slots.admit(cache, mask, positions[:, -1], logits, torch.tensor(source),
                     routes.stacked(len(seqs), width) if routes is not None else None, self._row_state(rows))
@@ -484,7 +499,7 @@ class LocalEngine:
 
     def _saved_turn(self, request: GenRequest) -> TurnKV | None:
         """The kept keys and values this request's context extends (same weights), if any."""
-        if not self._turn_kv:
+        if not self._turn_kv or request.prompt.images:  # a context with pictures is prefilled whole (``vision.py``)
             return None
         kv = self._turn_kv.take((request.prompt.uid, request.sample_index))
         if (kv is None or kv.version != self.version or len(request.prompt_ids) <= len(kv.tokens)

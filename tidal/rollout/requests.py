@@ -7,15 +7,28 @@ from itertools import islice
 
 from tidal.api import GenRequest
 from tidal.config import ConfigError
+from tidal.models import vlm
+from tidal.models.prompts import format_of, template_overhead
 from tidal.models.prompts import prompt_ids as rendered_ids
-from tidal.models.prompts import template_overhead
 from tidal.types import Prompt, Trajectory
 from tidal.utils.seeding import stable_hash
 
 
 def prompt_ids(tokenizer, prompt: Prompt) -> tuple[int, ...]:
-    """The ids of a single-turn prompt: its chat-template rendering, or BOS + text (``models/prompts.py``)."""
-    return tuple(rendered_ids(tokenizer, prompt.text))
+    """The ids of a single-turn prompt: its chat-template rendering, or BOS + text (``models/prompts.py``); a prompt
+    with images through the vision-language model's processor attached to ``tokenizer`` (``models/vlm.py``), each
+    image's placeholder widened to its token count."""
+    if not prompt.images:
+        return tuple(rendered_ids(tokenizer, prompt.text))
+    processor = vlm.processor_of(tokenizer)
+    if processor is None:
+        raise ConfigError(f"prompt {prompt.uid} has {len(prompt.images)} image(s) but the model reads text only: "
+                          "train a vision-language model (model.vision=true, or a Qwen2-VL model.path)")
+    fmt = format_of(tokenizer)
+    if fmt.format == "plain":
+        raise ConfigError(f"prompt {prompt.uid} has images, which only a chat rendering places "
+                          "(model.prompt_format=plain): use auto or chat")
+    return tuple(vlm.prompt_ids(processor, prompt.text, prompt.images, fmt.system_prompt, f"prompt {prompt.uid}"))
 
 
 def sampling_key(seed: int, request: GenRequest) -> int:

@@ -88,7 +88,7 @@ class SlotCache(Cache):
 
     def __init__(self, model: torch.nn.Module, max_slots: int, min_columns: int = 64):
         super().__init__(layers=[])  # ``update`` below replaces the per-layer objects
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model's decoder (Qwen2-VL: ``text_config``)
         self.layout = attention_layout(config)  # per layer type, its sliding window (None: full attention)
         self.num_layers = config.num_hidden_layers
         self.heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

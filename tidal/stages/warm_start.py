@@ -38,9 +38,9 @@ import torch
 
 from tidal.api import Task
 from tidal.config import ConfigError
-from tidal.models import prompts, tiny
+from tidal.models import prompts, tiny, vlm
 from tidal.models.tiny import ModelConfig
-from tidal.tasks.supervised import sft_batch
+from tidal.tasks.supervised import sft_batch, vision_sft_batch
 from tidal.utils.progress import progress_bar
 from tidal.utils.seeding import stable_hash
 
@@ -114,10 +114,11 @@ def data_fingerprint(task: Task) -> int:
 def cache_path(model_cfg: ModelConfig, task_cfg, sft_cfg: SFTConfig, task: Task) -> Path:
     model = dataclasses.asdict(model_cfg)
     model.pop("lora", None)  # how RL trains the base (LoRA or every weight) is not part of the base
-    for key, default in (("prompt_format", "auto"), ("system_prompt", None)):  # bases cached before these existed
+    # bases cached before these keys existed keep their cache keys
+    for key, default in (("prompt_format", "auto"), ("system_prompt", None), ("vision", False)):
         if model.get(key) == default:
             model.pop(key)
-    if model.get("tokenizer") == "char":  # the default: bases cached before the field existed keep their key
+    if model.get("tokenizer") == "char" and not model_cfg.vision:  # the default: older bases keep their key
         del model["tokenizer"]
     else:  # a vocabulary changed in code (e.g. new chat tokens) must not reuse a base trained on the old one
         model["tokenizer_vocab"] = stable_hash(*sorted(tiny.tokenizer_for(model_cfg).get_vocab().items()))
@@ -224,8 +225,7 @@ def _train(model, tokenizer, task: Task, cfg: SFTConfig, evaluate: Evaluate | No
     bar = progress_bar(progress, total=cfg.steps, desc="warm start (SFT)", leave=False)
     while step < cfg.steps:
         idx = torch.randint(0, task.num_train, (cfg.batch_size,), generator=gen).tolist()
-        ids_bt, attn, labels = sft_batch(tokenizer, task, [task.train_prompt(i) for i in idx])
-        loss_t = model(input_ids=ids_bt, attention_mask=attn, labels=labels).loss
+        loss_t = _loss(model, tokenizer, task, [task.train_prompt(i) for i in idx])
         opt.zero_grad(set_to_none=True)
         loss_t.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -272,6 +272,17 @@ def _train(model, tokenizer, task: Task, cfg: SFTConfig, evaluate: Evaluate | No
             f"steps (last {history[-1][1] if history else float('nan'):.3f}, best {best:.3f}); raise sft.steps "
             "or sft.lr, lower the band, or set sft.accuracy_band=null to train exactly sft.steps")
     return {"steps": step, "final_loss": loss, "accuracy": None, "accuracy_band": None, "checks": []}
+
+
+def _loss(model, tokenizer, task: Task, chosen: list) -> torch.Tensor:
+    """Mean next-token loss over the answer tokens of ``chosen``'s examples; a vision-language model (its
+    processor on ``tokenizer``) reads each prompt's images (``vlm.vlm_token_logprobs``, the images once each)."""
+    if vlm.processor_of(tokenizer) is None:
+        ids_bt, attn, labels = sft_batch(tokenizer, task, chosen)
+        return model(input_ids=ids_bt, attention_mask=attn, labels=labels).loss
+    batch, answer_bt = vision_sft_batch(tokenizer, task, chosen)
+    logp_bt = vlm.vlm_token_logprobs(model, batch)
+    return -(logp_bt * answer_bt).sum() / answer_bt.sum()
 
 
 def _snapshot(model, opt, gen, step: int) -> tuple:

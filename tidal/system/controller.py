@@ -35,6 +35,7 @@ from tidal.config import ConfigError
 from tidal.distill.teacher import TeacherScorer, distill_metrics
 from tidal.inspector.record import SampleRecorder
 from tidal.integrity.guard import SDCGuard
+from tidal.models import vlm
 from tidal.rewards.monitor import LengthBiasHook, reward_metrics
 from tidal.rewards.pool import RewardPool
 from tidal.rollout.episodes import episode_metrics
@@ -289,7 +290,8 @@ class Controller:
             metrics.update(distill_metrics(trajs, self.teacher))
         if self.cfg.env.name is not None or self.cfg.harness.enabled:
             metrics["agent/infra_failures"] = float(self._infra_failed)
-        batch, algo_metrics = build_train_batch(trained_groups, self.cfg.algo, self.tokenizer.pad_token_id)
+        batch, algo_metrics = build_train_batch(trained_groups, self.cfg.algo, self.tokenizer.pad_token_id,
+                                                vlm.processor_of(self.tokenizer))  # a VLM's: its images
         metrics.update(algo_metrics)
         if self.guidance is not None:
             metrics["algo/guided_groups"] = float(num_guided(trained_groups))
@@ -369,7 +371,8 @@ class Controller:
                 journal.compact(start)
             outputs.sweep(out_dir)  # the run's record of the files it wrote (utils/outputs.py)
 
-        path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", self.tokenizer, self.state,
+        saver = vlm.processor_of(self.tokenizer) or self.tokenizer  # a VLM's processor saves its tokenizer too
+        path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", saver, self.state,
                                             keep=self.cfg.keep_checkpoints, writer=self.ckpt_writer,
                                             on_saved=saved)  # policy (and critic) state
         if self.sdc is not None:

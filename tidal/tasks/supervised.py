@@ -46,3 +46,33 @@ def sft_batch(tokenizer, task: Task, prompts: list) -> tuple[torch.Tensor, torch
         attn[r, : len(ids)] = 1
         labels[r, start : len(ids)] = ids_bt[r, start : len(ids)]
     return ids_bt, attn, labels
+
+
+def vision_sft_batch(tokenizer, task: Task, chosen: list):
+    """A vision-language model's warm-start rows: (``vlm.VisionBatch`` of prompt-with-images + answer + EOS,
+    right-padded, each prompt's images once; the answer columns [B, T] as a bool mask). The prompt is rendered as
+    RL reads it (``vlm.prompt_ids`` through the processor attached to ``tokenizer``)."""
+    from tidal.models import vlm
+
+    processor = vlm.processor_of(tokenizer)
+    system = prompts.format_of(tokenizer).system_prompt
+    rows, starts, images, row_images = [], [], [], []
+    for p in chosen:
+        example = task.sft_example(p)
+        if not isinstance(example, str):
+            raise ConfigError(f"prompt {p.uid}: a vision-language warm start trains on answer texts, not conversations")
+        ids = vlm.prompt_ids(processor, p.text, p.images, system, f"prompt {p.uid}")
+        starts.append(len(ids))
+        rows.append([*ids, *tokenizer(example, add_special_tokens=False).input_ids, tokenizer.eos_token_id])
+        row_images.append(list(range(len(images), len(images) + len(p.images))))
+        images.extend(p.images)
+    width = max(map(len, rows))
+    ids_bt = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids_bt)
+    answer_bt = torch.zeros_like(ids_bt, dtype=torch.bool)
+    for r, (ids, start) in enumerate(zip(rows, starts)):
+        ids_bt[r, : len(ids)] = torch.tensor(ids)
+        attn[r, : len(ids)] = 1
+        answer_bt[r, start : len(ids)] = True
+    pixels, grids = vlm.image_batch(processor, images) if images else (None, None)
+    return vlm.VisionBatch(ids_bt, attn, pixels, grids, row_images), answer_bt

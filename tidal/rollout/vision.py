@@ -1,0 +1,140 @@
+"""The engine's image path: prefill with pictures, one vision-tower pass per prompt, M-RoPE positions.
+
+A vision-language policy (Qwen2-VL, ``models/vlm.py``) reads a prompt's image as the run of ``<|image_pad|>``
+tokens its rendering holds (``rollout/requests.prompt_ids``), whose embeddings are replaced by the vision tower's
+merged features, at M-RoPE positions (three ids a token) that grow more slowly than token indices. The local
+engine's prefill asks ``EngineImages.inputs`` for the decoder's ``inputs_embeds`` and positions of its
+left-padded rows; everything after the prefill is the text path's:
+
+- **Positions, as the trainer computes them.** A row's prompt gets ``vlm.mrope_positions`` (its image tokens
+  against its images' grids), and every token after the prompt index + delta in all three components, which is
+  what the trainer lays out (``train/vision.py``) and what transformers' cached decode computes. The slot cache
+  only ever needs a row's last position: a decode step's position is the last one + 1, passed as one id that the
+  model expands to three, so decoding, CUDA graphs, late reads and speculative decoding run unchanged.
+- **Only the prompt's image tokens are images.** A re-prefill after a weight update runs prompt + tokens so far;
+  an ``<|image_pad|>`` id the policy sampled is a text token there, as it was when it was fed back, and as the
+  trainer embeds it.
+- **One vision pass per prompt.** A group's G samples share their prompt: the engine's prefill already runs each
+  distinct sequence once, and the features of a prompt's images are kept (``feature_cache`` prompts, keyed by
+  prompt uid) so the group's samples admitted in later prefills, and re-prefills of the same weights, take them
+  without another pass. A weight update clears them: the vision tower changed (``clear``). All images a prefill
+  needs that are not cached go through the tower in one call.
+- **Images across interruption.** They ride on the request (``GenRequest.prompt``), never in engine state that a
+  weight update drops, so a re-prefill places the same pictures.
+
+Two prompts with the same tokens and different pictures (every ``count_squares`` prompt is "how many squares?"
+over its own picture) are different contexts: ``context_key`` adds the prompt's uid to the tokens wherever the
+engine shares work between identical rows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from tidal.models import vlm
+from tidal.types import Prompt
+from tidal.utils.images import load_image
+
+
+def context_key(prompt: Prompt, tokens: tuple[int, ...]) -> tuple:
+    """What makes two rows' contexts identical: their tokens, and their prompt's pictures when it has any."""
+    return (prompt.uid, tokens) if prompt.images else tokens
+
+
+class EngineImages:
+    """Image features and M-RoPE inputs for one engine's prefills (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, processor, feature_cache: int = 64):
+        self.model = model
+        self.processor = processor
+        config = vlm.hf_model(model).config
+        self.image_token_id = config.image_token_id
+        self.merge = config.vision_config.spatial_merge_size
+        self.feature_cache = feature_cache
+        self._features: OrderedDict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = OrderedDict()
+        self.num_vision_passes = 0  # vision-tower calls
+        self.num_images_embedded = 0  # images those calls embedded
+        self.num_images_reused = 0  # images a prefill took from the cache instead
+
+    def clear(self) -> None:
+        """Forget every kept feature (after a weight update)."""
+        self._features.clear()
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout/vision_passes": float(self.num_vision_passes),
+                "rollout/vision_images": float(self.num_images_embedded),
+                "rollout/vision_images_reused": float(self.num_images_reused)}
+
+    def inputs(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor, prompts: Sequence[Prompt],
+               prompt_lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoder's ``inputs_embeds`` [B, T, hidden] and M-RoPE ``position_ids`` [3, B, T] of left-padded rows
+        ``ids_bt`` (row b: prompt ``prompts[b]``, whose first ``prompt_lengths[b]`` real tokens are the prompt), or
+        None when no row's prompt has images (the text path then runs as it always did)."""
+        if not any(p.images for p in prompts):
+            return None
+        features = self._prompt_features(prompts)
+        ids_host, mask_host = ids_bt.cpu(), mask_bt.cpu().bool()
+        b, t = ids_host.shape
+        positions_3bt = torch.zeros(3, b, t, dtype=torch.long)
+        image_bt = torch.zeros(b, t, dtype=torch.bool)
+        placed: list[torch.Tensor] = []
+        for row, (prompt, p) in enumerate(zip(prompts, prompt_lengths)):
+            real = mask_host[row].nonzero().squeeze(1)  # the row's columns, left-padded
+            ids = ids_host[row, real]
+            grids, feats = features.get(prompt.uid, (None, []))
+            try:
+                pos_3p, delta = vlm.mrope_positions(ids[:p], grids, self.image_token_id, self.merge)
+            except ValueError as e:  # the rendering and the pictures disagree: never a silently shifted position
+                raise ValueError(f"prompt {prompt.uid}: {e}") from None
+            columns = real[:p]
+            positions_3bt[:, row, columns] = pos_3p
+            positions_3bt[:, row, real[p:]] = torch.arange(p + delta, len(real) + delta)  # generated: index + delta
+            image_bt[row, columns[ids[:p] == self.image_token_id]] = True
+            placed.extend(feats)
+        device = ids_bt.device
+        embeds_bth = vlm.hf_model(self.model).get_input_embeddings()(ids_bt)
+        if placed:
+            values = torch.cat(placed).to(device, embeds_bth.dtype)
+            embeds_bth = embeds_bth.masked_scatter(image_bt.to(device)[..., None], values)
+        return embeds_bth, positions_3bt.to(device)
+
+    def _prompt_features(self, prompts: Sequence[Prompt]) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Each prompt's image grids and merged features (per image), from the cache or from one vision pass over
+        every image not cached."""
+        out: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        missing: list[Prompt] = []
+        for prompt in prompts:
+            if not prompt.images or prompt.uid in out:
+                continue
+            kept = self._features.get(_cache_key(prompt))
+            if kept is not None:
+                self._features.move_to_end(_cache_key(prompt))
+                out[prompt.uid] = kept
+                self.num_images_reused += len(prompt.images)
+            elif prompt.uid not in {m.uid for m in missing}:
+                missing.append(prompt)
+        if missing:
+            pictures = [load_image(image, f"prompt {p.uid}, image {k}") for p in missing
+                        for k, image in enumerate(p.images)]
+            pixel_values, grids = vlm.image_batch(self.processor, pictures)
+            computed = list(vlm.image_features(self.model, pixel_values, grids))
+            self.num_vision_passes += 1
+            self.num_images_embedded += len(pictures)
+            first = 0
+            for p in missing:
+                n = len(p.images)
+                out[p.uid] = (grids[first:first + n], computed[first:first + n])
+                self._features[_cache_key(p)] = out[p.uid]
+                first += n
+            while len(self._features) > self.feature_cache:
+                self._features.popitem(last=False)
+        return out
+
+
+def _cache_key(prompt: Prompt) -> tuple:
+    """A prompt's kept features are its own: its uid and its images (a data URL, path or bytes as they are, cheap
+    to hash at these sizes; a PIL image by identity), so a uid reused for other pictures is embedded again."""
+    return (prompt.uid, *(v if isinstance(v, (str, bytes)) else id(v) for v in prompt.images))
