@@ -31,6 +31,14 @@ class GenRequest:
     episode: bool = False
     thinking_budget: int | None = None
     thinking_close: tuple[int, ...] = ()
+    images: tuple | None = None
+    """The pictures behind ``prompt_ids``' image tokens, in order (anything ``utils/images.load_image`` reads); None:
+    the prompt's (``Prompt.images``). An agent episode's later turn sets it when observations added pictures."""
+
+    @property
+    def context_images(self) -> tuple:
+        """The pictures this request's context shows (its own, else its prompt's)."""
+        return tuple(self.prompt.images) if self.images is None else self.images
 
 
 class EngineFailed(RuntimeError):

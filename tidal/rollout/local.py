@@ -454,7 +454,7 @@ class LocalEngine:
         firsts: list[_Row] = []  # each distinct sequence's first row (its prompt: its images)
         for i, row in enumerate(rows):
             seq = (*row.request.prompt_ids, *row.tokens)
-            key = context_key(row.request.prompt, seq) if self.cfg.share_identical_rows or not row.tokens else i
+            key = context_key(row.request, seq) if self.cfg.share_identical_rows or not row.tokens else i
             d = index.get(key)  # off: only prompts shared (and a prompt with images only with its own group)
             if d is None:
                 d = index[key] = len(seqs)
@@ -472,8 +472,7 @@ class LocalEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inputs = {"input_ids": ids, "position_ids": positions}
-        pictures = None if self._images is None else self._images.inputs(
-            ids, mask, [r.request.prompt for r in firsts], [len(r.request.prompt_ids) for r in firsts])
+        pictures = None if self._images is None else self._images.inputs(ids, mask, [r.request for r in firsts])
         if pictures is not None:  # image features over the prompts' image tokens, M-RoPE positions (``vision.py``)
             inputs = {"inputs_embeds": pictures[0], "position_ids": pictures[1]}
             positions = pictures[1][0]  # a row's last token is text: its three ids agree, and decoding goes on from it
@@ -499,7 +498,7 @@ class LocalEngine:
 
     def _saved_turn(self, request: GenRequest) -> TurnKV | None:
         """The kept keys and values this request's context extends (same weights), if any."""
-        if not self._turn_kv or request.prompt.images:  # a context with pictures is prefilled whole (``vision.py``)
+        if not self._turn_kv or request.context_images:  # a context with pictures is prefilled whole (``vision.py``)
             return None
         kv = self._turn_kv.take((request.prompt.uid, request.sample_index))
         if (kv is None or kv.version != self.version or len(request.prompt_ids) <= len(kv.tokens)

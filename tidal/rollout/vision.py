@@ -15,15 +15,16 @@ left-padded rows; everything after the prefill is the text path's:
   an ``<|image_pad|>`` id the policy sampled is a text token there, as it was when it was fed back, and as the
   trainer embeds it.
 - **One vision pass per prompt.** A group's G samples share their prompt: the engine's prefill already runs each
-  distinct sequence once, and the features of a prompt's images are kept (``feature_cache`` prompts, keyed by
-  prompt uid) so the group's samples admitted in later prefills, and re-prefills of the same weights, take them
+  distinct sequence once, and the features of a context's pictures are kept (``feature_cache`` contexts, keyed by
+  prompt uid and pictures) so the group's samples admitted in later prefills, and re-prefills of the same weights, take them
   without another pass. A weight update clears them: the vision tower changed (``clear``). All images a prefill
   needs that are not cached go through the tower in one call.
-- **Images across interruption.** They ride on the request (``GenRequest.prompt``), never in engine state that a
-  weight update drops, so a re-prefill places the same pictures.
+- **Images across interruption.** They ride on the request (``GenRequest.context_images``: its own, for an agent
+  turn whose observations added pictures, else its prompt's), never in engine state that a weight update drops,
+  so a re-prefill places the same pictures.
 
 Two prompts with the same tokens and different pictures (every ``count_squares`` prompt is "how many squares?"
-over its own picture) are different contexts: ``context_key`` adds the prompt's uid to the tokens wherever the
+over its own picture) are different contexts: ``context_key`` adds the prompt's uid and pictures to the tokens wherever the
 engine shares work between identical rows.
 """
 
@@ -34,14 +35,14 @@ from collections.abc import Sequence
 
 import torch
 
+from tidal.api import GenRequest
 from tidal.models import vlm
-from tidal.types import Prompt
 from tidal.utils.images import load_image
 
 
-def context_key(prompt: Prompt, tokens: tuple[int, ...]) -> tuple:
-    """What makes two rows' contexts identical: their tokens, and their prompt's pictures when it has any."""
-    return (prompt.uid, tokens) if prompt.images else tokens
+def context_key(request: GenRequest, tokens: tuple[int, ...]) -> tuple:
+    """What makes two rows' contexts identical: their tokens, and their pictures when they show any."""
+    return (_cache_key(request), tokens) if request.context_images else tokens
 
 
 class EngineImages:
@@ -68,27 +69,28 @@ class EngineImages:
                 "rollout/vision_images": float(self.num_images_embedded),
                 "rollout/vision_images_reused": float(self.num_images_reused)}
 
-    def inputs(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor, prompts: Sequence[Prompt],
-               prompt_lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def inputs(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
+               requests: Sequence[GenRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder's ``inputs_embeds`` [B, T, hidden] and M-RoPE ``position_ids`` [3, B, T] of left-padded rows
-        ``ids_bt`` (row b: prompt ``prompts[b]``, whose first ``prompt_lengths[b]`` real tokens are the prompt), or
-        None when no row's prompt has images (the text path then runs as it always did)."""
-        if not any(p.images for p in prompts):
+        ``ids_bt`` (row b: ``requests[b]``'s prompt ids, then any tokens sampled for it), or None when no row shows
+        a picture (the text path then runs as it always did)."""
+        if not any(r.context_images for r in requests):
             return None
-        features = self._prompt_features(prompts)
+        features = self._features_of(requests)
         ids_host, mask_host = ids_bt.cpu(), mask_bt.cpu().bool()
         b, t = ids_host.shape
         positions_3bt = torch.zeros(3, b, t, dtype=torch.long)
         image_bt = torch.zeros(b, t, dtype=torch.bool)
         placed: list[torch.Tensor] = []
-        for row, (prompt, p) in enumerate(zip(prompts, prompt_lengths)):
+        for row, request in enumerate(requests):
+            p = len(request.prompt_ids)
             real = mask_host[row].nonzero().squeeze(1)  # the row's columns, left-padded
             ids = ids_host[row, real]
-            grids, feats = features.get(prompt.uid, (None, []))
+            grids, feats = features.get(_cache_key(request), (None, []))
             try:
                 pos_3p, delta = vlm.mrope_positions(ids[:p], grids, self.image_token_id, self.merge)
             except ValueError as e:  # the rendering and the pictures disagree: never a silently shifted position
-                raise ValueError(f"prompt {prompt.uid}: {e}") from None
+                raise ValueError(f"prompt {request.prompt.uid}: {e}") from None
             columns = real[:p]
             positions_3bt[:, row, columns] = pos_3p
             positions_3bt[:, row, real[p:]] = torch.arange(p + delta, len(real) + delta)  # generated: index + delta
@@ -101,40 +103,41 @@ class EngineImages:
             embeds_bth = embeds_bth.masked_scatter(image_bt.to(device)[..., None], values)
         return embeds_bth, positions_3bt.to(device)
 
-    def _prompt_features(self, prompts: Sequence[Prompt]) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
-        """Each prompt's image grids and merged features (per image), from the cache or from one vision pass over
-        every image not cached."""
-        out: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        missing: list[Prompt] = []
-        for prompt in prompts:
-            if not prompt.images or prompt.uid in out:
+    def _features_of(self, requests: Sequence[GenRequest]) -> dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Each context's image grids and merged features (per image), from the cache or from one vision pass over
+        every picture not cached."""
+        out: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        missing: dict[tuple, GenRequest] = {}
+        for request in requests:
+            key = _cache_key(request)
+            if not request.context_images or key in out or key in missing:
                 continue
-            kept = self._features.get(_cache_key(prompt))
+            kept = self._features.get(key)
             if kept is not None:
-                self._features.move_to_end(_cache_key(prompt))
-                out[prompt.uid] = kept
-                self.num_images_reused += len(prompt.images)
-            elif prompt.uid not in {m.uid for m in missing}:
-                missing.append(prompt)
+                self._features.move_to_end(key)
+                out[key] = kept
+                self.num_images_reused += len(request.context_images)
+            else:
+                missing[key] = request
         if missing:
-            pictures = [load_image(image, f"prompt {p.uid}, image {k}") for p in missing
-                        for k, image in enumerate(p.images)]
+            pictures = [load_image(image, f"prompt {r.prompt.uid}, image {k}") for r in missing.values()
+                        for k, image in enumerate(r.context_images)]
             pixel_values, grids = vlm.image_batch(self.processor, pictures)
             computed = list(vlm.image_features(self.model, pixel_values, grids))
             self.num_vision_passes += 1
             self.num_images_embedded += len(pictures)
             first = 0
-            for p in missing:
-                n = len(p.images)
-                out[p.uid] = (grids[first:first + n], computed[first:first + n])
-                self._features[_cache_key(p)] = out[p.uid]
+            for key, r in missing.items():
+                n = len(r.context_images)
+                out[key] = self._features[key] = (grids[first:first + n], computed[first:first + n])
                 first += n
             while len(self._features) > self.feature_cache:
                 self._features.popitem(last=False)
         return out
 
 
-def _cache_key(prompt: Prompt) -> tuple:
-    """A prompt's kept features are its own: its uid and its images (a data URL, path or bytes as they are, cheap
-    to hash at these sizes; a PIL image by identity), so a uid reused for other pictures is embedded again."""
-    return (prompt.uid, *(v if isinstance(v, (str, bytes)) else id(v) for v in prompt.images))
+def _cache_key(request: GenRequest) -> tuple:
+    """A context's kept features are its own: its prompt's uid and its pictures (a data URL, path or bytes as they
+    are, cheap to hash at these sizes; anything else by identity), so a uid reused for other pictures, or an
+    episode turn that added one, is embedded again."""
+    return (request.prompt.uid, *(v if isinstance(v, (str, bytes)) else id(v) for v in request.context_images))
