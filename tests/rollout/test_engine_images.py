@@ -159,3 +159,18 @@ def test_images_need_a_vision_language_model_and_a_chat_rendering(policy):
     plain = prompts.attach(copy.copy(tokenizer), prompts.PromptFormat("plain"))
     with pytest.raises(ConfigError, match="prompt a has images.*model.prompt_format=plain"):
         group_requests(plain, _prompts()[:1], 1)
+
+
+def test_a_prompt_is_checked_with_its_pictures_tokens(policy):
+    """The run's context check renders a prompt with images whole (pictures widened), and refuses a text model
+    naming the row."""
+    from tidal.rollout.requests import check_prompts_fit
+
+    _, tokenizer, _ = policy
+    prompt = _prompts()[0]
+    length = len(group_requests(tokenizer, [prompt], 1)[0].prompt_ids)
+    assert check_prompts_fit(tokenizer, [("train row 0", prompt)], length + 2, 2) == 1
+    with pytest.raises(ConfigError, match=f"train row 0: the prompt is {length} tokens with its 1 image"):
+        check_prompts_fit(tokenizer, [("train row 0", prompt)], length + 1, 2)
+    with pytest.raises(ConfigError, match="train row 0: prompt a has 1 image.*reads text only"):
+        check_prompts_fit(tiny.build_tokenizer(), [("train row 0", prompt)], 128, 2)

@@ -67,7 +67,9 @@ def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context:
     while batch := list(islice(prompts, chunk)):
         encoded = tokenizer([p.text for _, p in batch], add_special_tokens=False).input_ids
         for (where, p), ids in zip(batch, encoded):
-            if len(ids) > budget:
+            if p.images:  # rendered whole: its pictures' tokens count (and a text model is refused, naming the row)
+                _check_image_prompt(tokenizer, where, p, context, max_new_tokens)
+            elif len(ids) > budget:
                 raise ConfigError(
                     f"{where}: the prompt is {len(ids):,} tokens, and with rollout.max_new_tokens={max_new_tokens} "
                     f"it does not fit the model's context of {context} (model.max_position_embeddings): shorten or "
@@ -79,6 +81,19 @@ def check_prompts_fit(tokenizer, prompts: Iterable[tuple[str, Prompt]], context:
                                   f"(the model would see {tokenizer.convert_ids_to_tokens(min(unknown))} instead)")
         checked += len(batch)
     return checked
+
+
+def _check_image_prompt(tokenizer, where: str, prompt: Prompt, context: int, max_new_tokens: int) -> None:
+    """A prompt with pictures fits when its whole rendering (pictures widened to their tokens) plus
+    ``max_new_tokens`` does."""
+    try:
+        ids = prompt_ids(tokenizer, prompt)
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if len(ids) + max_new_tokens > context:
+        raise ConfigError(f"{where}: the prompt is {len(ids):,} tokens with its {len(prompt.images)} image(s), and "
+                          f"with rollout.max_new_tokens={max_new_tokens} it does not fit the model's context of "
+                          f"{context} (model.max_position_embeddings): fewer or smaller images, or a longer context")
 
 
 def group_requests(

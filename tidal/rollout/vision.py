@@ -15,17 +15,17 @@ left-padded rows; everything after the prefill is the text path's:
   an ``<|image_pad|>`` id the policy sampled is a text token there, as it was when it was fed back, and as the
   trainer embeds it.
 - **One vision pass per prompt.** A group's G samples share their prompt: the engine's prefill already runs each
-  distinct sequence once, and the features of a context's pictures are kept (``feature_cache`` contexts, keyed by
-  prompt uid and pictures) so the group's samples admitted in later prefills, and re-prefills of the same weights, take them
-  without another pass. A weight update clears them: the vision tower changed (``clear``). All images a prefill
+  distinct sequence once, and the features of a context's pictures are kept (``feature_cache`` contexts, keyed
+  by prompt uid and pictures) so the group's samples admitted in later prefills, and re-prefills of the same
+  weights, take them without another pass. A weight update clears them: the vision tower changed (``clear``). All images a prefill
   needs that are not cached go through the tower in one call.
 - **Images across interruption.** They ride on the request (``GenRequest.context_images``: its own, for an agent
   turn whose observations added pictures, else its prompt's), never in engine state that a weight update drops,
   so a re-prefill places the same pictures.
 
 Two prompts with the same tokens and different pictures (every ``count_squares`` prompt is "how many squares?"
-over its own picture) are different contexts: ``context_key`` adds the prompt's uid and pictures to the tokens wherever the
-engine shares work between identical rows.
+over its own picture) are different contexts: ``context_key`` adds the prompt's uid and pictures to the tokens
+wherever the engine shares work between identical rows.
 """
 
 from __future__ import annotations

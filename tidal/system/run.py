@@ -28,7 +28,7 @@ from tidal.inspector.record import SampleRecorder
 from tidal.inspector.samples import FILE_NAME as SAMPLES_FILE
 from tidal.inspector.samples import SampleLog
 from tidal.integrity.guard import SDCGuard, SilentDataCorruption, rollback
-from tidal.models import catalog, lora, prompts, tiny
+from tidal.models import catalog, lora, prompts, tiny, vlm
 from tidal.models.quant import dequantize_state_dict
 from tidal.models.tied import load_weights
 from tidal.rewards import build_reward
@@ -55,7 +55,13 @@ from tidal.utils.seeding import seed_everything
 def run_tokenizer(cfg: RunConfig):
     """The tokenizer of the run's model (``model.path``'s, or the tiny model's), rendering prompts as
     ``model.prompt_format`` says (``models/prompts.py``)."""
-    tokenizer = tiny.load_tokenizer(Path(cfg.model.path)) if cfg.model.path else tiny.tokenizer_for(cfg.model)
+    if not cfg.model.path:
+        tokenizer = tiny.tokenizer_for(cfg.model)
+    elif tiny.is_vision_checkpoint(path := catalog.resolve(cfg.model.path)):  # its processor rides on the tokenizer
+        processor = vlm.load_processor(path)
+        tokenizer = vlm.attach_processor(processor.tokenizer, processor)
+    else:
+        tokenizer = tiny.load_tokenizer(path)
     return prompts.attach(tokenizer, cfg.model.prompts())
 
 
@@ -82,7 +88,8 @@ def model_context(cfg: RunConfig) -> int | None:
     from transformers import AutoConfig
 
     path = catalog.resolve(cfg.model.path)
-    return getattr(AutoConfig.from_pretrained(path, local_files_only=True), "max_position_embeddings", None)
+    config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()  # a VLM's decoder's
+    return getattr(config, "max_position_embeddings", None)
 
 
 def check_inputs(cfg: RunConfig):
