@@ -17,8 +17,8 @@ left-padded rows; everything after the prefill is the text path's:
 - **One vision pass per prompt.** A group's G samples share their prompt: the engine's prefill already runs each
   distinct sequence once, and the features of a context's pictures are kept (``feature_cache`` contexts, keyed
   by prompt uid and pictures) so the group's samples admitted in later prefills, and re-prefills of the same
-  weights, take them without another pass. A weight update clears them: the vision tower changed (``clear``). All images a prefill
-  needs that are not cached go through the tower in one call.
+  weights, take them without another pass. A weight update clears them: the vision tower changed (``clear``).
+  All images a prefill needs that are not cached go through the tower in one call.
 - **Images across interruption.** They ride on the request (``GenRequest.context_images``: its own, for an agent
   turn whose observations added pictures, else its prompt's), never in engine state that a weight update drops,
   so a re-prefill places the same pictures.
