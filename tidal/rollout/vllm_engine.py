@@ -70,6 +70,7 @@ from tidal.rollout.vllm_options import (  # noqa: F401 (re-exported)
     tied_head_names,
 )
 from tidal.types import Trajectory
+from tidal.utils.images import load_image
 
 INSTALL_HINT = (
     "the vLLM rollout engine needs vLLM: `pip install 'tidal[vllm]'` (CUDA), or on CPU run "
@@ -229,7 +230,7 @@ class VllmDriver:
         params = self._params_cls(
             n=1, temperature=0.0 if greedy else cfg.temperature, top_p=1.0 if greedy else cfg.top_p,
             max_tokens=max_tokens, logprobs=0, stop=list(cfg.stop) or None, detokenize=bool(cfg.stop))
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        self.engine.add_request(request_id, engine_inputs(row.request, prompt), params)
         self._rows[request_id] = (row, greedy, outbox, cfg)
 
     def step(self) -> None:
@@ -293,6 +294,19 @@ class VllmDriver:
         drafted, accepted = counts[0] - before[0], counts[1] - before[1]
         return {"rollout/spec_acceptance": accepted / drafted if drafted else float("nan"),
                 "rollout/spec_drafted_tokens": drafted}
+
+
+def engine_inputs(request: GenRequest, prompt_token_ids: list[int]) -> dict:
+    """vLLM's prompt for one segment: its token ids and, for a context that shows pictures, vLLM's
+    ``multi_modal_data`` (``{"image": [PIL images]}``, in the order of their placeholders). The ids already hold each
+    picture's placeholder widened to its token count, as transformers' processor writes them
+    (``rollout/requests.prompt_ids``); vLLM's multimodal processor finds the widened placeholders and does not widen
+    them again. A segment after a weight update sends the same pictures with the longer ids."""
+    images = request.context_images
+    if not images:
+        return {"prompt_token_ids": prompt_token_ids}
+    pictures = [load_image(image, f"prompt {request.prompt.uid}, image {k}") for k, image in enumerate(images)]
+    return {"prompt_token_ids": prompt_token_ids, "multi_modal_data": {"image": pictures}}
 
 
 def sampled_logprobs(completion, start: int = 0) -> list[float]:
