@@ -141,8 +141,11 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.n
 
 def vision_config(cfg: ModelConfig):
     """The tiny vision-language model's ``VLMConfig`` for ``cfg`` (its decoder's shape; the vision tower's defaults)."""
+    half = cfg.hidden_size // cfg.num_heads // 2  # rotary frequencies per head, split as Qwen2-VL's 1/4, 3/8, 3/8
+    temporal = half // 4
     return vlm.VLMConfig(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                          intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+                         mrope_section=(temporal, (half - temporal) // 2, half - temporal - (half - temporal) // 2),
                          init_seed=cfg.init_seed)
 
 
