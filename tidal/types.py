@@ -74,6 +74,12 @@ class Trajectory:
     """MoE models: the experts the engine chose for each token, CPU uint8 [len(prompt_ids) + len(token_ids),
     layers, k] (``models/moe.py``; ``NO_ROUTE`` where it has none, e.g. the last sampled token, never fed),
     replayed by the trainer (routing replay, ``train/routing.py``); None for dense models."""
+    images: list[Any] | None = None
+    """The pictures behind the image tokens of ``prompt_ids`` + ``token_ids``, in token order, when they are not
+    just the prompt's (``Prompt.images``): an agent episode whose observations showed pictures
+    (``rollout/episodes.py``), or an endpoint segment rendered from the agent's own messages
+    (``serve/recorder.py``). None: the prompt's, and only ``prompt_ids`` shows them (every single-turn sample).
+    Image tokens the policy sampled (``loss_mask`` 1) are text, never pictures (``train/vision.py``)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -11,3 +11,4 @@ ENVS: Registry = Registry("environment")
 from tidal.envs import calculator as _calculator  # noqa: E402,F401  (registers environments)
 from tidal.envs import guess_number as _guess_number  # noqa: E402,F401
 from tidal.envs import python_tool as _python_tool  # noqa: E402,F401
+from tidal.envs import zoom as _zoom  # noqa: E402,F401

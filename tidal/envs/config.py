@@ -13,7 +13,8 @@ class EnvConfig:
     """Multi-turn agent episodes (docs/agentic.md). ``name`` None: single-turn RL (the default)."""
 
     name: str | None = None
-    """Registered environment (``tidal.envs.ENVS``): ``calculator``, ``python_tool``, ``guess_number``; or
+    """Registered environment (``tidal.envs.ENVS``): ``calculator``, ``python_tool``, ``guess_number``, ``zoom``
+    (a picture tool for a vision-language model, with ``renderer=chat``); or
     ``verifiers``: an environment written for PrimeIntellect's verifiers, named by ``env.verifiers.id``
     (docs/environments.md)."""
     params: dict[str, Any] = field(default_factory=dict)
@@ -22,7 +23,8 @@ class EnvConfig:
     """How the prompt and observations become tokens (``rollout/render.py``): ``plain`` (BOS + text;
     observations as their own tokens: base models, the tiny model) or ``chat`` (the tokenizer's chat
     template, observations as ``tool`` messages; a template that is not append-only ends the episode,
-    counted as ``agent/not_append_only``)."""
+    counted as ``agent/not_append_only``). Prompts and observations with pictures need ``chat`` and a
+    vision-language model."""
     max_turns: int = 8
     """Model turns per episode; an episode still going after this many ends with finish reason
     ``max_turns`` and the reward it has so far."""

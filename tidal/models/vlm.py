@@ -448,3 +448,36 @@ def vlm_token_logprobs(model: Qwen2VLForConditionalGeneration, batch: VisionBatc
     targets_bt = batch.input_ids_bt.to(embeds_bth.device)[:, 1:]
     logp_bt, _ = chunked_head_logprobs(out.last_hidden_state[:, :-1], head.weight, head.bias, targets_bt, temperature)
     return torch.nn.functional.pad(logp_bt, (1, 0)).masked_fill(~mask_bt.bool(), 0.0)
+
+
+# ---- contexts built turn by turn (agent episodes, the endpoint) ----------------------------------------------
+
+def image_token_counts(processor: ProcessorMixin, images: list[Any], where: str = "images") -> list[int]:
+    """How many ``<|image_pad|>`` tokens each image becomes (its merged patch blocks), from its size through the
+    image processor's own resize rule, as ``prompt_ids`` counts them (no pixel values computed)."""
+    images_of = processor.image_processor
+    loaded = [load_image(im, f"{where}, image {k}") for k, im in enumerate(images)]
+    return [images_of.get_number_of_image_patches(im.height, im.width, {}) // images_of.merge_size**2
+            for im in loaded]
+
+
+def widen_image_pads(processor: ProcessorMixin, rendered: str, images: list[Any], where: str = "text") -> str:
+    """``rendered`` (chat-template text with one ``<|image_pad|>`` per image) with the k-th placeholder widened to
+    the k-th image's token count, as ``prompt_ids`` widens a prompt's: the text an agent episode's observation or
+    the endpoint's new messages append. A placeholder count that differs from ``len(images)`` is an error."""
+    pieces = rendered.split(IMAGE_PAD)
+    if len(pieces) - 1 != len(images):
+        raise ValueError(f"{where}: the template rendered {len(pieces) - 1} image placeholders for {len(images)} "
+                         "images")
+    counts = image_token_counts(processor, images, where)
+    return pieces[0] + "".join(IMAGE_PAD * n + piece for n, piece in zip(counts, pieces[1:]))
+
+
+def vision_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the vision markers (``VISION_TOKENS``) of a tokenizer that carries a vision-language processor
+    (``attach_processor``); empty for a text model, whose tokenizer may hold the same strings harmlessly. A policy
+    that samples one of them makes its context's image-token count disagree with its pictures."""
+    if processor_of(tokenizer) is None:
+        return frozenset()
+    ids = {tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+    return frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)

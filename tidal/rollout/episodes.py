@@ -17,6 +17,15 @@ episode keeps the route each token had when first read (``routes.merge_turn``: t
 then were computed with) and fills the rest from later turns; the tokens no turn fed (the last sampled
 one, a final observation) have ``NO_ROUTE``.
 
+**Images** (a vision-language policy, ``env.renderer=chat``): an observation may be a list of OpenAI content
+parts with pictures (``render.py``); the renderer widens each to its token count and keeps the episode's
+pictures in token order (``RenderState.images``: the prompt's, then each observation's), so each later turn's
+request carries all of them (``GenRequest.images``) and the trajectory too (``Trajectory.images``, which the
+trainer places: ``train/vision.py``). A turn that samples a vision marker (``<|image_pad|>``,
+``<|vision_start|>``, ``<|vision_end|>``) would make the next context's image tokens disagree with its
+pictures, so the episode ends there (finish reason ``vision_token``, counted in ``episode["vision_tokens"]``)
+unless the environment ended it anyway.
+
 An episode ends when the environment says done, at ``max_turns``, when its token budget (the model's
 context) is spent, or when the environment raises: an infrastructure failure, kept out of its
 group's baseline by the controller rather than scored 0. A tool timeout becomes an observation.
@@ -42,6 +51,7 @@ import torch
 
 from tidal.api import Environment, EnvStep, GenRequest, RolloutEngine
 from tidal.envs.config import EnvConfig
+from tidal.models import vlm
 from tidal.rollout.render import NotAppendOnly, RenderState, build_renderer
 from tidal.rollout.requests import generate_by_stream
 from tidal.rollout.routes import merge_turn, padded
@@ -74,7 +84,8 @@ class _Episode:
         self.mask += [int(sampled)] * len(ids)
 
 
-COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed", "tool_latency_s", "not_append_only")
+COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed", "tool_latency_s", "not_append_only",
+            "vision_tokens")
 
 
 class EpisodeEngine:
@@ -85,6 +96,7 @@ class EpisodeEngine:
         self.engine = engine
         self.tokenizer = tokenizer
         self.renderer = build_renderer(cfg.renderer, tokenizer)
+        self.vision_ids = vlm.vision_token_ids(tokenizer)  # empty for a text policy
         self.make_env = make_env
         self.cfg = cfg
         self.seed = seed
@@ -249,8 +261,10 @@ class EpisodeEngine:
         if budget < 1:
             return None
         r = ep.request
+        images = _own_images(ep)
         return GenRequest(r.prompt, tuple(ep.context), r.sample_index,
-                          min(r.max_new_tokens or self.max_turn_tokens, budget), turn=ep.turns, episode=True)
+                          min(r.max_new_tokens or self.max_turn_tokens, budget), turn=ep.turns, episode=True,
+                          images=None if images is None else tuple(images))
 
     def _env_step(self, ep: _Episode, text: str, delay: float = 0.0) -> str | None:
         """Run one environment step for ``ep`` on this worker thread (``delay``: simulated latency it
@@ -279,6 +293,9 @@ class EpisodeEngine:
             return "stop"
         if ep.turns >= self.cfg.max_turns:
             return "max_turns"
+        if self.vision_ids and not self.vision_ids.isdisjoint(ep.last_turn):
+            ep.counts["vision_tokens"] += 1  # the next context's image tokens would not match its pictures
+            return "vision_token"
         if step.observation:
             try:
                 ids = self.renderer.observation_ids(ep.render, text, ep.last_turn, step.observation)
@@ -304,7 +321,15 @@ class EpisodeEngine:
             versions=ep.versions, finish_reason=ep.finish_reason or "length",
             text=self.tokenizer.decode(ids, skip_special_tokens=True), reward=ep.reward,
             reward_details={"env_reward": ep.reward}, loss_mask=ep.mask, episode=info,
-            routes=None if ep.routes is None else padded(ep.routes, len(ep.context)))  # last observation: unread
+            routes=None if ep.routes is None else padded(ep.routes, len(ep.context)),  # last observation: unread
+            images=_own_images(ep))
+
+
+def _own_images(ep: _Episode) -> list | None:
+    """The pictures of ``ep``'s context when they are not just its prompt's (observations added some), else None:
+    a text episode, or one whose only pictures are the prompt's, stays as a single-turn sample is."""
+    images = ep.render.images
+    return None if images == ep.request.prompt.images else list(images)
 
 
 _TIMED_OUT = object()

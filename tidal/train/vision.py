@@ -11,7 +11,12 @@ once per batch, on the host, by ``batch_images`` (called from ``build_train_batc
   (``position_ids_3bt``: ``vlm.mrope_positions`` over the prompt, then index + delta over the response, as the
   engine decodes it). Only the prompt's image-pad tokens are images: one a policy samples in its response is
   a text token, embedded from the table, as the engine embedded it when it fed it back. A prompt whose image
-  tokens do not add up to its images' grids is one error naming the prompt, never a shifted position.
+  tokens do not add up to its images' grids is one error naming the prompt, never a shifted position;
+- a trajectory with its own pictures (``Trajectory.images``: an agent episode whose observations showed pictures,
+  an endpoint segment) is laid out whole: its pictures behind the image tokens of prompt + response that the
+  policy did not sample (the prompt's and the observations'), ``vlm.mrope_positions`` over the whole sequence
+  (which equals the engine's prefill of each turn's context, then index + delta), each distinct picture still
+  once per batch.
 
 ``with_images`` is what the trainer's ``_layout_forward`` hands to ``token_logprobs`` instead of the policy
 when the batch has images: the same model (same head, same head kernels and score masks, same autocast),
@@ -48,22 +53,38 @@ from tidal.utils.images import load_image
 
 def batch_images(rows: list[tuple[Prompt, Trajectory]], width: int, processor: Any) -> BatchImages | None:
     """The images of a batch whose row b is ``rows[b]``'s trajectory (prompt + response, right-padded to
-    ``width``), or None when no prompt has any (the text path then runs unchanged). ``processor``: the policy's
-    (``vlm.ImageTextProcessor``: its image processor, ``image_token_id`` and merge size)."""
+    ``width``), or None when no row shows any (the text path then runs unchanged). ``processor``: the policy's
+    (``vlm.ImageTextProcessor``: its image processor, ``image_token_id`` and merge size).
+
+    A row's pictures are its prompt's (``Prompt.images``, behind ``prompt_ids``' image tokens), or, for a
+    trajectory that carries its own (``Trajectory.images``: an agent episode whose observations showed pictures,
+    an endpoint segment), those, behind the image tokens of the whole sequence that the policy did not sample."""
     distinct: dict[tuple, int] = {}
     pictures: list = []
+
+    def index_of(value: Any, where: str) -> int:
+        image = load_image(value, where)
+        key = (image.size, hashlib.sha256(image.tobytes()).digest())  # the same pixels: one image
+        at = distinct.setdefault(key, len(pictures))
+        if at == len(pictures):
+            pictures.append(image)
+        return at
+
     shown: dict[int, list[int]] = {}  # id(prompt) -> its images' distinct indices: decoded once per group
-    for prompt, _ in rows:
-        if id(prompt) in shown:
-            continue
-        which = []
-        for k, value in enumerate(prompt.images):
-            image = load_image(value, f"prompt {prompt.uid}, image {k}")
-            key = (image.size, hashlib.sha256(image.tobytes()).digest())  # the same pixels: one image
-            which.append(distinct.setdefault(key, len(pictures)))
-            if which[-1] == len(pictures):
-                pictures.append(image)
-        shown[id(prompt)] = which
+    own: dict[int, list[int]] = {}  # row -> its trajectory's own pictures' distinct indices
+    decoded: dict[Any, int] = {}  # a trajectory's picture given as a string: decoded once per batch
+    for b, (prompt, traj) in enumerate(rows):
+        if traj.images is not None:
+            which = []
+            for k, value in enumerate(traj.images):
+                key = value if isinstance(value, (str, bytes)) else id(value)
+                if key not in decoded:
+                    decoded[key] = index_of(value, f"prompt {prompt.uid}, sample {traj.sample_index}, image {k}")
+                which.append(decoded[key])
+            own[b] = which
+        elif id(prompt) not in shown:
+            shown[id(prompt)] = [index_of(value, f"prompt {prompt.uid}, image {k}")
+                                 for k, value in enumerate(prompt.images)]
     if not pictures:
         return None
     pixel_values, grids = vlm.image_batch(processor, pictures)
@@ -75,17 +96,48 @@ def batch_images(rows: list[tuple[Prompt, Trajectory]], width: int, processor: A
     row_images: list[list[int]] = []
     laid: dict[tuple, tuple] = {}  # a group's samples share their prompt: its positions are computed once
     for b, (prompt, traj) in enumerate(rows):
+        p, n = len(traj.prompt_ids), len(traj.token_ids)
+        if b in own:  # the whole sequence, laid out at once: its pictures may follow sampled tokens
+            which = own[b]
+            pos_3s, at, features = _sequence_layout(prompt, traj, which, grids, starts, image_token_id, merge)
+            position_3bt[:, b, :p + n] = pos_3s
+            feature_bt[b, at] = features
+            row_images.append(which)
+            continue
         which = shown[id(prompt)]
         key = (tuple(traj.prompt_ids), tuple(which))
         if key not in laid:
             laid[key] = _prompt_layout(prompt, traj, which, grids, starts, image_token_id, merge)
         pos_3p, delta, at, features = laid[key]
-        p, n = len(traj.prompt_ids), len(traj.token_ids)
         position_3bt[:, b, :p] = pos_3p
         position_3bt[:, b, p:p + n] = torch.arange(p + delta, p + n + delta)  # generated: index + delta
         feature_bt[b, at] = features
         row_images.append(which)
     return BatchImages(pixel_values, grids, row_images, feature_bt, position_3bt)
+
+
+def _sequence_layout(prompt: Prompt, traj: Trajectory, which: list[int], grids: torch.Tensor, starts: list[int],
+                     image_token_id: int, merge: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A trajectory with its own pictures: M-RoPE positions [3, P + N] of prompt + response, its image tokens'
+    indices and their feature indices. The image tokens are the prompt's and the observations' (``loss_mask`` 0);
+    one the policy sampled is text, as the engine fed it back. ``mrope_positions`` over the whole sequence equals
+    the engine's rule turn by turn (each turn's prefill over its context, index + delta after it): M-RoPE
+    positions of a prefix depend on the prefix only."""
+    ids_s = torch.tensor([*traj.prompt_ids, *traj.token_ids], dtype=torch.long)
+    sampled = torch.zeros(len(ids_s), dtype=torch.bool)
+    sampled[len(traj.prompt_ids):] = True if traj.loss_mask is None else torch.tensor(traj.loss_mask, dtype=torch.bool)
+    ids_s = ids_s.masked_fill(sampled & (ids_s == image_token_id), -1)  # sampled: not an image to place
+    where = f"prompt {prompt.uid}, sample {traj.sample_index}"
+    try:
+        pos_3s, _ = vlm.mrope_positions(ids_s, grids[which] if which else None, image_token_id, merge)
+    except ValueError as e:  # tokens and pictures disagree: the episode rendered other pictures than it carries
+        raise ValueError(f"{where}: {e}") from None
+    at = (ids_s == image_token_id).nonzero().squeeze(1)
+    if len(at) and int(at[0]) == 0:
+        raise ValueError(f"{where}: the sequence starts with an image token; render it after a text token (the chat "
+                         "template's role marker)")
+    features = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in which]) if which else at[:0]
+    return pos_3s, at, features
 
 
 def _prompt_layout(prompt: Prompt, traj: Trajectory, which: list[int], grids: torch.Tensor, starts: list[int],
