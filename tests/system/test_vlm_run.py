@@ -23,10 +23,12 @@ def vlm_cfg(tmp_path, *extra):
 
 
 def test_a_vision_language_run_trains_on_its_pictures(tmp_path):
-    c, result = run(vlm_cfg(tmp_path, "system.mode=sync"), tmp_path / "run")
+    # sdc.replay_every=2: the guard's shadow trainer replays a step with its pictures and must agree bit for bit
+    c, result = run(vlm_cfg(tmp_path, "system.mode=sync", "sdc.replay_every=2"), tmp_path / "run")
     assert vlm.is_vlm(c.trainer.model) and vlm.processor_of(c.tokenizer) is not None
     steps = [h for h in result.history if "train/loss" in h]
     assert steps and all(h["rollout/vision_images"] > 0 for h in steps)
+    assert result.history[-1]["sdc/replayed_steps"] >= 1  # and matched: a mismatch would have rolled back
     # the rollout engine embeds every prompt's picture once for its whole group: 4 steps x 4 prompts (x 4 samples)
     assert result.history[-1]["rollout/vision_images"] == 16
     records = [json.loads(line) for line in (tmp_path / "run" / FILE_NAME).read_text().splitlines()]
@@ -61,3 +63,14 @@ def test_a_qwen2_vl_folder_as_model_path(tmp_path):
                     tmp_path / "second")
     assert vlm.is_vlm(c.trainer.model) and vlm.processor_of(c.tokenizer) is not None
     assert result.steps == 2 and result.history[-1]["rollout/vision_images"] == 8
+
+
+@pytest.mark.parametrize("setting", ["algo.advantage=gae", "trainer.data_parallel=elastic", "system.backend=ray",
+                                     "rollout.speculative.method=draft_model", "model.num_experts=4",
+                                     "model.path=smollm2-135m-instruct"])
+def test_what_a_vision_language_run_cannot_do_yet_is_refused_naming_the_key(tmp_path, setting):
+    from tidal.config import ConfigError
+    from tidal.system.validate import validate_run_config
+
+    with pytest.raises(ConfigError, match=setting.split("=")[0].replace(".", r"\.")):
+        validate_run_config(vlm_cfg(tmp_path, setting))

@@ -30,7 +30,7 @@ import torch
 
 from tidal.integrity.sdc import Mismatch, StepRecorder, first_mismatch, layer_order
 from tidal.train.checkpoint import load_checkpoint
-from tidal.types import TrainBatch
+from tidal.types import BatchImages, TrainBatch
 from tidal.utils.seeding import rng_state, set_rng_state
 
 
@@ -54,12 +54,18 @@ def save_batch(batch: TrainBatch, path: Path) -> None:
     """Write one step's TrainBatch (its tensors by field name), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, tmp)
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    if batch.images is not None:  # a vision-language batch: its images as plain tensors and lists (weights_only)
+        fields["images"] = dataclasses.asdict(batch.images)
+    torch.save(fields, tmp)
     tmp.replace(path)
 
 
 def load_batch(path: Path) -> TrainBatch:
-    return TrainBatch(**torch.load(path, weights_only=True))
+    fields = torch.load(path, weights_only=True)
+    if fields.get("images") is not None:
+        fields["images"] = BatchImages(**fields["images"])
+    return TrainBatch(**fields)
 
 
 class Replayer:

@@ -199,6 +199,27 @@ def _check_checkpoint_snapshot(cfg: RunConfig) -> None:
                           "checkpoint_snapshot=now")
 
 
+def _check_vision(cfg: RunConfig) -> None:
+    """What a vision-language run (``model.vision``) cannot do yet, refused before any work (docs/vlm.md)."""
+    if not cfg.model.vision:
+        return
+    if cfg.model.path:
+        raise ConfigError("model.vision builds the tiny vision-language model; a Qwen2-VL model.path loads as one "
+                          "by itself: set one or the other")
+    if cfg.model.num_experts:
+        raise ConfigError("model.vision with model.num_experts: the tiny vision-language model is dense")
+    settings = {"algo.advantage": (cfg.algo.advantage, cfg.algo.advantage in VALUE_ADVANTAGES),
+                "trainer.data_parallel": (cfg.trainer.data_parallel, cfg.trainer.data_parallel == "elastic"),
+                "system.backend": (cfg.system.backend, cfg.system.backend == "ray"),
+                "rollout.speculative.method": (cfg.rollout.speculative.method,
+                                               cfg.rollout.speculative.method == "draft_model")}
+    for key, (value, refused) in settings.items():
+        if refused:
+            raise ConfigError(f"{key}={value} with model.vision: not supported for vision-language models yet (the "
+                              "critic and a draft model read tokens only; elastic replicas and Ray workers are "
+                              "untested with images; docs/vlm.md)")
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Raise a ConfigError naming the first key whose value the run cannot use (see the module docstring)."""
     _check(cfg, RULES)
@@ -208,6 +229,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         if m.hidden_size % m.num_heads or m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be a multiple of model.num_heads "
                               f"({m.num_heads}), and num_heads of model.num_kv_heads ({m.num_kv_heads})")
+    _check_vision(cfg)
     r = cfg.rollout
     if r.max_batch_size < r.group_size:
         raise ConfigError(f"rollout.max_batch_size={r.max_batch_size} must be >= rollout.group_size="
