@@ -174,3 +174,18 @@ def test_a_prompt_is_checked_with_its_pictures_tokens(policy):
         check_prompts_fit(tokenizer, [("train row 0", prompt)], length + 1, 2)
     with pytest.raises(ConfigError, match="train row 0: prompt a has 1 image.*reads text only"):
         check_prompts_fit(tiny.build_tokenizer(), [("train row 0", prompt)], 128, 2)
+
+
+@pytest.mark.parametrize("settings", [dict(decode_attention="gqa"), dict(decode_attention="fold"),
+                                      dict(cuda_graphs="on", graph_widths="buckets"), dict(host_reads="late")],
+                         ids=["gqa", "fold", "static-buckets", "late-reads"])
+def test_the_engine_paths_decode_pictures_alike(policy, settings):
+    """Decode attention modes, static (graph-shaped) decode steps with width buckets and late host reads take the
+    M-RoPE position from the slot cache as plain decoding does: the same samples (the vision tower, switched to
+    the engine's attention with the decoder, too)."""
+    model, tokenizer, _ = policy
+    plain = _engine(model, tokenizer).generate(group_requests(tokenizer, _prompts(), 2))
+    other = _engine(model, tokenizer, **settings).generate(group_requests(tokenizer, _prompts(), 2))
+    for x, y in zip(plain, other):
+        assert x.token_ids == y.token_ids
+        assert max(abs(a - b) for a, b in zip(x.logprobs, y.logprobs)) < 1e-5
