@@ -18,6 +18,15 @@ segment is kept intact. So a sampled token's log-prob is never attributed to a c
 sampled in. A chat template that re-renders earlier turns (``NotAppendOnly``) also starts a new
 segment, counted in ``not_append_only``.
 
+**Pictures** (a vision-language model: its tokenizer carries the processor). ``image_url`` parts render through
+the chat template and are widened to their image tokens (``ChatRenderer``); a segment keeps its pictures in token
+order (``RenderState.images``), every turn's request carries them (``GenRequest.images``: the task's prompt is not
+what the agent rendered) and so does the segment's trajectory (``Trajectory.images``, possibly empty). For the
+exactness rule a picture matches by its URL's hash, so a follow-up that repeats the conversation continues from
+the recorded ids, earlier pictures and all. A turn that sampled a vision marker is not continued (its ids would
+make the next context's image tokens disagree with its pictures): the follow-up starts a new segment, counted in
+``vision_tokens``.
+
 Each segment with sampled tokens becomes one ``Trajectory`` exactly as ``EpisodeEngine`` builds
 them: ``prompt_ids`` the segment's first context, ``token_ids`` everything after it up to the last
 sampled token, ``loss_mask`` 1 on sampled tokens (behaviour log-prob, version) and 0 on
@@ -30,6 +39,7 @@ only ``open``, ``finish``, ``drop`` and ``reap`` take the recorder's lock.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import threading
 import time
@@ -37,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.api import GenRequest
-from tidal.rollout.render import ChatRenderer, NotAppendOnly, RenderState
+from tidal.models import vlm
+from tidal.rollout.render import ChatRenderer, NotAppendOnly, RenderState, is_image_part, part_image
 from tidal.types import Prompt, Trajectory
 
 
@@ -83,7 +94,8 @@ class Episode:
     last_active: float = field(default_factory=time.monotonic)
     turns: int = 0
     counts: dict[str, int] = field(default_factory=lambda: {"history_edits": 0, "not_append_only": 0,
-                                                            "tool_calls": 0, "malformed_tool_calls": 0})
+                                                            "tool_calls": 0, "malformed_tool_calls": 0,
+                                                            "vision_tokens": 0})
     closed: bool = False
     lock: Any = None  # the server's asyncio.Lock serializing this episode's requests
 
@@ -107,7 +119,10 @@ def normalize_message(m: dict) -> tuple:
     role, text content (parts joined) and tool calls as (name, parsed arguments); ids are ignored
     (a client may rewrite them), and None content equals ''."""
     content = m.get("content") or ""
-    if isinstance(content, list):
+    if isinstance(content, list) and any(is_image_part(p) for p in content):  # pictures match by their URL's hash
+        content = tuple(("image", hashlib.sha256(str(part_image(p, "message")).encode()).hexdigest())
+                        if is_image_part(p) else ("text", p.get("text", "")) for p in content)
+    elif isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     calls = []
     for c in m.get("tool_calls") or []:
@@ -122,10 +137,13 @@ def normalize_message(m: dict) -> tuple:
 
 
 def template_message(m: dict) -> dict:
-    """The message as the chat template sees it: text content, the OpenAI fields templates read."""
+    """The message as the chat template sees it: text content (or text and image parts, when it shows pictures),
+    the OpenAI fields templates read."""
     out = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id", "tool_calls") and v is not None}
     content = m.get("content") or ""
-    if isinstance(content, list):
+    if isinstance(content, list) and any(is_image_part(p) for p in content):
+        content = [dict(p) for p in content if isinstance(p, dict)]
+    elif isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     out["content"] = content
     return out
@@ -138,6 +156,8 @@ class EpisodeRecorder:
                  episode_timeout_s: float | None = None, max_closed_ids: int = 65536):
         self.tokenizer = tokenizer
         self.chat = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self.vision = vlm.processor_of(tokenizer) is not None  # a vision-language model: segments carry pictures
+        self.vision_ids = vlm.vision_token_ids(tokenizer)
         self.context_len = context_len
         self.default_max_tokens = default_max_tokens
         self.max_episodes = max_episodes
@@ -149,7 +169,7 @@ class EpisodeRecorder:
         self.max_closed_ids = max_closed_ids
         self.lock = threading.Lock()
         self.totals = {"episodes": 0, "finished": 0, "dropped": 0, "timed_out": 0, "history_edits": 0,
-                       "not_append_only": 0, "undelivered": 0}
+                       "not_append_only": 0, "undelivered": 0, "vision_tokens": 0}
 
     # ---- episode lifecycle ----------------------------------------------------------------------
     def open(self, episode_id: str, prompt: Prompt | None = None) -> Episode:
@@ -222,10 +242,14 @@ class EpisodeRecorder:
             n = len(seg.seen)
             if seg.kind != "chat" or n > len(seen) or seg.seen != seen[:n] or seg.render.tools != tools:
                 continue
+            if not self.vision_ids.isdisjoint(seg.last_turn_ids):  # its image tokens would not match its pictures
+                ep.counts["vision_tokens"] += 1
+                self._count("vision_tokens")
+                break
             render = copy.deepcopy(seg.render)
             try:
                 ids = self.chat.append_ids(render, seg.last_turn_text, seg.last_turn_ids,
-                                           [template_message(m) for m in messages[n:]])
+                                           [template_message(m) for m in messages[n:]], f"messages[{n}:]")
             except NotAppendOnly:
                 ep.counts["not_append_only"] += 1
                 self._count("not_append_only")
@@ -233,7 +257,7 @@ class EpisodeRecorder:
             return self._plan(ep, seg, False, seg.context + ids, max_tokens, render=render, seen=seen)
         else:
             self._count_edit(ep)
-        ids, render = self.chat.start_messages([template_message(m) for m in messages], tools)
+        ids, render = self.chat.start_messages([template_message(m) for m in messages], tools, "messages")
         seg = Segment(len(ep.segments), "chat", ids, len(ids))
         return self._plan(ep, seg, True, ids, max_tokens, render=render, seen=seen)
 
@@ -281,8 +305,10 @@ class EpisodeRecorder:
                                  f"{self.context_len}: no room for a completion")
         want = max_tokens or self.default_max_tokens
         # sampling noise is keyed by the episode id (not the task: a group's episodes share one task)
+        render = kw.get("render")
+        images = tuple(render.images) if render is not None and render.images else None  # the engine's pictures
         request = GenRequest(Prompt(ep.id, "", ""), tuple(context), 0, min(want, budget), turn=ep.turns,
-                             episode=True)  # the next request of the episode extends this context
+                             episode=True, images=images)  # the next request of the episode extends this context
         return Plan(ep, seg, is_new, context, request, **kw)
 
     # ---- recording a turn -----------------------------------------------------------------------
@@ -327,4 +353,5 @@ class EpisodeRecorder:
             prompt_uid=ep.prompt.uid, sample_index=seg.index, prompt_ids=seg.context[: seg.num_prompt],
             token_ids=ids, logprobs=seg.logprobs[:n], versions=seg.versions[:n], finish_reason="stop",
             text=self.tokenizer.decode(ids, skip_special_tokens=True), reward=reward,
-            reward_details={"harness_reward": reward}, loss_mask=seg.mask[:n], episode=info)
+            reward_details={"harness_reward": reward}, loss_mask=seg.mask[:n], episode=info,
+            images=list(seg.render.images if seg.render is not None else []) if self.vision else None)

@@ -1,8 +1,11 @@
 """The OpenAI wire format: request validation, error bodies, hermes tool calls, response objects.
 
 Requests are validated with pydantic, messages to the field: an assistant's ``tool_calls`` need a
-``function`` object with a ``name`` (the chat template reads them), content parts must be text (a part
-the policy cannot read is refused, not dropped from the context), ``tools`` entries need a ``function``.
+``function`` object with a ``name`` (the chat template reads them), content parts must be text or
+``image_url`` (``{"type": "image_url", "image_url": {"url": <data URL>}}``: a vision-language model's pictures;
+a part the policy cannot read is refused, not dropped from the context; the server refuses image parts for a
+text model, and the picture itself is decoded when the turn is planned, a bad one or a remote URL a 400, since
+tidal never downloads), ``tools`` entries need a ``function``.
 Anything that would make the recorded behaviour log-probs wrong is refused with a 400 naming the
 parameter rather than silently ignored: the sampling
 temperature and top-p are the engine's (the trainer scores tokens at the same temperature), ``n``
@@ -81,13 +84,18 @@ class Message(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_parts(cls, content):
-        """Content parts are served only as text (the policy reads text); anything else is refused,
-        never silently dropped from the context the turn is sampled after."""
+        """Content parts are text, or pictures as ``image_url`` parts (for a vision-language model: the server
+        checks the model); anything else is refused, never silently dropped from the context the turn is
+        sampled after."""
         if isinstance(content, list):
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("content parts must be {\"type\": \"text\", \"text\": <string>} "
-                                     "(only text is served)")
+                if part.get("type") == "text" and isinstance(part.get("text"), str):
+                    continue
+                url = part.get("image_url")
+                if part.get("type") == "image_url" and isinstance(url, dict) and isinstance(url.get("url"), str):
+                    continue
+                raise ValueError("content parts must be {\"type\": \"text\", \"text\": <string>} or "
+                                 "{\"type\": \"image_url\", \"image_url\": {\"url\": <data URL>}}")
         return content
 
 

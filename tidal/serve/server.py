@@ -5,7 +5,8 @@ An unmodified agent (a loop around ``openai.OpenAI``, a LangGraph graph, ...) is
 **episode id is in the URL path**, the one place every OpenAI client lets a caller choose freely
 without custom headers, and the API key stays what it is for (authentication). Served:
 
-- ``POST .../v1/chat/completions`` (messages, ``tools``: hermes tool calls come back as ``tool_calls``)
+- ``POST .../v1/chat/completions`` (messages, ``tools``: hermes tool calls come back as ``tool_calls``; for a
+  vision-language model, ``image_url`` parts with data URLs: ``recorder.py`` keeps each segment's pictures)
 - ``POST .../v1/completions`` (a prompt string, or a list of token ids for exact control)
 - ``GET .../v1/models``
 
@@ -22,7 +23,8 @@ so a web page the user opens cannot reach it through DNS rebinding; and every bo
 grants (a ``no-cors`` ``text/plain`` fetch was enough before). Bodies over ``max_request_bytes`` get 413,
 episodes beyond ``max_episodes`` 429, a model other than ``model_name`` 404, bad requests 400 (token ids
 outside the vocabulary, an empty prompt, malformed messages, tool calls or content parts, a chat
-template that refuses the conversation), all with OpenAI's error body, so the ``openai`` client raises
+template that refuses the conversation, an ``image_url`` part for a text model, a picture that does not decode or
+a remote URL: tidal never downloads), all with OpenAI's error body, so the ``openai`` client raises
 its usual typed errors. Nothing a request sends reaches the engine unchecked, and an engine error fails
 only the request that caused it (``bridge.py``).
 
@@ -53,6 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tidal.api import RolloutEngine
+from tidal.models import vlm
+from tidal.rollout.render import is_image_part
 from tidal.serve.bridge import EngineBridge, EngineClosed, RequestFailed
 from tidal.serve.config import ServeConfig
 from tidal.serve.recorder import ContextTooLong, EpisodeClosed, EpisodeRecorder, TooManyEpisodes
@@ -209,6 +213,7 @@ class HarnessServer:
         async def chat(episode_id: str, request: Request) -> JSONResponse:
             req = self._parse(ChatRequest, await self._body(request))
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            self._check_images(messages)
             tools = None if req.tools is None else [t.model_dump(exclude_unset=True) for t in req.tools]
             max_tokens = req.max_completion_tokens or req.max_tokens
             ep = self._open(episode_id)
@@ -278,6 +283,21 @@ class HarnessServer:
                            code="model_not_found")
         check_sampling(req, self.temperature, self.top_p)
         return req
+
+    def _check_images(self, messages: list[dict]) -> None:
+        """Pictures (``image_url`` parts) only for a vision-language model, and never in an assistant message (the
+        policy writes text); each picture itself is decoded when the turn is planned (a bad one is a 400 there)."""
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if not (isinstance(content, list) and any(is_image_part(p) for p in content)):
+                continue
+            if vlm.processor_of(self.tokenizer) is None:
+                raise APIError(400, f"messages[{i}]: the model {self.cfg.model_name!r} reads text only: image_url "
+                                    "content parts need a vision-language model (model.vision=true, or a Qwen2-VL "
+                                    "model.path)", param=f"messages.{i}.content", code="images_not_supported")
+            if m.get("role") == "assistant":
+                raise APIError(400, f"messages[{i}]: an assistant message with an image part (the policy writes "
+                                    "text only)", param=f"messages.{i}.content")
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than the server's limit of {self.cfg.max_request_bytes} "
