@@ -1,6 +1,6 @@
-"""docs/agentic.md, docs/harness.md, docs/faults.md and docs/gpu.md: every `tidal train` command in them names a
-recipe and only config keys that exist, with values of the right type and a config that validates (the recipes
-themselves run in tests/system/test_agentic_run.py and tests/serve/test_harness_run.py and, to their
+"""docs/agentic.md, docs/harness.md, docs/faults.md, docs/gpu.md and docs/vlm.md: every `tidal train` command in
+them names a recipe and only config keys that exist, with values of the right type and a config that validates
+(the recipes themselves run in tests/system/test_agentic_run.py and tests/serve/test_harness_run.py and, to their
 targets, in the slow tests; the elastic command of faults.md in tests/launch/test_elastic.py)."""
 
 import re
@@ -21,7 +21,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
                                                             ("harness.md", "harness_quickstart", 3),
                                                             ("faults.md", "quickstart", 2),
                                                             ("gpu.md", "quickstart", 4),
-                                                            ("environments.md", "verifiers_quickstart", 2)])
+                                                            ("environments.md", "verifiers_quickstart", 2),
+                                                            ("vlm.md", "vlm_quickstart", 1)])
 def test_every_train_command_parses(page, default_recipe, at_least, monkeypatch):
     if page == "gpu.md":  # its commands name GPUs: validate them as on a machine with two
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

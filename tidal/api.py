@@ -113,13 +113,14 @@ class EnvStep:
     """What an environment returns for one model turn.
 
     ``observation`` is the text appended to the context before the next turn (a tool's result, an
-    error message, feedback); None with ``done`` ends the episode. ``reward`` accumulates over the
-    episode (most environments reward only the last step). ``info`` may carry counted facts:
-    ``tool_call`` (a call was made), ``tool_error`` (the tool failed on the policy's input),
-    ``malformed`` (the turn could not be parsed as a call or an answer), ``correct`` (an answer was
+    error message, feedback), or a list of OpenAI content parts (text and ``image_url`` parts with data URLs:
+    a picture for a vision-language policy, ``rollout/render.py``); None with ``done`` ends the episode.
+    ``reward`` accumulates over the episode (most environments reward only the last step). ``info`` may
+    carry counted facts: ``tool_call`` (a call was made), ``tool_error`` (the tool failed on the policy's
+    input), ``malformed`` (the turn could not be parsed as a call or an answer), ``correct`` (an answer was
     judged right)."""
 
-    observation: str | None
+    observation: str | list[dict] | None
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)

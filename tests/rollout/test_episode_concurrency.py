@@ -181,6 +181,7 @@ def test_episode_metrics_against_hand_computed_values():
         "agent/tool_timeouts": 2.0,
         "agent/malformed": 1.0,
         "agent/not_append_only": 0.0,
+        "agent/vision_tokens": 0.0,
         "agent/tool_latency_s_mean": (0.5 + 0.1 + 1.5) / 8,  # per environment step (= turn)
         "agent/multi_version_frac": 1 / 3,
         "agent/sampled_tokens_mean": (4 + 2 + 4) / 3,

@@ -387,6 +387,7 @@ def episode_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "agent/tool_timeouts": float(sum(e["tool_timeouts"] for e in eps)),
         "agent/malformed": float(sum(e["malformed"] for e in eps)),
         "agent/not_append_only": float(sum(e.get("not_append_only", 0) for e in eps)),
+        "agent/vision_tokens": float(sum(e.get("vision_tokens", 0) for e in eps)),
         "agent/tool_latency_s_mean": sum(e["tool_latency_s"] for e in eps) / max(sum(e["turns"] for e in eps), 1),
         "agent/multi_version_frac": sum(e["num_versions"] > 1 for e in eps) / n,
         "agent/sampled_tokens_mean": sum(t.num_sampled_tokens for t in trajs if t.episode is not None) / n,

@@ -171,7 +171,8 @@ class HarnessEngine:
         server = self._servers.get(False)
         if server is not None:
             s = server.stats()
-            for key in ("history_edits", "not_append_only", "timed_out", "undelivered", "max_in_flight"):
+            for key in ("history_edits", "not_append_only", "vision_tokens", "timed_out", "undelivered",
+                        "max_in_flight"):
                 out[f"harness/{key}"] = s.get(f"harness/{key}", 0.0)
             out["harness/requests"] = float(server.bridge.num_requests)
         return out
