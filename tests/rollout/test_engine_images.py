@@ -26,10 +26,11 @@ PICTURES = [render_squares(((1, 1),), (0,)), render_squares(((1, 1), (3, 3)), (0
             render_squares(((0, 0), (2, 4), (5, 5)), (2, 3, 1))]
 
 
-@pytest.fixture(scope="module")
-def policy():
+@pytest.fixture(scope="module", params=vlm.FAMILIES)
+def policy(request):
+    """The tiny Qwen2-VL, and the tiny Qwen2.5-VL (window attention in its vision tower; same language side)."""
     processor = vlm.build_processor(vlm.VLMConfig())
-    model = vlm.build_vlm(vlm.VLMConfig(), processor)
+    model = vlm.build_vlm(vlm.VLMConfig(family=request.param), processor)
     return model, vlm.attach_processor(processor.tokenizer, processor), processor
 
 

@@ -74,3 +74,14 @@ def test_what_a_vision_language_run_cannot_do_yet_is_refused_naming_the_key(tmp_
 
     with pytest.raises(ConfigError, match=setting.split("=")[0].replace(".", r"\.")):
         validate_run_config(vlm_cfg(tmp_path, setting))
+
+
+def test_a_qwen2_5_vl_folder_trains(tmp_path):
+    """A Qwen2.5-VL folder (a tiny one saved here) is a ``model.path`` too: its own class, the processor beside it."""
+    processor = vlm.build_processor(vlm.VLMConfig())
+    vlm.save(vlm.build_vlm(vlm.VLMConfig(hidden_size=32, num_heads=2, mrope_section=(2, 3, 3), num_layers=1,
+                                         family="qwen2_5_vl"), processor), processor, tmp_path / "qwen2_5_vl")
+    c, result = run(vlm_cfg(tmp_path, "system.mode=sync", "max_steps=2", "model.vision=false",
+                            f"model.path={tmp_path / 'qwen2_5_vl'}"), tmp_path / "run")
+    assert type(c.trainer.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert result.steps == 2 and result.history[-1]["rollout/vision_images"] == 8

@@ -180,8 +180,8 @@ def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     return model, tokenizer
 
 
-VISION_MODEL_TYPES = ("qwen2_vl",)
-"""Vision-language checkpoints tidal loads (``models/vlm.py``); Qwen2.5-VL / Qwen3-VL are not tested yet."""
+VISION_MODEL_TYPES = vlm.FAMILIES
+"""Vision-language checkpoints tidal loads (``models/vlm.py``: Qwen2-VL, Qwen2.5-VL); Qwen3-VL is not tested yet."""
 
 
 def is_vision_checkpoint(path: Path) -> bool:

@@ -49,8 +49,11 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoModelForImageTextToText,
     BatchFeature,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
@@ -87,6 +90,10 @@ class VLMConfig:
     num_layers: int = 2
     num_heads: int = 4
     intermediate_size: int = 512
+    family: str = "qwen2_vl"
+    """``qwen2_vl`` (the default: Qwen2-VL) or ``qwen2_5_vl`` (Qwen2.5-VL, arXiv 2502.13923: its vision tower has
+    window attention in all but ``fullatt_block_indexes``, an RMSNorm and a gated MLP; the language side, the image
+    tokens and M-RoPE for images are Qwen2-VL's)."""
     mrope_section: tuple[int, int, int] = (4, 6, 6)
     """How the rotary frequencies of a head (head_dim / 2 = 16 here) split between the temporal, height and
     width ids; Qwen2-VL-7B's is (16, 24, 24) of 64, the same 1/4, 3/8, 3/8 shares."""
@@ -150,17 +157,33 @@ def build_vlm(cfg: VLMConfig, processor: ImageTextProcessor) -> Qwen2VLForCondit
                 eos_token_id=tok.eos_token_id, bos_token_id=None,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "mrope_section": list(cfg.mrope_section)})
-    vision = dict(depth=cfg.vision_depth, embed_dim=cfg.vision_embed_dim, hidden_size=cfg.hidden_size,
-                  num_heads=cfg.vision_heads, mlp_ratio=cfg.vision_mlp_ratio, patch_size=cfg.patch_size,
+    common = dict(depth=cfg.vision_depth, num_heads=cfg.vision_heads, patch_size=cfg.patch_size,
                   spatial_merge_size=cfg.spatial_merge_size, temporal_patch_size=2)
     ids = {name: tok.convert_tokens_to_ids(token) for name, token in (
         ("image_token_id", IMAGE_PAD), ("video_token_id", VIDEO_PAD),
         ("vision_start_token_id", VISION_START), ("vision_end_token_id", VISION_END))}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    if cfg.family == "qwen2_vl":
+        vision = dict(common, embed_dim=cfg.vision_embed_dim, hidden_size=cfg.hidden_size,
+                      mlp_ratio=cfg.vision_mlp_ratio)
+        config_cls, cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    elif cfg.family == "qwen2_5_vl":
+        # windows of 2 x 2 merged tokens (Qwen2.5-VL-7B: 112 px = 4 x 4); the last block attends over the whole image
+        vision = dict(common, hidden_size=cfg.vision_embed_dim, out_hidden_size=cfg.hidden_size,
+                      intermediate_size=cfg.vision_embed_dim * cfg.vision_mlp_ratio,
+                      window_size=2 * cfg.patch_size * cfg.spatial_merge_size,
+                      fullatt_block_indexes=[cfg.vision_depth - 1])
+        config_cls, cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    else:
+        raise ValueError(f"VLMConfig.family={cfg.family!r}: one of {', '.join(FAMILIES)}")
+    config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.init_seed)
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = cls._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     return model
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+"""The vision-language families tidal builds, loads (``config.json``'s ``model_type``) and tests."""
 
 
 def save(model: torch.nn.Module, processor: ProcessorMixin, path: str | Path) -> None:
@@ -185,12 +208,13 @@ def load_processor(path: str | Path) -> ImageTextProcessor:
     return ImageTextProcessor(images, tokenizer, chat_template=chat_template)
 
 
-def load(path: str | Path) -> tuple[Qwen2VLForConditionalGeneration, ImageTextProcessor]:
-    """A Qwen2-VL model (float32) and its processor from a local folder; never the hub."""
+def load(path: str | Path) -> tuple[torch.nn.Module, ImageTextProcessor]:
+    """A Qwen2-VL or Qwen2.5-VL model (float32; the class its ``config.json`` names) and its processor from a local
+    folder; never the hub."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
-    model = Qwen2VLForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model, load_processor(path)
 
 
