@@ -185,6 +185,10 @@ VISION_MODEL_TYPES = vlm.FAMILIES
 
 
 def is_vision_checkpoint(path: Path) -> bool:
-    """True for a folder holding a vision-language model tidal loads through ``vlm.load``."""
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    return config.get("model_type") in VISION_MODEL_TYPES
+    """True for a folder holding a vision-language model tidal loads through ``vlm.load``. An unreadable
+    ``config.json`` is not one: the text loader then fails on it, naming the file."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in VISION_MODEL_TYPES
