@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from tests.vlm_support import BOARD, SEEN, tiny_vlm_policy
 from tidal.algo.config import AlgoConfig
 from tidal.api import EnvStep, GenRequest
 from tidal.config import ConfigError
@@ -22,7 +23,6 @@ from tidal.rollout.episodes import EpisodeEngine
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.rollout.render import ChatRenderer, PlainRenderer
 from tidal.rollout.requests import group_requests
-from tidal.tasks.visual import render_squares
 from tidal.train.batch import build_train_batch
 from tidal.train.config import TrainerConfig
 from tidal.train.trainer import Trainer
@@ -31,15 +31,10 @@ from tidal.utils.images import load_image, to_data_url
 
 from .episode_support import _Recording, generate
 
-BOARD = to_data_url(render_squares(((0, 0), (4, 1), (2, 4)), (0, 1, 2)))
-SEEN = to_data_url(render_squares(((1, 1), (3, 3)), (3, 1)))
-
 
 @pytest.fixture(scope="module")
 def policy():
-    processor = vlm.build_processor(vlm.VLMConfig())
-    model = vlm.build_vlm(vlm.VLMConfig(), processor)
-    return model, vlm.attach_processor(processor.tokenizer, processor), processor
+    return tiny_vlm_policy()
 
 
 class Look:

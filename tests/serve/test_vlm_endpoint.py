@@ -10,27 +10,21 @@ import copy
 import openai
 import pytest
 
+from tests.vlm_support import BOARD, SEEN, tiny_vlm_policy
 from tidal.algo.config import AlgoConfig
 from tidal.models import vlm
 from tidal.optim import OptimConfig
 from tidal.rollout.local import LocalEngine, SamplingConfig
 from tidal.serve.server import HarnessServer, ServeConfig
-from tidal.tasks.visual import render_squares
 from tidal.train.batch import build_train_batch
 from tidal.train.config import TrainerConfig
 from tidal.train.trainer import Trainer
 from tidal.types import Group, Prompt
-from tidal.utils.images import to_data_url
-
-BOARD = to_data_url(render_squares(((0, 0), (4, 1), (2, 4)), (0, 1, 2)))
-SEEN = to_data_url(render_squares(((1, 1), (3, 3)), (3, 1)))
 
 
 @pytest.fixture(scope="module")
 def policy():
-    processor = vlm.build_processor(vlm.VLMConfig())
-    model = vlm.build_vlm(vlm.VLMConfig(), processor)
-    return model, vlm.attach_processor(processor.tokenizer, processor), processor
+    return tiny_vlm_policy()
 
 
 class Recording:

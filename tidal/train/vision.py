@@ -127,16 +127,7 @@ def _sequence_layout(prompt: Prompt, traj: Trajectory, which: list[int], grids: 
     sampled = torch.zeros(len(ids_s), dtype=torch.bool)
     sampled[len(traj.prompt_ids):] = True if traj.loss_mask is None else torch.tensor(traj.loss_mask, dtype=torch.bool)
     ids_s = ids_s.masked_fill(sampled & (ids_s == image_token_id), -1)  # sampled: not an image to place
-    where = f"prompt {prompt.uid}, sample {traj.sample_index}"
-    try:
-        pos_3s, _ = vlm.mrope_positions(ids_s, grids[which] if which else None, image_token_id, merge)
-    except ValueError as e:  # tokens and pictures disagree: the episode rendered other pictures than it carries
-        raise ValueError(f"{where}: {e}") from None
-    at = (ids_s == image_token_id).nonzero().squeeze(1)
-    if len(at) and int(at[0]) == 0:
-        raise ValueError(f"{where}: the sequence starts with an image token; render it after a text token (the chat "
-                         "template's role marker)")
-    features = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in which]) if which else at[:0]
+    pos_3s, _, at, features = _place(prompt, traj, ids_s, which, grids, starts, image_token_id, merge)
     return pos_3s, at, features
 
 
@@ -144,17 +135,24 @@ def _prompt_layout(prompt: Prompt, traj: Trajectory, which: list[int], grids: to
                    image_token_id: int, merge: int) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
     """One prompt's M-RoPE positions [3, P] and rope delta, its image tokens' indices and their feature indices."""
     ids_p = torch.tensor(traj.prompt_ids, dtype=torch.long)
+    return _place(prompt, traj, ids_p, which, grids, starts, image_token_id, merge)
+
+
+def _place(prompt: Prompt, traj: Trajectory, ids: torch.Tensor, which: list[int], grids: torch.Tensor,
+           starts: list[int], image_token_id: int, merge: int) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """M-RoPE positions [3, len(ids)] and rope delta of ``ids`` showing pictures ``which`` behind its image tokens,
+    those tokens' indices and their merged features' indices (into the batch's distinct pictures' features)."""
     where = f"prompt {prompt.uid}, sample {traj.sample_index}"
     try:
-        pos_3p, delta = vlm.mrope_positions(ids_p, grids[which] if which else None, image_token_id, merge)
-    except ValueError as e:  # tokens and images disagree: the engine rendered another prompt than these images
+        pos_3t, delta = vlm.mrope_positions(ids, grids[which] if which else None, image_token_id, merge)
+    except ValueError as e:  # tokens and pictures disagree: the engine rendered other pictures than these
         raise ValueError(f"{where}: {e}") from None
-    at = (ids_p == image_token_id).nonzero().squeeze(1)
+    at = (ids == image_token_id).nonzero().squeeze(1)
     if len(at) and int(at[0]) == 0:  # every layout leaves position 0 of a sequence unmapped (nothing predicts it)
-        raise ValueError(f"{where}: the prompt starts with an image token; render it after a text token (the chat "
-                         "template's role marker)")
+        raise ValueError(f"{where}: the sequence starts with an image token; render it after a text token (the "
+                         "chat template's role marker)")
     features = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in which]) if which else at[:0]
-    return pos_3p, delta, at, features
+    return pos_3t, delta, at, features
 
 
 def with_images(model: Any, batch, rows: torch.Tensor, layout: Any) -> Any:
