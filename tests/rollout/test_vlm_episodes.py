@@ -114,11 +114,15 @@ def test_chat_renderer_places_pictures_as_the_prompt_rendering_does(policy):
 def test_two_turn_episode_keeps_the_first_pictures_and_logprobs_match_the_trainer(policy, layout):
     model, tokenizer, processor = policy
     prompt = Prompt("p0", "how many squares?", "3", {"images": [BOARD]})
-    # seed 0: neither sample draws a vision marker (a random 78-token model does ~1 turn in 3 at other seeds)
-    inner = _Recording(LocalEngine(model, tokenizer, SamplingConfig(max_new_tokens=4, dtype="fp32"), seed=0))
-    ee = EpisodeEngine(inner, tokenizer, Look, EnvConfig(renderer="chat", max_turns=4), context_len=256,
-                       max_turn_tokens=4)
-    trajs = generate(ee, inner, group_requests(tokenizer, [prompt], 2))
+    # the first engine seed whose two episodes draw no vision marker (the untrained model samples one in about a
+    # turn in three, and which seed does depends on the machine's float rounding: look for one, never name it)
+    for seed in range(16):
+        inner = _Recording(LocalEngine(model, tokenizer, SamplingConfig(max_new_tokens=4, dtype="fp32"), seed=seed))
+        ee = EpisodeEngine(inner, tokenizer, Look, EnvConfig(renderer="chat", max_turns=4), context_len=256,
+                           max_turn_tokens=4)
+        trajs = generate(ee, inner, group_requests(tokenizer, [prompt], 2))
+        if all(t.finish_reason != "vision_token" for t in trajs):
+            break
     for t in trajs:
         assert t.finish_reason == "stop" and t.episode["turns"] == 2 and t.reward == 1.0, t.episode
         (first, turn1), (second, turn2) = inner.turns[("p0", t.sample_index)]
