@@ -1,7 +1,9 @@
 """A vision-language prompt's images in samples.jsonl and on the inspector page (issue 54): stored once per
 record as PNG data URLs (a downscaled copy past ``THUMB_SIDE``), shown beside the prompt's tokens with each run
 of ``<|image_pad|>`` as one chip; a text prompt's record is byte-for-byte what it was; a bad image is an error
-entry and a count, never a crash of the run's recording."""
+entry and a count, never a crash of the run's recording. An agent episode's observation pictures
+(``Trajectory.images`` past the prompt's) are stored once per sample and drawn after their chips in its token view;
+a single-turn image sample's record is byte-for-byte what it was."""
 
 import json
 import logging
@@ -10,8 +12,9 @@ import shutil
 import pytest
 from PIL import Image
 
+from tests.vlm_support import BOARD, SEEN
 from tidal.inspector.page import load_run, write_inspector
-from tidal.inspector.record import THUMB_SIDE, SampleRecorder, image_entry, sample_record, token_texts
+from tidal.inspector.record import THUMB_SIDE, SampleRecorder, image_entry, prompt_record, sample_record, token_texts
 from tidal.inspector.samples import SampleLog, SampleLogConfig, read_samples
 from tidal.models import vlm
 from tidal.types import Group, Prompt, Trajectory
@@ -202,5 +205,154 @@ def test_a_chromium_draws_the_image_and_one_chip_per_image(tmp_path, tokenizer, 
         shown = driver.find_elements(By.CSS_SELECTOR, "#group-images .ptok")
         assert len(shown) == len(ids) - 4 - n1  # every other prompt token, one each
         assert "image" not in driver.find_element(By.ID, "notes").text
+    finally:
+        driver.quit()
+
+
+# ---- an agent episode's observation pictures (Trajectory.images past the prompt's) ----------------------------
+
+def episode(prompt: Prompt, prompt_ids: list[int], tokenizer, processor, k: int, seen=SEEN, answer="3",
+            sampled_pad: bool = False) -> Trajectory:
+    """Sample ``k`` of a two-turn episode: a zoom call, an observation showing ``seen`` (rendered as the chat
+    renderer renders it: the processor's widening of the whole conversation), then the answer; ``sampled_pad``: the
+    answer starts with an image-pad token the policy sampled (text, not a picture)."""
+    call = "<zoom>1</zoom>"
+    turn1 = tokenizer.encode(call, add_special_tokens=False)
+    obs = [{"type": "text", "text": "zoom 1:"}, {"type": "image_url", "image_url": {"url": SEEN}}]
+    messages = [*vlm.user_message(prompt.text, 1), {"role": "assistant", "content": call},
+                {"role": "tool", "content": obs}]
+    whole = vlm.encode_messages(processor, messages, [BOARD])["input_ids"][0].tolist()
+    observation = whole[len(prompt_ids) + len(turn1):]
+    assert whole[:len(prompt_ids)] == prompt_ids and observation.count(tokenizer.convert_tokens_to_ids(IMAGE_PAD)) == 4
+    turn2 = ([tokenizer.convert_tokens_to_ids(IMAGE_PAD)] if sampled_pad else []) + \
+        tokenizer.encode(answer, add_special_tokens=False)
+    ids = [*turn1, *observation, *turn2]
+    mask = [1] * len(turn1) + [0] * len(observation) + [1] * len(turn2)
+    return Trajectory(prompt.uid, k, list(prompt_ids), ids, [-0.5] * len(ids), [0] * len(ids), "stop",
+                      text=call + answer, reward=1.0, loss_mask=mask, images=[BOARD, seen],
+                      episode={"turns": 2, "tool_calls": 1, "tool_errors": 0})
+
+
+def board_prompt(processor):
+    prompt = Prompt("e0", "how many squares?", "3", {"images": [BOARD]})
+    return prompt, vlm.prompt_ids(processor, prompt.text, [BOARD])
+
+
+def test_an_episodes_observation_picture_is_recorded_once_per_sample(tmp_path, tokenizer, processor):
+    prompt, ids = board_prompt(processor)
+    trajs = [episode(prompt, ids, tokenizer, processor, k) for k in range(2)]
+    recorder, (rec,) = record(tmp_path, [Group(prompt, trajs)], tokenizer)
+    assert recorder.bad_images == 0
+    (board,) = rec["prompt"]["images"]  # the prompt's picture: once per record, as before
+    assert load_image(board["url"]).tobytes() == load_image(BOARD).tobytes()
+    for s in rec["samples"]:
+        (seen,) = s["images"]  # the observation's: the pictures after the prompt's, once per sample
+        assert seen["url"].startswith("data:image/png;base64,") and "thumbnail" not in seen
+        assert (seen["width"], seen["height"]) == load_image(SEEN).size
+        assert load_image(seen["url"]).tobytes() == load_image(SEEN).tobytes()  # read back: the same pixels
+        assert s["policy_mask"] == trajs[0].loss_mask and s["tokens"].count(IMAGE_PAD) == 4
+    line = (tmp_path / "samples.jsonl").read_text()
+    assert line.count("data:image/png") == 1 + 2
+    # an evaluation's episode too
+    recorder.record_eval(2, [prompt], [trajs[0]])
+    records, skipped = read_samples(tmp_path / "samples.jsonl")
+    assert skipped == 0 and records[-1]["kind"] == "eval"
+    assert records[-1]["samples"][0]["images"] == rec["samples"][0]["images"]
+
+
+def test_single_turn_image_samples_are_recorded_byte_identical_to_before(tmp_path, tokenizer, processor):
+    prompt, ids = board_prompt(processor)
+    g = group(prompt, ids, tokenizer)
+    g.trajectories[1].images = [BOARD]  # a trajectory naming just its prompt's pictures: nothing of its own
+    record(tmp_path, [g], tokenizer)
+    (line,) = (tmp_path / "samples.jsonl").read_bytes().splitlines(keepends=True)
+    # what record.py wrote before observation pictures: no sample has "images", its fields in this order
+    samples = [{"index": t.sample_index, "text": t.text, "ids": t.token_ids,
+                "tokens": token_texts(tokenizer, t.token_ids), "behav_logp": t.logprobs, "versions": t.versions,
+                "policy_mask": None, "reward": t.reward, "details": {}, "finish_reason": "stop", "episode": None,
+                "staleness": 0, "trainer_logp": None, "advantage": None, "loss_mask": [0] * len(t.token_ids)}
+               for t in g.trajectories]
+    expected = {"step": 1, "kind": "train", "group": 0, "trained": False,
+                "prompt": prompt_record(prompt, ids, "count_squares", tokenizer), "samples": samples}
+    assert line == (json.dumps(expected, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    assert line.count(b"data:image/png") == 1
+
+
+def test_the_page_draws_an_observation_picture_after_its_chip(tmp_path, tokenizer, processor):
+    prompt, ids = board_prompt(processor)
+    record(tmp_path, [Group(prompt, [episode(prompt, ids, tokenizer, processor, 0)])], tokenizer)
+    (rec,) = read_samples(tmp_path / "samples.jsonl")[0]
+    page = write_inspector([tmp_path]).read_text()
+    assert rec["samples"][0]["images"][0]["url"] in page and to_data_url(load_image(SEEN)) in page
+    assert "obs-image" in page and "imageFigure" in page
+    run = load_run(tmp_path)
+    assert not [n for n in run["notes"] if "image" in n]
+
+
+def test_a_bad_observation_image_is_an_error_entry_and_a_count(tmp_path, tokenizer, processor, caplog):
+    prompt, ids = board_prompt(processor)
+    trajs = [episode(prompt, ids, tokenizer, processor, 0, seen="data:image/png;base64,!!notbase64"),
+             episode(prompt, ids, tokenizer, processor, 1)]
+    with caplog.at_level(logging.WARNING, logger="tidal.inspector.record"):
+        recorder, (rec,) = record(tmp_path, [Group(prompt, trajs)], tokenizer)
+    (bad,), (ok,) = (s["images"] for s in rec["samples"])
+    assert "bad base64" in bad["error"] and "url" not in bad and "sample 0 image 1" in bad["error"]
+    assert load_image(ok["url"]).tobytes() == load_image(SEEN).tobytes()
+    assert recorder.bad_images == 1 and "error" not in rec["prompt"]["images"][0]
+    (warning,) = [r for r in caplog.records if "could not be recorded" in r.getMessage()]
+    assert "bad base64" in warning.getMessage()
+    notes = load_run(tmp_path)["notes"]
+    assert notes == ["no metrics.jsonl: no curves", "no config.yaml",
+                     "1 observation image(s) could not be recorded (shown as errors at their chips)"]
+
+
+def test_the_reader_skips_a_sample_whose_observation_image_is_not_a_data_url(tmp_path):
+    sample = {"text": "1", "ids": [1], "tokens": ["1"], "behav_logp": [0.0], "versions": [0]}
+    prompt = {"text": "q", "ids": [1]}
+    lines = [{"step": 1, "kind": "eval", "prompt": prompt, "samples": [dict(sample, images=images)]}
+             for images in ([{"url": "data:image/png;base64,AAAA"}, {"error": "x"}],
+                            [{"url": "https://example.com/x.png"}], "data:image/png;base64,AAAA")]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    records, skipped = read_samples(tmp_path / "samples.jsonl")
+    assert len(records) == 1 and skipped == 2
+
+
+def test_a_chromium_draws_an_observation_picture_after_its_chip(tmp_path, tokenizer, processor):
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs Selenium: pip install -e '.[dev]'")
+    chrome = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+    if chrome is None or shutil.which("chromedriver") is None:
+        pytest.skip("needs Chromium and chromedriver: apt-get install chromium chromium-driver")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    prompt, ids = board_prompt(processor)
+    trajs = [episode(prompt, ids, tokenizer, processor, 0, sampled_pad=True),
+             episode(prompt, ids, tokenizer, processor, 1, seen="data:image/png;base64,!!notbase64")]
+    record(tmp_path, [Group(prompt, trajs)], tokenizer)
+    page = write_inspector([tmp_path])
+    options = webdriver.ChromeOptions()
+    options.binary_location = chrome
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1300,1100"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    try:
+        driver.get(page.resolve().as_uri())
+        driver.find_element(By.CSS_SELECTOR, "#groups tr.group-row").click()
+        first, second = driver.find_elements(By.CSS_SELECTOR, "#samples .sample")
+        obs = first.find_element(By.CSS_SELECTOR, ".seg.obs")
+        chip = obs.find_element(By.CSS_SELECTOR, ".img-chip")
+        assert chip.text == "image 1: 4 tokens"  # numbered after the prompt's image 0
+        (fig,) = obs.find_elements(By.CSS_SELECTOR, "figure.obs-image")
+        assert fig.find_element(By.TAG_NAME, "figcaption").text == "image 1 (56×56)"
+        img = fig.find_element(By.TAG_NAME, "img")
+        assert driver.execute_script("return arguments[0].naturalWidth", img) == 56  # decoded: nothing fetched
+        assert driver.execute_script("return arguments[0].previousElementSibling === arguments[1]", fig, chip)
+        # the image-pad token the policy sampled: a chip of its own, no picture, no image number
+        (sampled,) = first.find_elements(By.CSS_SELECTOR, ".seg.turn .img-chip")
+        assert "sampled" in sampled.get_attribute("class").split() and sampled.text.startswith("sampled")
+        (bad,) = second.find_elements(By.CSS_SELECTOR, "figure.obs-image")
+        assert "bad" in bad.get_attribute("class").split() and not bad.find_elements(By.TAG_NAME, "img")
+        assert bad.text.startswith("image 1: not recorded (ImageError") and "bad base64" in bad.text
+        assert "1 observation image(s) could not be recorded" in driver.find_element(By.ID, "notes").text
     finally:
         driver.quit()

@@ -5,7 +5,8 @@ filtered by step, reward, finish reason, truncation, staleness, task or text, ea
 policy wrote: every sample's response, cut to ``PREVIEW_CHARS`` characters, with its reward; a group's samples with
 their tokens coloured by behaviour log-prob, trainer log-prob, engine/trainer mismatch or advantage,
 the numbers on hover (an MoE policy's experts per layer too), and an agent episode's turns and observations;
-a vision-language prompt's images beside its tokens, each run of ``<|image_pad|>`` tokens one chip),
+a vision-language prompt's images beside its tokens, each run of ``<|image_pad|>`` tokens one chip, and an
+agent episode's observation pictures drawn after their chips in its token view),
 *Prompt across steps* (every
 recorded answer to one prompt, e.g. a held-out prompt at each evaluation), *Curves* (any metric key of
 every run on one Plotly chart, with smoothing and a step or wall-clock x-axis) and *Config* (the keys
@@ -82,6 +83,9 @@ def load_run(run_dir: str | Path) -> dict:
     bad = sum("error" in i for r in records for i in r["prompt"].get("images", ()))
     if bad:
         notes.append(f"{bad} prompt image(s) could not be recorded (shown as errors beside their prompts)")
+    bad = sum("error" in i for r in records for s in r["samples"] for i in s.get("images", ()))
+    if bad:
+        notes.append(f"{bad} observation image(s) could not be recorded (shown as errors at their chips)")
     return {"name": run_dir.resolve().name, "dir": str(run_dir), "rows": rows, "config": config,
             "config_text": config_text, "notes": notes, "records": records,
             "previews": [[response_preview(s["text"]) for s in r["samples"]] for r in records],

@@ -23,6 +23,12 @@ is one prompt and all its samples at one step, so a group's images are stored on
 and they count towards ``log.samples.max_mb`` like every other byte of the line. A text prompt's record
 has neither field (byte-identical to a record from before images).
 
+A sample whose trajectory carries its own pictures (``Trajectory.images``: an agent episode whose observations
+showed pictures) adds ``images`` to its sample: the pictures after the prompt's (as many as its record's
+``prompt.images``), i.e. the ones behind its observations' ``<|image_pad|>`` runs, in token order, as entries of
+the same form (thumbnails, errors counted). They are stored once per sample, since each episode saw its own; a
+sample without them (text, a single-turn image sample) has no such field, byte-identical to before.
+
 Why record the trainer's own numbers rather than recompute them later: the inspector is for finding
 what went wrong in *this* run (an engine/trainer mismatch, an advantage with the wrong sign), which
 only the values the loss actually used can show.
@@ -101,9 +107,16 @@ def prompt_record(prompt: Prompt, prompt_ids: Sequence[int], task: str, tokenize
     return record
 
 
+def image_errors(records: Sequence[dict]) -> list[str]:
+    """Why each image of ``records`` (its prompt's, then its samples' observation pictures) could not be recorded."""
+    return [image["error"] for r in records
+            for image in (*r["prompt"].get("images", ()), *(i for s in r["samples"] for i in s.get("images", ())))
+            if "error" in image]
+
+
 def bad_images(records: Sequence[dict]) -> int:
-    """How many prompt images of ``records`` could not be recorded."""
-    return sum("error" in image for r in records for image in r["prompt"].get("images", ()))
+    """How many images of ``records`` (prompts' and observations') could not be recorded."""
+    return len(image_errors(records))
 
 
 def encode_routes(routes_tlk: torch.Tensor) -> dict:
@@ -113,14 +126,19 @@ def encode_routes(routes_tlk: torch.Tensor) -> dict:
     return {"shape": list(data.shape), "uint8_b64": base64.b64encode(data.numpy().tobytes()).decode()}
 
 
-def sample_record(t: Trajectory, tokens: list[str], **extra) -> dict:
-    """One sample's fields shared by train and eval records; ``extra`` adds the trainer's side."""
+def sample_record(t: Trajectory, tokens: list[str], prompt_images: int = 0, **extra) -> dict:
+    """One sample's fields shared by train and eval records; ``extra`` adds the trainer's side. ``prompt_images``:
+    how many of ``t.images`` are its prompt's (recorded with the prompt, so not again here)."""
     record = {"index": t.sample_index, "text": t.text, "ids": list(t.token_ids), "tokens": tokens,
               "behav_logp": clean(list(t.logprobs)), "versions": list(t.versions), "policy_mask": t.loss_mask,
               "reward": clean(float(t.reward)), "details": clean(t.reward_details), "finish_reason": t.finish_reason,
               "episode": clean(t.episode), **extra}
     if t.routes is not None:  # the response's tokens only, aligned with ``ids`` (the page shows those)
         record["routes"] = encode_routes(t.routes[len(t.prompt_ids) :])
+    own = list(t.images or ())[prompt_images:]  # the observations' pictures (None: the prompt's only)
+    if own:
+        record["images"] = [image_entry(v, f"prompt {t.prompt_uid!r} sample {t.sample_index} image {prompt_images + k}")
+                            for k, v in enumerate(own)]
     return record
 
 
@@ -136,6 +154,8 @@ def train_records(step: int, version: int, groups: Sequence[Group], picks: Seque
     records = []
     for gi in picks:
         group = groups[gi]
+        prompt_ids = group.trajectories[0].prompt_ids if group.trajectories else []
+        prompt = prompt_record(group.prompt, prompt_ids, task, tokenizer)
         samples = []
         for j, t in enumerate(group.trajectories):
             p, n = len(t.prompt_ids), len(t.token_ids)
@@ -149,19 +169,23 @@ def train_records(step: int, version: int, groups: Sequence[Group], picks: Seque
                     extra["trainer_logp"] = clean(logp_bt[row, p : p + n].tolist())
                 if adv is not None:
                     extra["advantage"] = clean(adv[row].item() if adv.dim() == 1 else adv[row, p : p + n].tolist())
-            samples.append(sample_record(t, token_texts(tokenizer, t.token_ids), **extra))
-        prompt_ids = group.trajectories[0].prompt_ids if group.trajectories else []
+            samples.append(sample_record(t, token_texts(tokenizer, t.token_ids), len(prompt.get("images", ())),
+                                         **extra))
         records.append({"step": step, "kind": "train", "group": gi, "trained": gi in first_row,
-                        "prompt": prompt_record(group.prompt, prompt_ids, task, tokenizer), "samples": samples})
+                        "prompt": prompt, "samples": samples})
     return [r for r in records if r["samples"]]  # a group whose every episode failed has nothing to show
 
 
 def eval_records(step: int, prompts: Sequence[Prompt], trajs: Sequence[Trajectory], tokenizer, task: str) -> list[dict]:
     """One record per held-out prompt: its greedy answer, scored (``correct``: full reward, as
     ``eval/accuracy`` counts it)."""
-    return [{"step": step, "kind": "eval", "prompt": prompt_record(p, t.prompt_ids, task, tokenizer),
-             "samples": [sample_record(t, token_texts(tokenizer, t.token_ids), correct=t.reward >= 1.0)]}
-            for p, t in zip(prompts, trajs)]
+    records = []
+    for p, t in zip(prompts, trajs):
+        prompt = prompt_record(p, t.prompt_ids, task, tokenizer)
+        records.append({"step": step, "kind": "eval", "prompt": prompt,
+                        "samples": [sample_record(t, token_texts(tokenizer, t.token_ids), len(prompt.get("images", ())),
+                                                  correct=t.reward >= 1.0)]})
+    return records
 
 
 class SampleRecorder:
@@ -170,16 +194,16 @@ class SampleRecorder:
     def __init__(self, log: SampleLog, cfg: SampleLogConfig, tokenizer, task: str):
         self.log, self.cfg, self.tokenizer, self.task = log, cfg, tokenizer, task
         self.bad_images = 0
-        """Prompt images that could not be recorded (each record says which, with ``{"error": ...}``)."""
+        """Images (prompts' and observations') that could not be recorded (each record says which, with
+        ``{"error": ...}``)."""
 
     def _write(self, step: int, records: list[dict]) -> None:
-        bad = bad_images(records)
-        if bad:
+        errors = image_errors(records)
+        if errors:
             if not self.bad_images:  # once per run: the records name every one
-                log.warning("samples.jsonl: %d prompt image(s) at step %d could not be recorded (first: %s); the "
-                            "records say so and recording goes on", bad, step,
-                            next(i["error"] for r in records for i in r["prompt"].get("images", ()) if "error" in i))
-            self.bad_images += bad
+                log.warning("samples.jsonl: %d image(s) at step %d could not be recorded (first: %s); the "
+                            "records say so and recording goes on", len(errors), step, errors[0])
+            self.bad_images += len(errors)
         self.log.write(step, records)
 
     def wants_train(self, step: int) -> bool:

@@ -6,7 +6,8 @@ A record is one prompt and its samples at one step::
      "samples": [{"text", "ids", "tokens", "behav_logp", "trainer_logp", ...}, ...]}
 
 A prompt with images adds ``prompt.tokens`` and ``prompt.images`` (PNG data URLs, stored once per record:
-``record.py``).
+``record.py``); an agent episode whose observations showed pictures adds its sample's ``images`` (those
+pictures, once per sample).
 
 ``kind`` is ``train`` (a group of the batch trained at that step, with what the trainer saw: its
 log-probs, advantages and loss mask; ``record.py`` lists every field), ``eval`` (one held-out prompt's
@@ -111,25 +112,31 @@ def _ends_capped(path: Path) -> bool:
         return False
 
 
+def _entries_ok(images: Any) -> bool:
+    """``images`` (a prompt's or a sample's): a list of ``{"url": "data:image/...", ...}`` or ``{"error"}`` entries
+    (the page fetches nothing, so no other URL is drawn)."""
+    return isinstance(images, list) and all(
+        isinstance(i, dict) and (isinstance(i.get("error"), str)
+                                 or (isinstance(i.get("url"), str) and i["url"].startswith("data:image/")))
+        for i in images)
+
+
 def _tokens_ok(sample: Any) -> bool:
-    """A sample the inspector can draw: text, and per-token arrays (the optional ones may be null) that all
-    have one entry per token."""
+    """A sample the inspector can draw: text, per-token arrays (the optional ones may be null) that all
+    have one entry per token, and its observations' pictures, if any, as ``_entries_ok`` wants them."""
     if not (isinstance(sample, dict) and isinstance(sample.get("text"), str) and isinstance(sample.get("ids"), list)):
         return False
     n = len(sample["ids"])
     required, optional = ("tokens", "behav_logp", "versions"), ("trainer_logp", "loss_mask", "policy_mask")
     return (all(isinstance(sample.get(k), list) and len(sample[k]) == n for k in required)
-            and all(sample.get(k) is None or (isinstance(sample[k], list) and len(sample[k]) == n) for k in optional))
+            and all(sample.get(k) is None or (isinstance(sample[k], list) and len(sample[k]) == n) for k in optional)
+            and (sample.get("images") is None or _entries_ok(sample["images"])))
 
 
 def _images_ok(prompt: dict) -> bool:
-    """A prompt's optional image fields: ``images`` a list of ``{"url": "data:image/...", ...}`` or ``{"error"}``
-    entries (the page fetches nothing, so no other URL is drawn), ``tokens`` one text per id."""
+    """A prompt's optional image fields: ``images`` as ``_entries_ok`` wants them, ``tokens`` one text per id."""
     images, tokens = prompt.get("images"), prompt.get("tokens")
-    if images is not None and not (isinstance(images, list) and all(
-            isinstance(i, dict) and (isinstance(i.get("error"), str)
-                                     or (isinstance(i.get("url"), str) and i["url"].startswith("data:image/")))
-            for i in images)):
+    if images is not None and not _entries_ok(images):
         return False
     return tokens is None or (isinstance(tokens, list) and isinstance(prompt.get("ids"), list)
                               and len(tokens) == len(prompt["ids"]) and all(isinstance(t, str) for t in tokens))

@@ -197,17 +197,19 @@
     return el("span", { class: "img-chip", "data-image": String(k), title: `${b - a} ${IMAGE_PAD} tokens at positions ${a}–${b - 1}`,
       text: `image ${k}: ${b - a} token${b - a === 1 ? "" : "s"}` });
   }
+  function imageFigure(im, k, cls, alt) {
+    // One recorded image (record.py's entry: a data URL with its size, or an error) as a captioned picture
+    const ok = typeof im.url === "string" && im.url.startsWith("data:image/");  // the page fetches nothing
+    const size = im.width && im.height ? `${im.width}×${im.height}` : "";
+    const caption = ok ? `image ${k}` + (size ? ` (${size}${im.thumbnail ? ", shown downscaled" : ""})` : "")
+      : `image ${k}: not recorded (${im.error || "no data URL"})`;
+    const fig = el("figure", { class: cls + (ok ? "" : " bad"), "data-image": String(k) });
+    if (ok) fig.append(el("img", { src: im.url, alt: `${alt} ${k}` }));
+    fig.append(el("figcaption", { text: caption }));
+    return fig;
+  }
   function promptImages(p) {
-    const figures = (p.images || []).map((im, k) => {
-      const ok = typeof im.url === "string" && im.url.startsWith("data:image/");  // the page fetches nothing
-      const size = im.width && im.height ? `${im.width}×${im.height}` : "";
-      const caption = ok ? `image ${k}` + (size ? ` (${size}${im.thumbnail ? ", shown downscaled" : ""})` : "")
-        : `image ${k}: not recorded (${im.error || "no data URL"})`;
-      const fig = el("figure", { class: "prompt-image" + (ok ? "" : " bad"), "data-image": String(k) });
-      if (ok) fig.append(el("img", { src: im.url, alt: `prompt image ${k}` }));
-      fig.append(el("figcaption", { text: caption }));
-      return fig;
-    });
+    const figures = (p.images || []).map((im, k) => imageFigure(im, k, "prompt-image", "prompt image"));
     const tokens = el("div", { class: "tokens prompt-tokens" });
     const toks = p.tokens || [];
     let image = 0;
@@ -224,7 +226,10 @@
   }
   function sampleCard(rec, s, k, mode, maxAdv, f) {
     const tokens = el("div", { class: "tokens" });
-    let turn = 0, image = (rec.prompt.images || []).length;
+    // An episode's observation pictures (record.py: the sample's images, those after the prompt's) are drawn after
+    // their chips; with them recorded, a run the policy sampled is text (train/vision.py), not a picture
+    const own = Array.isArray(s.images) ? s.images : null;
+    let turn = 0, image = (rec.prompt.images || []).length, seen = 0;
     for (const [a, b, sampled] of segments(s)) {
       const seg = el("div", { class: "seg " + (sampled ? "turn" : "obs") });
       if (s.policy_mask) {
@@ -233,7 +238,14 @@
       for (let j = a; j < b; j++) {
         const end = padRunEnd(s.tokens, j, b);
         if (end > j) {  // an image an observation showed (numbered after the prompt's images)
-          seg.append(imageChip(image++, j, end));
+          if (own && sampled) {
+            seg.append(el("span", { class: "img-chip sampled", title: `${end - j} ${IMAGE_PAD} tokens the policy sampled `
+              + `at positions ${j}–${end - 1}: text, no picture`, text: `sampled ${IMAGE_PAD} ×${end - j}` }));
+          } else {
+            seg.append(imageChip(image, j, end));
+            if (own && seen < own.length) seg.append(imageFigure(own[seen++], image, "obs-image", "observation image"));
+            image++;
+          }
           j = end - 1;
           continue;
         }
