@@ -244,6 +244,8 @@ def test_ctrl_c_is_one_line_with_the_resume_command_and_exit_130(tmp_path, cache
     assert _steps(out) == list(range(step + 3))
 
 
+@pytest.mark.slow  # ~5 s; by default SIGTERM's exit 143 and its "interrupted; checkpoint saved in" line are checked by
+# test_sigterm_stops_an_agent_run_with_episodes_in_flight, the checkpoint and the steps logged once by the Ctrl-C test
 def test_sigterm_checkpoints_and_says_how_to_resume(tmp_path, cache):
     """A scheduler's SIGTERM (sent to the whole job) stops the run as Ctrl-C does, with exit 143."""
     out = tmp_path / "run"

@@ -124,11 +124,15 @@ def _cli(*args):
                           timeout=300)
 
 
-def test_cli_passes_the_fixed_math_and_fails_a_weak_reward_through_the_worker_pool(tmp_path):
-    out = tmp_path / "audit.json"
-    proc = _cli("--reward", "math", "--set", "reward.params.mode=lenient", "--num-prompts", "3", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "on 3 prompts of task addition (recipe quickstart)" in proc.stdout and "PASSED" in proc.stdout
+def test_cli_passes_the_fixed_math_and_fails_a_weak_reward_through_the_worker_pool(tmp_path, capsys):
+    from tidal.cli import main
+
+    out = tmp_path / "audit.json"  # in-process (the worker pool all the same); the weak reward below is a subprocess
+    code = main(["audit-reward", "--reward", "math", "--set", "reward.params.mode=lenient", "--num-prompts", "3",
+                 "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "on 3 prompts of task addition (recipe quickstart)" in printed.out and "PASSED" in printed.out
     report = json.loads(out.read_text())
     assert report["passed"] and report["reward"] == "math" and report["params"] == {"mode": "lenient"}
     assert {r["name"] for r in report["probes"]} == set(PROBES)
