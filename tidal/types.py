@@ -172,6 +172,12 @@ class BatchImages:
     position_ids_3bt: torch.Tensor
     """long [3, B, T]: M-RoPE positions (temporal, height, width; ``models/vlm.py``), 0 at padding."""
 
+    def rows(self, index: torch.Tensor) -> BatchImages:
+        """The images of rows ``index`` (positions, in order): every distinct image is kept (a pass embeds only
+        those its rows show), each row keeps its own."""
+        return BatchImages(self.pixel_values, self.image_grid_thw_n3, [self.row_images[i] for i in index.tolist()],
+                           self.feature_index_bt[index], self.position_ids_3bt[:, index])
+
 
 @dataclass
 class TrainBatch:

@@ -24,3 +24,4 @@ def test_a_batch_with_images_round_trips(tmp_path):
     for name in ("pixel_values", "image_grid_thw_n3", "feature_index_bt", "position_ids_3bt"):
         assert torch.equal(getattr(back.images, name), getattr(batch.images, name))
     assert torch.equal(back.input_ids_bt, batch.input_ids_bt)
+

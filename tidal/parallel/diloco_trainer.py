@@ -59,17 +59,17 @@ from tidal.parallel.elastic_dp import disagreeing_ranks, fingerprint_row
 from tidal.parallel.fsdp import DataParallel
 from tidal.train.critic import check_supported
 from tidal.train.trainer import Trainer, minibatches
-from tidal.types import TrainBatch
+from tidal.types import BatchImages, TrainBatch
 
 log = logging.getLogger(__name__)
 
 
 def rows_of(batch: TrainBatch, rows: list[int]) -> TrainBatch:
     """The TrainBatch made of ``rows`` (positions, in order) of ``batch``; optional fields that are None
-    (``teacher_logp_bt`` outside distillation) stay None."""
+    (``teacher_logp_bt`` outside distillation) stay None, and a vision-language batch's images follow its rows."""
     index = torch.tensor(rows, dtype=torch.long)
-    return TrainBatch(**{f.name: None if (v := getattr(batch, f.name)) is None else v[index]
-                         for f in dataclasses.fields(batch)})
+    return TrainBatch(**{f.name: None if (v := getattr(batch, f.name)) is None else
+                         v.rows(index) if isinstance(v, BatchImages) else v[index] for f in dataclasses.fields(batch)})
 
 
 def broadcast_weights(model: torch.nn.Module) -> None:
