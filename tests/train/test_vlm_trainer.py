@@ -274,12 +274,31 @@ def test_a_full_weight_checkpoint_is_a_qwen2_vl_folder_vlm_load_reads_as_trained
         assert torch.equal(weights[name], t), name
 
 
-def test_a_sharded_policy_with_images_is_refused_naming_the_key(processor, base):
-    from tidal.train.data_parallel import SHARDED_ROOT
+def test_a_sharded_policy_with_images_runs_its_image_view_inside_the_root(processor, base):
+    """What the trainer calls for a sharded policy's image pass (``root_of`` of the view) is the root, handed the
+    pass's images; the root's forward scores the view it builds over its model as the unsharded view scores.
+    The FSDP run itself: ``tests/parallel/test_fsdp_images.py``."""
+    from tidal.models.logprobs import token_logprobs
+    from tidal.parallel.fsdp import LogprobModule
+    from tidal.train.data_parallel import SHARDED_ROOT, root_of
 
-    groups = _groups(processor, None, IMAGES[:1], [["1", "2"]], [[1.0, 0.0]])
+    groups = _groups(processor, None, IMAGES[:1] + IMAGES[2:], [["1", "2"], ["3", "4"]], [[1.0, 0.0]] * 2)
     batch, _ = build_train_batch(groups, AlgoConfig(), processor.tokenizer.pad_token_id, processor)
     sharded = copy.deepcopy(base)
-    sharded.__dict__[SHARDED_ROOT] = object()  # what parallel/fsdp.py's shard leaves on the model
-    with pytest.raises(ConfigError, match="trainer.data_parallel=fsdp with images"):
-        with_images(sharded, batch, torch.arange(2), 10)
+    calls = []
+    root = LogprobModule(sharded)  # unsharded here: the routing, not FSDP
+    root.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs.get("images")), with_kwargs=True)
+    sharded.__dict__[SHARDED_ROOT] = root  # what parallel/fsdp.py's shard leaves on the model
+    width = int(batch.attention_mask_bt.sum(1).max())
+    ids, mask = batch.input_ids_bt[:, :width], batch.attention_mask_bt[:, :width]
+    for rows in (torch.arange(4), torch.arange(2, 4)):  # with a picture, and text rows only
+        view = with_images(sharded, batch, rows, width)
+        assert root_of(view) is not None and root_of(view) is not root
+        got, _ = root_of(view)(ids[rows], mask[rows])
+        images = calls[-1]  # what the root's forward got; a sharded pass always gives the tower a gradient
+        assert images is not None and images.all_grads and (images.pixel_values is None) == (int(rows[0]) == 2)
+        want, _ = token_logprobs(with_images(base, batch, rows, width), ids[rows], mask[rows])
+        assert torch.allclose(got, want, atol=1e-6), rows
+    assert with_images(base, batch, torch.arange(2), width).__dict__.get(SHARDED_ROOT) is None  # unsharded: as was
+    text, _ = build_train_batch(groups[1:], AlgoConfig(), processor.tokenizer.pad_token_id, processor)
+    assert text.images is None and with_images(sharded, text, torch.arange(2), width) is sharded  # the text path

@@ -104,7 +104,10 @@ def teardown() -> None:
 # ---- sharding -----------------------------------------------------------------------------------
 class LogprobModule(torch.nn.Module):
     """The root FSDP unit: its forward is ``token_logprobs`` of the wrapped causal LM, so FSDP2's root
-    hooks unshard the embeddings, norm and head around the trainer's own forward."""
+    hooks unshard the embeddings, norm and head (a vision-language model's vision tower too) around the
+    trainer's own forward. ``images`` (``train/vision.py``'s ``ImageInputs``, handed in by the view
+    ``with_images`` returns for a sharded model): the forward scores the LM as that view, built here, inside
+    the hooks, so the image path reads unsharded weights."""
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
@@ -112,8 +115,9 @@ class LogprobModule(torch.nn.Module):
 
     def forward(self, input_ids_bt, attention_mask_bt, temperature=1.0, with_entropy=False, *,
                 position_ids=None, parents_bt=None, chunk_size=1024, entropy_grad=False, score_mask_bt=None,
-                tf32=False, head_kernel="chunked"):
-        return token_logprobs(self.lm, input_ids_bt, attention_mask_bt, temperature, with_entropy,
+                tf32=False, head_kernel="chunked", images=None):
+        lm = self.lm if images is None else images.over(self.lm)
+        return token_logprobs(lm, input_ids_bt, attention_mask_bt, temperature, with_entropy,
                               position_ids=position_ids, parents_bt=parents_bt, chunk_size=chunk_size,
                               entropy_grad=entropy_grad, score_mask_bt=score_mask_bt, tf32=tf32,
                               head_kernel=head_kernel)
@@ -130,7 +134,8 @@ class LogprobModule(torch.nn.Module):
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder blocks of a Hugging Face causal LM (Llama/Qwen2/Mistral layout: ``model.layers``)."""
+    """The decoder blocks of a Hugging Face causal LM (Llama/Qwen2/Mistral layout: ``model.layers``; a Qwen2-VL's
+    text decoder's, ``model.language_model.layers``, its vision tower staying in the root unit)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -194,10 +199,14 @@ def full_optimizer_state(root: LogprobModule, optimizer: torch.optim.Optimizer) 
 def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(full weights, full optimizer state) of a sharded model on rank 0, empty dicts elsewhere, for a
     checkpoint. Collective; called on rank 0 alone under a ``LeaderTrainer``, it brings the other ranks
-    in (so ``checkpoint.save_checkpoint(trainer.model, ...)`` works unchanged on rank 0)."""
+    in (so ``checkpoint.save_checkpoint(trainer.model, ...)`` works unchanged on rank 0). A tied alias is left
+    out, as ``save_pretrained`` leaves it out of a 1-process checkpoint (the gathered copies share no storage it
+    could recognize): the same files either way."""
+    from tidal.models.tied import tied_names, untie
+
     _announce("gather_full_state")
     root = root_of(model)
-    return full_state_dict(root), full_optimizer_state(root, optimizer)
+    return untie(full_state_dict(root), tied_names(model)), full_optimizer_state(root, optimizer)
 
 
 def load_full_state(root: LogprobModule, optimizer: torch.optim.Optimizer | None,

@@ -116,7 +116,9 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def root_of(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The FSDP root ``shard`` put around ``model``; None for a model that is not sharded."""
+    """The FSDP root ``shard`` put around ``model``; None for a model that is not sharded. For the image view of a
+    sharded model (``train/vision.py``'s ``with_images``): the root bound to that view's images, which the
+    trainer calls as it calls the root."""
     return model.__dict__.get(SHARDED_ROOT)
 
 

@@ -33,20 +33,27 @@ whose decoder takes ``inputs_embeds`` with the image features placed and the M-R
 
 The vision tower runs once per forward over the distinct images the micro-batch's rows show; each image
 token gathers its feature by index, so the gradient of an image used by G rows (or by one trie node) adds
-up in that one computation, as in ``vlm.vlm_token_logprobs``. FSDP-sharded policies are refused: their root
-runs the text forward (``ConfigError`` naming ``trainer.data_parallel``).
+up in that one computation, as in ``vlm.vlm_token_logprobs``.
+
+An FSDP-sharded policy (``parallel/fsdp.py``) runs the same view inside its root's forward: the embeddings, the
+vision tower, the final norm and the head are the root unit's parameters, unsharded only there. ``with_images``
+then returns a view that ``data_parallel.root_of`` resolves to the root bound to the pass's ``ImageInputs``, and
+the root builds the view over its model in its forward (``LogprobModule.forward(..., images=)``). Every rank's pass
+over a batch with images gives the vision tower a gradient, zero where its rows show no picture, so the ranks'
+reduce-scatters of the root unit carry the same parameters.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tidal.config import ConfigError
 from tidal.models import vlm
-from tidal.train.data_parallel import root_of
+from tidal.train.data_parallel import SHARDED_ROOT, root_of
 from tidal.types import BatchImages, Prompt, Trajectory
 from tidal.utils.images import load_image
 
@@ -162,9 +169,6 @@ def with_images(model: Any, batch, rows: torch.Tensor, layout: Any) -> Any:
     images: BatchImages | None = batch.images
     if images is None:
         return model
-    if root_of(model) is not None:
-        raise ConfigError("trainer.data_parallel=fsdp with images: the sharded root runs the text forward; train a "
-                          "vision-language policy in one process (or with replicas) for now")
     rows = rows.cpu()
     feature_bt, position_3bt = images.feature_index_bt[rows], images.position_ids_3bt[:, rows]
     if isinstance(layout, int):
@@ -187,7 +191,12 @@ def with_images(model: Any, batch, rows: torch.Tensor, layout: Any) -> Any:
             local[starts[i]:starts[i + 1]] = torch.arange(first, first + sizes[i])
             first += sizes[i]
         feature_rl = torch.where(feature_rl >= 0, local[feature_rl.clamp(min=0)], -1)
-    return _WithImages(model, pixels, grids, feature_rl, position_3rl)
+    root = root_of(model)
+    inputs = ImageInputs(pixels, grids, feature_rl, position_3rl, all_grads=root is not None)
+    view = _WithImages(model, inputs)
+    if root is not None:  # sharded: the view runs inside the root's forward, which unshards the root unit
+        view.__dict__[SHARDED_ROOT] = functools.partial(root, images=inputs)
+    return view
 
 
 def _to_layout(layout, feature_bt: torch.Tensor, position_3bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,19 +217,37 @@ def _to_layout(layout, feature_bt: torch.Tensor, position_3bt: torch.Tensor) -> 
     return feature_rl, position_3rl
 
 
+@dataclass(frozen=True)
+class ImageInputs:
+    """What one forward needs of its rows' images, in its layout: the pixels and grids of the distinct pictures it
+    embeds (None when its rows show none), each token's feature index into them (-1: text) and its M-RoPE
+    positions. ``all_grads`` (a sharded pass): the vision tower gets a gradient even when the pass embeds no
+    picture (zero), as FSDP's reduce-scatter of the root unit must carry the same parameters on every rank."""
+
+    pixel_values: torch.Tensor | None
+    image_grid_thw_n3: torch.Tensor | None
+    feature_index_rl: torch.Tensor
+    position_ids_3rl: torch.Tensor
+    all_grads: bool = False
+
+    def over(self, model: Any) -> _WithImages:
+        """``model`` as ``token_logprobs`` reads it with these images (what the FSDP root runs in its forward)."""
+        return _WithImages(model, self)
+
+
 class _WithImages:
     """The policy as ``token_logprobs`` reads it (``config``, ``parameters``, ``get_output_embeddings``,
     ``get_decoder``), except that its decoder embeds the tokens itself, places the image features over the image
     tokens and passes M-RoPE positions. The vision tower runs inside that call, so it is under the trainer's
     autocast and counted in its forward phase; once per call, over the distinct images of the call's rows."""
 
-    def __init__(self, model: Any, pixel_values: torch.Tensor | None, grids: torch.Tensor | None,
-                 feature_rl: torch.Tensor, position_3rl: torch.Tensor):
+    def __init__(self, model: Any, images: ImageInputs):
         self._model, self.config = model, model.config
-        self._pixels, self._grids = pixel_values, grids
-        self._image_rl = feature_rl >= 0
-        self._feature_n = feature_rl[self._image_rl]  # in row-major order, as ``masked_scatter`` fills
-        self._position_3rl = position_3rl
+        self._pixels, self._grids = images.pixel_values, images.image_grid_thw_n3
+        self._image_rl = images.feature_index_rl >= 0
+        self._feature_n = images.feature_index_rl[self._image_rl]  # in row-major order, as ``masked_scatter`` fills
+        self._position_3rl = images.position_ids_3rl
+        self._all_grads = images.all_grads
 
     def parameters(self, recurse: bool = True):
         return self._model.parameters(recurse)
@@ -240,6 +267,10 @@ class _WithImages:
             device = embeds_rlh.device
             placed = features[self._feature_n.to(device)]
             embeds_rlh = embeds_rlh.masked_scatter(self._image_rl.to(device)[..., None], placed)
+        elif self._all_grads and torch.is_grad_enabled():  # no picture here, maybe on another rank: a zero gradient
+            visual = [p for p in hf.model.visual.parameters() if p.requires_grad]
+            if visual:
+                embeds_rlh = embeds_rlh + 0.0 * sum(p.sum() for p in visual).to(embeds_rlh.dtype)
         positions = self._position_3rl.to(input_ids.device)
         if position_ids is not None:  # a packed layout: its per-sequence text positions lead (transformers' 4 rows)
             positions = torch.cat([position_ids[None], positions])
