@@ -72,14 +72,30 @@ def run_commands(commands: list[list[str]], tmp_path, monkeypatch, capsys, smoll
     monkeypatch.chdir(tmp_path)
     (tmp_path / "benchmarks").symlink_to(README.parent / "benchmarks")
     skipped = run_by_the_models_doc_test()
+    # recipes whose every eval and step is an agent's episodes through the endpoint (verifiers' own rollout: ~2 s an
+    # eval) or a picture task: one RL step (evals at steps 0 and 1) still runs the warm start, an RL step, the evals,
+    # the checkpoint and the report through the recipe's own engine
+    train_knobs = {
+        "verifiers_quickstart": ["max_steps=1", "num_eval=4", "env.verifiers.num_eval=8"],
+        "harness_quickstart": ["max_steps=1", "num_eval=4", "task.num_eval=8"],
+        "agentic_quickstart": ["max_steps=1", "num_eval=4"],
+        "vlm_quickstart": ["max_steps=1", "num_eval=4", "task.num_eval=8"],
+    }
+    bench_knobs = {  # added to the run-config benchmarks' TINY settings
+        "async": ["task.max_repeat=8", "rollout.max_new_tokens=12"],  # 56-token responses: a long tail for timing
+        "ablations": ["num_eval=4"],  # eight arms, each evaluated at steps 0 and 1
+    }
     for argv in commands:
         if _without_out(argv) in skipped:
             continue
         extra = []
         if argv[0] in ("train", "bench"):
             extra = [x for kv in TINY for x in ("--set", kv)]
+            if argv[0] == "train":
+                extra += [x for kv in train_knobs.get(argv[1], []) for x in ("--set", kv)]
             if argv[0] == "bench":
                 extra += ["--set", "max_steps=1", "--set", "task.num_eval=8", "--out", str(tmp_path / "bench")]
+                extra += [x for kv in bench_knobs.get(argv[1], []) for x in ("--set", kv)]
         own_knobs = {  # benchmarks with their own settings rather than a run config
             "rewards": ["math_samples=8", "code_samples=2", "workers=[1]"],
             "packing": ["num_sequences=16", "max_len=32", "steps=1", "micro_batch_tokens=64", "pack_tokens=32",
@@ -87,6 +103,8 @@ def run_commands(commands: list[list[str]], tmp_path, monkeypatch, capsys, smoll
             "optimizers": ["steps=2", "eval_every=2", "batch_size=2", "seq_len=16", "eval_windows=2",
                            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64"],
             "quickstart": [*TINY, "task.num_eval=8", "seeds=[0,1]", "steps=2"],  # 2 seeds, not 10 runs
+            # 2 tasks x group_size 2 episodes per arm, one warm-up and one measured repetition (not 4 x 32 x 2 x 2)
+            "harness": [*TINY, "task.num_eval=8", "prompts=2", "reps=1"],
             "real": ["frameworks=[tidal]", "lora_ranks=[]", "engine=false", "max_time_s=1", "snapshot_every_s=0.5",
                      "num_eval=4", "threads=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
                      "rollout.max_new_tokens=8", "report_at=[1]"],
