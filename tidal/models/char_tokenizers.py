@@ -77,6 +77,12 @@ PROCESSOR_ATTR = "tidal_processor"
 """The attribute a vision-language model's processor rides on its tokenizer under (``vlm.attach_processor``)."""
 
 
+def save_tokenizer(tokenizer, path) -> None:
+    """Write ``tokenizer``'s files into ``path``: its attached processor's when it has one (a vision-language
+    model's: tokenizer, image processor and chat template), so a checkpoint or a saved base loads with it."""
+    (getattr(tokenizer, PROCESSOR_ATTR, None) or tokenizer).save_pretrained(path)
+
+
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 

@@ -34,6 +34,7 @@ from tidal.models.char_tokenizers import (  # noqa: F401  (re-exported: tiny.bui
     build_chat_tokenizer,
     build_tokenizer,
     load_tokenizer,
+    save_tokenizer,
 )
 from tidal.models.lora import LoraConfig
 
@@ -155,7 +156,7 @@ def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str |
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    (getattr(tokenizer, PROCESSOR_ATTR, None) or tokenizer).save_pretrained(path)
+    save_tokenizer(tokenizer, path)
 
 
 def load(path: str | Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:

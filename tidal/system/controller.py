@@ -371,8 +371,7 @@ class Controller:
                 journal.compact(start)
             outputs.sweep(out_dir)  # the run's record of the files it wrote (utils/outputs.py)
 
-        saver = vlm.processor_of(self.tokenizer) or self.tokenizer  # a VLM's processor saves its tokenizer too
-        path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", saver, self.state,
+        path = self.trainer.save_checkpoint(self.out_dir / "checkpoints", self.tokenizer, self.state,
                                             keep=self.cfg.keep_checkpoints, writer=self.ckpt_writer,
                                             on_saved=saved)  # policy (and critic) state
         if self.sdc is not None:

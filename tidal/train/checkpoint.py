@@ -51,6 +51,7 @@ import torch
 import xxhash
 
 from tidal.models import lora
+from tidal.models.char_tokenizers import save_tokenizer
 from tidal.train import checkpoint_io
 from tidal.train.data_parallel import root_of
 from tidal.utils.seeding import rng_state, set_rng_state
@@ -193,7 +194,7 @@ def _write(root: Path, model, tokenizer, contents: CheckpointContents, keep: int
         for leftover in root.glob(".tmp_*"):  # a save that died before its rename
             _remove(leftover)
         tmp.mkdir()
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)  # a vision-language model's processor with it
         # save_pretrained pops the tensors it writes out of the dict it is given: hand it a shallow copy
         weights = dict(contents.model_state) if contents.model_state is not None else None
         # The large files bypass the page cache and are hashed as they are written (checkpoint_io's docstring:
