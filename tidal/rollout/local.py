@@ -469,10 +469,11 @@ class LocalEngine:
         for r, s in enumerate(seqs):
             ids[r, width - len(s) :] = torch.tensor(s)
             mask[r, width - len(s) :] = 1
+        # laid out on the host, before the upload: nothing waits on the device
+        pictures = None if self._images is None else self._images.inputs(ids, mask, [r.request for r in firsts])
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inputs = {"input_ids": ids, "position_ids": positions}
-        pictures = None if self._images is None else self._images.inputs(ids, mask, [r.request for r in firsts])
         if pictures is not None:  # image features over the prompts' image tokens, M-RoPE positions (``vision.py``)
             inputs = {"inputs_embeds": pictures[0], "position_ids": pictures[1]}
             positions = pictures[1][0]  # a row's last token is text: its three ids agree, and decoding goes on from it

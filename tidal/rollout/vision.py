@@ -71,13 +71,14 @@ class EngineImages:
 
     def inputs(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor,
                requests: Sequence[GenRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decoder's ``inputs_embeds`` [B, T, hidden] and M-RoPE ``position_ids`` [3, B, T] of left-padded rows
-        ``ids_bt`` (row b: ``requests[b]``'s prompt ids, then any tokens sampled for it), or None when no row shows
-        a picture (the text path then runs as it always did)."""
+        """The decoder's ``inputs_embeds`` [B, T, hidden] and M-RoPE ``position_ids`` [3, B, T] (on the model's
+        device) of left-padded rows ``ids_bt`` (on the host; row b: ``requests[b]``'s prompt ids, then any tokens
+        sampled for it), or None when no row shows a picture (the text path then runs as it always did). The layout
+        is read on the host, so a prefill with pictures waits on the device no more than a text one."""
         if not any(r.context_images for r in requests):
             return None
         features = self._features_of(requests)
-        ids_host, mask_host = ids_bt.cpu(), mask_bt.cpu().bool()
+        ids_host, mask_host = ids_bt, mask_bt.bool()
         b, t = ids_host.shape
         positions_3bt = torch.zeros(3, b, t, dtype=torch.long)
         image_bt = torch.zeros(b, t, dtype=torch.bool)
@@ -96,8 +97,9 @@ class EngineImages:
             positions_3bt[:, row, real[p:]] = torch.arange(p + delta, len(real) + delta)  # generated: index + delta
             image_bt[row, columns[ids[:p] == self.image_token_id]] = True
             placed.extend(feats)
-        device = ids_bt.device
-        embeds_bth = vlm.hf_model(self.model).get_input_embeddings()(ids_bt)
+        embed = vlm.hf_model(self.model).get_input_embeddings()
+        device = embed.weight.device
+        embeds_bth = embed(ids_bt.to(device))
         if placed:
             values = torch.cat(placed).to(device, embeds_bth.dtype)
             embeds_bth = embeds_bth.masked_scatter(image_bt.to(device)[..., None], values)
