@@ -499,7 +499,7 @@ class LocalEngine:
 
     def _saved_turn(self, request: GenRequest) -> TurnKV | None:
         """The kept keys and values this request's context extends (same weights), if any."""
-        if not self._turn_kv or request.context_images:  # a context with pictures is prefilled whole (``vision.py``)
+        if not self._turn_kv:
             return None
         kv = self._turn_kv.take((request.prompt.uid, request.sample_index))
         if (kv is None or kv.version != self.version or len(request.prompt_ids) <= len(kv.tokens)
@@ -510,7 +510,8 @@ class LocalEngine:
     def _prefill_after(self, slots: SlotCache, resumed: list[tuple[_Row, TurnKV]]) -> None:
         """Join rows whose context extends kept keys and values: run only the last S columns, S the
         longest new part, over the kept prefix (right-aligned as in ``_prefill``; a row whose new part
-        is shorter recomputes a few kept tokens), then admit them like a fresh prefill."""
+        is shorter recomputes a few kept tokens), then admit them like a fresh prefill. Rows with pictures take the
+        window's embeddings and M-RoPE positions from ``EngineImages.window_inputs``."""
         seqs = [list(row.request.prompt_ids) for row, _ in resumed]
         width = max(map(len, seqs))
         window = max(len(seq) - len(kv.tokens) for seq, (_, kv) in zip(seqs, resumed))
@@ -530,18 +531,26 @@ class LocalEngine:
                     past_k[layer][r, :, past - kept:] = kv.keys[layer][:, :kept]
                     past_v[layer][r, :, past - kept:] = kv.values[layer][:, :kept]
             self.num_reused_tokens += max(kept, 0)
+        # laid out on the host, before the upload (``vision.py``: the window's image features and M-RoPE positions)
+        pictures = (None if self._images is None
+                    else self._images.window_inputs(ids, mask, [row.request for row, _ in resumed]))
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = {"input_ids": ids, "position_ids": positions[:, past:]}
+        last = positions[:, -1]
+        if pictures is not None:
+            inputs = {"inputs_embeds": pictures[0], "position_ids": pictures[1]}
+            last = pictures[1][0][:, -1]  # the context's last position (text: its three ids agree)
         cache = DynamicCache()
         for layer, (k, v) in enumerate(zip(past_k, past_v)):
             cache.update(k, v, layer)
         routes = ForwardRoutes(self._routing) if self._routing is not None else None
         with recording(self._routing, routes):
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, past:], use_cache=True,
+            logits = self.model(**inputs, attention_mask=mask, use_cache=True,
                                 **cache_kwargs(self.model, cache), **last_logits_kwargs(self.model)).logits[:, -1]
         for row, _ in resumed:  # each its own context
             row.node, self._next_node = self._next_node, self._next_node + 1
-        slots.admit(cache, mask, positions[:, -1], logits, torch.arange(n),
+        slots.admit(cache, mask, last, logits, torch.arange(n),
                     self._routes_after(routes, resumed, past, window) if routes is not None else None,
                     self._row_state([row for row, _ in resumed]))
 

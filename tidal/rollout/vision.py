@@ -19,6 +19,11 @@ left-padded rows; everything after the prefill is the text path's:
   by prompt uid and pictures) so the group's samples admitted in later prefills, and re-prefills of the same
   weights, take them without another pass. A weight update clears them: the vision tower changed (``clear``).
   All images a prefill needs that are not cached go through the tower in one call.
+- **Agent turns over kept keys and values.** An episode's next turn extends the turn before token for token, so
+  the local engine runs only its last columns over the kept prefix (``reuse_turn_kv``); ``window_inputs`` gives
+  those columns' embeddings (the j-th ``<|image_pad|>`` of a continuing context is its pictures' j-th merged
+  feature: a turn that samples one ends its episode) and their columns of the whole context's M-RoPE positions,
+  at which the kept prefix was computed (a prefix's positions depend only on the prefix).
 - **Images across interruption.** They ride on the request (``GenRequest.context_images``: its own, for an agent
   turn whose observations added pictures, else its prompt's), never in engine state that a weight update drops,
   so a re-prefill places the same pictures.
@@ -77,12 +82,51 @@ class EngineImages:
         is read on the host, so a prefill with pictures waits on the device no more than a text one."""
         if not any(r.context_images for r in requests):
             return None
+        positions_3bt, image_bt, row_features = self._layout(ids_bt, mask_bt, requests)
+        placed = [f for f in row_features if f is not None]
+        return self._embeds(ids_bt, image_bt, placed), positions_3bt.to(self._device())
+
+    def window_inputs(self, ids_bw: torch.Tensor, mask_bt: torch.Tensor,
+                      requests: Sequence[GenRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``inputs`` for the last W columns of left-padded rows whose earlier columns are kept keys and values (the
+        local engine's turn reuse, ``_prefill_after``): ``ids_bw`` [B, W] the window's ids and ``mask_bt`` [B, T]
+        the whole rows' mask (on the host; row b: ``requests[b]``'s prompt ids, its whole context). The window's
+        ``inputs_embeds`` [B, W, hidden] carry the context's image features over its image tokens (every
+        ``<|image_pad|>`` of a continuing episode's context is a picture: the j-th takes the j-th merged feature of
+        the context's pictures in order, so a window that starts inside or after a picture takes the rest of its
+        features), its ``position_ids`` [3, B, W] are the columns of ``vlm.mrope_positions`` of each whole context
+        (the kept prefix's keys were computed at exactly those). None when no row shows a picture."""
+        if not any(r.context_images for r in requests):
+            return None
+        b, t = mask_bt.shape
+        w = ids_bw.shape[1]
+        past = t - w
+        ids_bt = torch.zeros(b, t, dtype=torch.long)
+        for row, request in enumerate(requests):
+            context = torch.as_tensor(request.prompt_ids, dtype=torch.long)
+            ids_bt[row, t - len(context):] = context
+        assert torch.equal(ids_bt[:, past:][mask_bt[:, past:].bool()], ids_bw[mask_bt[:, past:].bool()]), \
+            "the window's ids are not the contexts' last columns"
+        positions_3bt, image_bt, row_features = self._layout(ids_bt, mask_bt, requests)
+        placed = []
+        for row, features in enumerate(row_features):
+            if features is not None:  # the features of the row's image tokens before the window are kept keys
+                placed.append(features[int(image_bt[row, :past].sum()):])
+        return self._embeds(ids_bw, image_bt[:, past:], placed), positions_3bt[:, :, past:].to(self._device())
+
+    def _device(self) -> torch.device:
+        return vlm.hf_model(self.model).get_input_embeddings().weight.device
+
+    def _layout(self, ids_bt: torch.Tensor, mask_bt: torch.Tensor, requests: Sequence[GenRequest]
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """On the host: M-RoPE positions [3, B, T] of left-padded rows (0 at padding), where their pictures' tokens
+        are [B, T], and each row's merged features of those tokens in order (None: a row without pictures)."""
         features = self._features_of(requests)
         ids_host, mask_host = ids_bt, mask_bt.bool()
         b, t = ids_host.shape
         positions_3bt = torch.zeros(3, b, t, dtype=torch.long)
         image_bt = torch.zeros(b, t, dtype=torch.bool)
-        placed: list[torch.Tensor] = []
+        row_features: list[torch.Tensor | None] = []
         for row, request in enumerate(requests):
             p = len(request.prompt_ids)
             real = mask_host[row].nonzero().squeeze(1)  # the row's columns, left-padded
@@ -96,14 +140,18 @@ class EngineImages:
             positions_3bt[:, row, columns] = pos_3p
             positions_3bt[:, row, real[p:]] = torch.arange(p + delta, len(real) + delta)  # generated: index + delta
             image_bt[row, columns[ids[:p] == self.image_token_id]] = True
-            placed.extend(feats)
+            row_features.append(torch.cat(feats) if feats else None)
+        return positions_3bt, image_bt, row_features
+
+    def _embeds(self, ids_bt: torch.Tensor, image_bt: torch.Tensor, placed: list[torch.Tensor]) -> torch.Tensor:
+        """The text embeddings of ``ids_bt`` with ``placed`` (in row-major order) over the ``image_bt`` tokens."""
         embed = vlm.hf_model(self.model).get_input_embeddings()
         device = embed.weight.device
         embeds_bth = embed(ids_bt.to(device))
         if placed:
             values = torch.cat(placed).to(device, embeds_bth.dtype)
             embeds_bth = embeds_bth.masked_scatter(image_bt.to(device)[..., None], values)
-        return embeds_bth, positions_3bt.to(device)
+        return embeds_bth
 
     def _features_of(self, requests: Sequence[GenRequest]) -> dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]]:
         """Each context's image grids and merged features (per image), from the cache or from one vision pass over
