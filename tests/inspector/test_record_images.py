@@ -174,22 +174,28 @@ def test_the_reader_skips_a_record_whose_image_is_not_a_data_url(tmp_path):
     assert len(records) == 1 and skipped == 3
 
 
-def test_a_chromium_draws_the_image_and_one_chip_per_image(tmp_path, tokenizer, processor):
+def chromium():
+    """A headless Chromium driven by Selenium (the OS's Chromium and chromedriver; the test skips without them)."""
     webdriver = pytest.importorskip("selenium.webdriver", reason="needs Selenium: pip install -e '.[dev]'")
     chrome = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
     if chrome is None or shutil.which("chromedriver") is None:
         pytest.skip("needs Chromium and chromedriver: apt-get install chromium chromium-driver")
     from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chrome
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1300,1100"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+
+
+def test_a_chromium_draws_the_image_and_one_chip_per_image(tmp_path, tokenizer, processor):
     from selenium.webdriver.common.by import By
 
     prompt, ids = vision_prompt(processor, [squares(), squares((600, 300))])
     record(tmp_path, [group(prompt, ids, tokenizer)], tokenizer)
     page = write_inspector([tmp_path])
-    options = webdriver.ChromeOptions()
-    options.binary_location = chrome
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1300,1100"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    driver = chromium()
     try:
         driver.get(page.resolve().as_uri())
         driver.find_element(By.CSS_SELECTOR, "#groups tr.group-row").click()
@@ -318,11 +324,6 @@ def test_the_reader_skips_a_sample_whose_observation_image_is_not_a_data_url(tmp
 
 
 def test_a_chromium_draws_an_observation_picture_after_its_chip(tmp_path, tokenizer, processor):
-    webdriver = pytest.importorskip("selenium.webdriver", reason="needs Selenium: pip install -e '.[dev]'")
-    chrome = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
-    if chrome is None or shutil.which("chromedriver") is None:
-        pytest.skip("needs Chromium and chromedriver: apt-get install chromium chromium-driver")
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     prompt, ids = board_prompt(processor)
@@ -330,11 +331,7 @@ def test_a_chromium_draws_an_observation_picture_after_its_chip(tmp_path, tokeni
              episode(prompt, ids, tokenizer, processor, 1, seen="data:image/png;base64,!!notbase64")]
     record(tmp_path, [Group(prompt, trajs)], tokenizer)
     page = write_inspector([tmp_path])
-    options = webdriver.ChromeOptions()
-    options.binary_location = chrome
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1300,1100"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    driver = chromium()
     try:
         driver.get(page.resolve().as_uri())
         driver.find_element(By.CSS_SELECTOR, "#groups tr.group-row").click()

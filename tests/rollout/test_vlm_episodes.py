@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tests.vlm_support import BOARD, SEEN, tiny_vlm_policy
+from tests.vlm_support import BOARD, SEEN, ShowPictures, tiny_vlm_policy
 from tidal.algo.config import AlgoConfig
 from tidal.api import EnvStep, GenRequest
 from tidal.config import ConfigError
@@ -37,21 +37,8 @@ def policy():
     return tiny_vlm_policy()
 
 
-class Look:
+class Look(ShowPictures):
     """Answers the first turn with a picture (``SEEN``) whatever the text, ends at the second."""
-
-    stop: list[str] = []
-
-    def reset(self, prompt):
-        self.turns = 0
-        return None
-
-    def step(self, turn_text):
-        self.turns += 1
-        if self.turns == 1:
-            return EnvStep([{"type": "text", "text": "see:"}, {"type": "image_url", "image_url": {"url": SEEN}}],
-                           info={"tool_call": True})
-        return EnvStep(None, reward=1.0, done=True)
 
 
 class Scripted:

@@ -9,9 +9,9 @@ import copy
 
 import pytest
 
-from tests.vlm_support import BOARD, SEEN, tiny_vlm_policy
+from tests.vlm_support import BOARD, SEEN, ShowPictures, tiny_vlm_policy
 from tidal.algo.config import AlgoConfig
-from tidal.api import EnvStep, GenRequest
+from tidal.api import GenRequest
 from tidal.envs.config import EnvConfig
 from tidal.models import vlm
 from tidal.optim import OptimConfig
@@ -31,22 +31,10 @@ def policy():
     return tiny_vlm_policy()
 
 
-class LookTwice:
+class LookTwice(ShowPictures):
     """Answers the first two turns with a picture each (``SEEN``, then ``BOARD``), ends at the third."""
 
-    stop: list[str] = []
-
-    def reset(self, prompt):
-        self.turns = 0
-        return None
-
-    def step(self, turn_text):
-        self.turns += 1
-        if self.turns < 3:
-            return EnvStep([{"type": "text", "text": "see:"},
-                            {"type": "image_url", "image_url": {"url": SEEN if self.turns == 1 else BOARD}}],
-                           info={"tool_call": True})
-        return EnvStep(None, reward=1.0, done=True)
+    pictures = (SEEN, BOARD)
 
 
 def _episodes(model, tokenizer, prompts, reuse, seed, samples=2):
